@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One command on the GPU machine (MLX CUDA backend): unpack the MLX bundle carried in .gpu/, run
+# the GPU tests, then the GPU benchmarks. Logs and JSON results go to $OUT (or ./gpu_out).
+# Usage: bash benchmarks/gpu_run.sh [tests|bench|all] [pytest -k expression]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+kexpr=${2:-}
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+SP=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+if ! python3 -c 'import mlx.core' 2>/dev/null; then
+  tar -xJf .gpu/mlx-cuda13-sm90.tar.xz -C "$SP" || exit 1
+fi
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device(), "cuda", mx.cuda.is_available())'
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
+rc=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/gpu ${kexpr:+-k "$kexpr"} 2>&1 | tee "$OUT/gpu_tests.log"
+  rc=${PIPESTATUS[0]}
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  for b in benchmarks/bench_*.py; do
+    [ -e "$b" ] || continue
+    echo "== $b"
+    python3 "$b" --out "$OUT" 2>&1 | tee -a "$OUT/bench.log"
+  done
+fi
+exit "$rc"

@@ -1,0 +1,53 @@
+// metal_ext backend header: CUDA (MLX's CUDA backend, NVRTC). Twin of backend_metal.h: the same
+// KX_* names, so both backends compile the same body text. NVRTC compiles with
+// --device-as-default-execution-space; helpers are still declared KX_INLINE (__device__) so that
+// plain nvcc can compile the same text in CI. No fast-math is used.
+// MLX's CUDA prelude defines a macro named `inf`: never use that identifier in a body.
+#pragma once
+#define KX_CUDA 1
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef int i32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define KX_DEVICE
+#define KX_THREADGROUP
+#define KX_INLINE __device__ __forceinline__
+
+#define KX_TID_X (blockIdx.x * blockDim.x + threadIdx.x)
+#define KX_TID_Y (blockIdx.y * blockDim.y + threadIdx.y)
+#define KX_TID_Z (blockIdx.z * blockDim.z + threadIdx.z)
+#define KX_LID_X (threadIdx.x)
+#define KX_TGID_X (blockIdx.x)
+#define KX_TGID_Y (blockIdx.y)
+#define KX_TGID_Z (blockIdx.z)
+#define KX_TG_SIZE_X (blockDim.x)
+#define KX_LANE (threadIdx.x & 31u)
+#define KX_WARP (threadIdx.x >> 5)
+#define KX_SIMD_WIDTH 32
+
+#define KX_BARRIER() __syncthreads()
+#define KX_SIMD_BARRIER() __syncwarp()
+#define KX_SHARED(T, name, n) __shared__ T name[n]
+
+#define KX_SHUFFLE_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#define KX_SHUFFLE(v, lane) __shfl_sync(0xffffffffu, (v), (lane))
+
+#define KX_FMA(a, b, c) __fmaf_rn((a), (b), (c))
+#define KX_EXP(x) expf(x)
+#define KX_FMAX(a, b) fmaxf((a), (b))
+#define KX_ISNAN(x) isnan(x)
+#define KX_ISINF(x) isinf(x)
+#define KX_INF_F32 (__int_as_float(0x7f800000))
+#define KX_NAN_F32 (__int_as_float(0x7fc00000))
+#define KX_POPCOUNT(x) __popc(x)
+
+#define KX_TO_F32(x) static_cast<float>(x)
+#define KX_F16_BITS_TO_F32(bits) __half2float(__ushort_as_half((unsigned short)(bits)))
+#define KX_F32_TO_F16_BITS(f) ((u32)__half_as_ushort(__float2half_rn(f)))
+#define KX_F32_BITS(f) ((u32)__float_as_uint(f))
+#define KX_BITS_F32(u) __uint_as_float((u32)(u))
+typedef __half f16;

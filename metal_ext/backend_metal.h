@@ -1,0 +1,63 @@
+// metal_ext backend header: Metal (Apple GPUs).
+// Kernel bodies in metal_ext/*.metal are written once against the KX_* names below; the twin header
+// backend_cuda.h maps the same names to CUDA, so both backends compile the same body text.
+// Rules for bodies: 1-D threadgroups along x wherever SIMD helpers are used; `unsigned int`
+// (or u32), never `uint`; scalars arrive as 1-element arrays and are read as `x[0]`.
+#pragma once
+#define KX_METAL 1
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef int i32;
+typedef ulong u64;
+typedef long i64;
+
+// Address spaces (CUDA: empty).
+#define KX_DEVICE device
+#define KX_THREADGROUP threadgroup
+#define KX_INLINE inline
+
+// Thread geometry. The Metal names below are also listed in a comment that kernels.py adds to every
+// body, because MLX only adds a [[...]] argument when its name appears in the body text.
+#define KX_TID_X (thread_position_in_grid.x)
+#define KX_TID_Y (thread_position_in_grid.y)
+#define KX_TID_Z (thread_position_in_grid.z)
+#define KX_LID_X (thread_position_in_threadgroup.x)
+#define KX_TGID_X (threadgroup_position_in_grid.x)
+#define KX_TGID_Y (threadgroup_position_in_grid.y)
+#define KX_TGID_Z (threadgroup_position_in_grid.z)
+#define KX_TG_SIZE_X (threads_per_threadgroup.x)
+#define KX_LANE (thread_index_in_simdgroup)
+#define KX_WARP (simdgroup_index_in_threadgroup)
+#define KX_SIMD_WIDTH 32
+
+// Synchronisation and threadgroup memory.
+#define KX_BARRIER() threadgroup_barrier(metal::mem_flags::mem_threadgroup)
+#define KX_SIMD_BARRIER() simdgroup_barrier(metal::mem_flags::mem_threadgroup)
+#define KX_SHARED(T, name, n) threadgroup T name[n]
+
+// SIMD exchange. Reductions are written as explicit xor butterflies in the bodies so that the
+// summation order is the same on both backends and in every kernel variant (simd_sum's order is
+// unspecified).
+#define KX_SHUFFLE_XOR(v, m) metal::simd_shuffle_xor((v), (ushort)(m))
+#define KX_SHUFFLE(v, lane) metal::simd_shuffle((v), (ushort)(lane))
+
+// Arithmetic that the compiler must not re-associate or contract differently per kernel:
+// explicit fma, precise exp (kernels are compiled with math_mode="safe").
+#define KX_FMA(a, b, c) metal::fma((a), (b), (c))
+#define KX_EXP(x) metal::precise::exp(x)
+#define KX_FMAX(a, b) metal::fmax((a), (b))
+#define KX_ISNAN(x) metal::isnan(x)
+#define KX_ISINF(x) metal::isinf(x)
+#define KX_INF_F32 (INFINITY)
+#define KX_NAN_F32 (NAN)
+#define KX_POPCOUNT(x) metal::popcount(x)
+
+// Conversions (all round-to-nearest-even).
+#define KX_TO_F32(x) static_cast<float>(x)
+#define KX_F16_BITS_TO_F32(bits) static_cast<float>(as_type<half>((ushort)(bits)))
+#define KX_F32_TO_F16_BITS(f) ((u32)as_type<ushort>(static_cast<half>(f)))
+#define KX_F32_BITS(f) as_type<u32>(f)
+#define KX_BITS_F32(u) as_type<float>((u32)(u))
+typedef half f16;

@@ -1,0 +1,283 @@
+"""Model arguments for DeepSeek-V4.1 and the per-layer roles derived from them (spec §2)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+FLASH_COMPRESS_RATIOS = (0, 0) + (2,) * 18 + (1,) * 20 + (0, 0, 0)
+
+
+class ConfigError(ValueError):
+    """A config that cannot describe a DeepSeek-V4.1 model; the message says which key is wrong."""
+
+
+@dataclass(frozen=True)
+class LayerRole:
+    """What one backbone layer does (spec §2.3).
+
+    mode: "window" (ratio 0), "full" (owns compressed KV and index keys, runs the indexer),
+    "reindex" (own indexer query over another layer's keys) or "reuse" (another layer's top-k).
+    """
+
+    layer: int
+    ratio: int
+    mode: str
+    kv_source: int | None  # layer that owns the compressed KV this layer reads
+    index_source: int | None  # layer whose top-k this layer uses (itself for full/reindex)
+    builds_candidates: bool  # the candidate source: produces the block mask
+    uses_candidates: bool  # reindex layers after the candidate source
+    engram: bool
+
+    @property
+    def owns_kv(self) -> bool:
+        return self.mode == "full"
+
+    @property
+    def runs_indexer(self) -> bool:
+        return self.mode in ("full", "reindex")
+
+
+@dataclass
+class ModelArgs:
+    """Flash defaults; `from_dict` takes the HF nested config.json (text_config merged)."""
+
+    model_type: str = "deepseek_v41"
+    vocab_size: int = 129280
+    hidden_size: int = 5120
+    num_hidden_layers: int = 40
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 1
+    head_dim: int = 512
+    qk_rope_head_dim: int = 64
+    q_lora_rank: int = 1280
+    o_lora_rank: int = 1024
+    o_groups: int = 8
+    moe_intermediate_size: int = 2304
+    n_routed_experts: int = 384
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 6
+    scoring_func: str = "sqrtsoftplus"
+    topk_method: str = "noaux_tc"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0
+    gate_temp: float = 1.0
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-20
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 1048576
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(
+        default_factory=lambda: {
+            "rope_type": "yarn",
+            "factor": 16,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "original_max_position_embeddings": 65536,
+        }
+    )
+    compress_rope_theta: float = 160000.0
+    sliding_window: int = 128
+    compress_ratios: tuple[int, ...] = FLASH_COMPRESS_RATIOS
+    kv_source_layer_ids: tuple[int, ...] = (2, 8, 14, 20)
+    index_source_layer_ids: tuple[int, ...] = (2, 8, 14, 20, 24, 28, 32, 36)
+    candidate_source_layer_id: int = 20
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 512
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    engram_layer_ids: tuple[int, ...] = (1, 14)
+    engram_num_embeddings: tuple[int, ...] = (384006168, 384016682)
+    engram_max_ngram_size: int = 4
+    engram_vocab_size: int = 16000000
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    engram_pad_token_id: int = 2
+    engram_compressed_vocab_size: int = 99092
+    num_nextn_predict_layers: int = 3
+    bos_token_id: int = 0
+    eos_token_id: int | list[int] = 1
+    pad_token_id: int = 2
+    image_token_id: int = 129264
+    quantization_config: dict | None = None
+    # Written by our converter: source checkpoint and per-tensor formats (see convert/).
+    mlx_dsv41: dict | None = None
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
+        """Accept the HF nested layout (text_config + root quantization_config) or a flat one."""
+        if not isinstance(params, dict):
+            raise ConfigError("config must be a JSON object")
+        merged = dict(params)
+        text = merged.pop("text_config", None)
+        if text is not None:
+            if not isinstance(text, dict):
+                raise ConfigError("text_config must be a JSON object")
+            merged.update(text)
+            merged["model_type"] = params.get("model_type", "deepseek_v41")
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in merged.items() if k in names}
+        for k in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids",
+                  "engram_layer_ids", "engram_num_embeddings"):
+            if k in kwargs and kwargs[k] is not None:
+                if not isinstance(kwargs[k], (list, tuple)):
+                    raise ConfigError(f"{k} must be a list, got {kwargs[k]!r}")
+                kwargs[k] = tuple(int(v) for v in kwargs[k])
+        try:
+            args = cls(**kwargs)
+        except TypeError as e:
+            raise ConfigError(str(e)) from None
+        args.validate()
+        return args
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelArgs":
+        path = Path(path)
+        try:
+            params = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such config file") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        return cls.from_dict(params)
+
+    # ---------------------------------------------------------------- derived
+
+    @property
+    def n_layers(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def rope_dim(self) -> int:
+        return self.qk_rope_head_dim
+
+    @property
+    def engram_ngram_sizes(self) -> tuple[int, ...]:
+        return tuple(range(2, self.engram_max_ngram_size + 1))
+
+    @property
+    def engram_columns(self) -> int:
+        """Row ids per position per Engram layer (24 for Flash)."""
+        return len(self.engram_ngram_sizes) * self.engram_n_heads
+
+    @property
+    def roles(self) -> tuple[LayerRole, ...]:
+        return _derive_roles(self)
+
+    def role(self, layer: int) -> LayerRole:
+        return self.roles[layer]
+
+    # ---------------------------------------------------------------- checks
+
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        need(self.num_hidden_layers > 0, "num_hidden_layers must be positive")
+        need(self.num_key_value_heads == 1,
+             f"num_key_value_heads must be 1 (one shared K=V latent), got {self.num_key_value_heads}")
+        need(self.n_shared_experts == 1, f"n_shared_experts must be 1, got {self.n_shared_experts}")
+        need(self.scoring_func == "sqrtsoftplus",
+             f"scoring_func {self.scoring_func!r} is not supported (only 'sqrtsoftplus')")
+        need(0 < self.qk_rope_head_dim <= self.head_dim and self.qk_rope_head_dim % 2 == 0,
+             f"qk_rope_head_dim {self.qk_rope_head_dim} must be even and <= head_dim {self.head_dim}")
+        need(self.num_attention_heads % self.o_groups == 0,
+             f"num_attention_heads {self.num_attention_heads} is not a multiple of o_groups {self.o_groups}")
+        need(0 < self.num_experts_per_tok <= self.n_routed_experts,
+             "num_experts_per_tok must be in 1..n_routed_experts")
+        need(self.head_dim % 32 == 0, f"head_dim {self.head_dim} must be a multiple of 32 (fake-quant blocks)")
+        need(self.index_head_dim % 32 == 0 and self.index_head_dim >= self.qk_rope_head_dim,
+             f"index_head_dim {self.index_head_dim} must be a multiple of 32 and >= qk_rope_head_dim")
+        expected = self.num_hidden_layers + self.num_nextn_predict_layers
+        need(len(self.compress_ratios) == expected,
+             f"compress_ratios has {len(self.compress_ratios)} entries; expected num_hidden_layers + "
+             f"num_nextn_predict_layers = {self.num_hidden_layers} + {self.num_nextn_predict_layers} = {expected}")
+        need(all(r in (0, 1, 2) for r in self.compress_ratios),
+             f"compress_ratios may only hold 0, 1 or 2, got {sorted(set(self.compress_ratios))}")
+        need(len(self.engram_num_embeddings) == len(self.engram_layer_ids),
+             f"engram_num_embeddings has {len(self.engram_num_embeddings)} entries for "
+             f"{len(self.engram_layer_ids)} engram layers")
+        for i in self.engram_layer_ids:
+            need(0 <= i < self.num_hidden_layers, f"engram layer {i} is not a backbone layer")
+        if self.engram_layer_ids:
+            need(self.engram_max_ngram_size >= 2, "engram_max_ngram_size must be >= 2")
+            need(self.engram_head_dim % 32 == 0,
+                 "engram_head_dim must be a multiple of 32 (one e8m0 scale per 32 values)")
+        _derive_roles(self)  # raises ConfigError on inconsistent source ids
+
+
+def _derive_roles(args: ModelArgs) -> tuple[LayerRole, ...]:
+    n = args.num_hidden_layers
+    ratios = args.compress_ratios[:n]
+    kv_sources = set(args.kv_source_layer_ids)
+    index_sources = set(args.index_source_layer_ids)
+    cand = args.candidate_source_layer_id
+    for s in sorted(kv_sources):
+        if not 0 <= s < n:
+            raise ConfigError(f"kv_source_layer_ids: {s} is not a backbone layer (0..{n - 1})")
+        if ratios[s] == 0:
+            raise ConfigError(f"kv_source_layer_ids: layer {s} has compress ratio 0 and cannot own compressed KV")
+    for s in sorted(index_sources):
+        if not 0 <= s < n:
+            raise ConfigError(f"index_source_layer_ids: {s} is not a backbone layer (0..{n - 1})")
+        if ratios[s] == 0:
+            raise ConfigError(f"index_source_layer_ids: layer {s} has compress ratio 0 and cannot run an indexer")
+    if cand >= 0 and not (cand in kv_sources and cand in index_sources):
+        raise ConfigError(
+            f"candidate_source_layer_id {cand} is not a KV source that runs an indexer "
+            f"(kv sources {sorted(kv_sources)}, index sources {sorted(index_sources)})"
+        )
+
+    roles: list[LayerRole] = []
+    last_kv: int | None = None
+    last_index: int | None = None
+    for i in range(n):
+        r = ratios[i]
+        engram = i in args.engram_layer_ids
+        if r == 0:
+            roles.append(LayerRole(i, 0, "window", None, None, False, False, engram))
+            continue
+        if i in kv_sources:
+            last_kv = i
+        if last_kv is None:
+            raise ConfigError(f"layer {i} has compress ratio {r} but no KV source at or before it")
+        if ratios[last_kv] != r:
+            raise ConfigError(
+                f"layer {i} has compress ratio {r} but its KV source {last_kv} has ratio {ratios[last_kv]}"
+            )
+        if i in index_sources:
+            last_index = i
+            mode = "full" if i in kv_sources else "reindex"
+            if mode == "reindex" and last_kv not in index_sources:
+                raise ConfigError(
+                    f"layer {i} runs an indexer over the keys of KV source {last_kv}, which has none "
+                    f"(it is not in index_source_layer_ids)"
+                )
+        else:
+            if last_index is None or roles[last_index].kv_source != last_kv:
+                raise ConfigError(
+                    f"layer {i} reuses a top-k selection, but no index source at or before it reads "
+                    f"its KV source {last_kv}"
+                )
+            mode = "reuse"
+        roles.append(
+            LayerRole(
+                layer=i,
+                ratio=r,
+                mode=mode,
+                kv_source=last_kv,
+                index_source=last_index,
+                builds_candidates=(i == cand),
+                uses_candidates=(mode == "reindex" and 0 <= cand < i),
+                engram=engram,
+            )
+        )
+    return tuple(roles)

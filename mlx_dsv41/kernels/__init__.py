@@ -1,0 +1,128 @@
+"""The single place that chooses how an op runs: a Metal kernel, a CUDA kernel, or plain MLX.
+
+Every custom kernel is one body (``metal_ext/<name>.metal``) compiled for the active GPU backend
+with that backend's macro header. Ops (``sparse_attention``, ``exl3``) ask :func:`backend` once per
+call and fall back to their plain-MLX reference on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import mlx.core as mx
+
+import metal_ext
+
+# Metal only passes a [[thread_position_in_grid]]-style argument when its name occurs in the body
+# text; the KX_* macros hide the names in the header, so every Metal body gets this comment.
+_METAL_ATTRIBUTE_NAMES = (
+    "thread_position_in_grid thread_position_in_threadgroup threadgroup_position_in_grid "
+    "threads_per_threadgroup thread_index_in_simdgroup simdgroup_index_in_threadgroup"
+)
+
+
+def backend() -> str:
+    """'metal', 'cuda' or 'cpu': where kernels for the default device run.
+
+    ``MLX_DSV41_BACKEND=cpu`` forces the plain-MLX reference paths even on a GPU machine.
+    """
+    forced = os.environ.get("MLX_DSV41_BACKEND", "").strip().lower()
+    if forced in ("cpu", "reference"):
+        return "cpu"
+    if mx.default_device() != mx.gpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+@dataclass
+class Kernel:
+    """One kernel body, compiled for Metal or CUDA on first use.
+
+    ``max_threads`` is the launch limit the body is written for (threads per threadgroup); a
+    launch above it is refused before it reaches the backend.
+    """
+
+    name: str
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    includes: tuple[str, ...] = ()
+    max_threads: int = 1024
+    examples: Callable[[], list[dict]] | None = None  # call kwargs used to dump sources in CI
+    _built: dict = field(default_factory=dict, repr=False)
+
+    def source(self, backend_name: str) -> tuple[str, str]:
+        """(header, body) as handed to MLX for ``backend_name``."""
+        body = metal_ext.body(self.name)
+        if backend_name == "metal":
+            body = f"// attributes: {_METAL_ATTRIBUTE_NAMES}\n{body}"
+        return metal_ext.header(backend_name, self.includes), body
+
+    def _compiled(self, backend_name: str):
+        if backend_name not in self._built:
+            header, body = self.source(backend_name)
+            common = dict(
+                name=self.name,
+                input_names=list(self.input_names),
+                output_names=list(self.output_names),
+                source=body,
+                header=header,
+            )
+            if backend_name == "metal":
+                self._built[backend_name] = mx.fast.metal_kernel(
+                    **common, compile_options={"math_mode": "safe"}
+                )
+            elif backend_name == "cuda":
+                self._built[backend_name] = mx.fast.cuda_kernel(**common)
+            else:
+                raise RuntimeError(f"kernel {self.name} needs a GPU backend, not {backend_name!r}")
+        return self._built[backend_name]
+
+    def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
+                 template=None, init_value=None, backend_name: str | None = None,
+                 verbose: bool = False):
+        threads = math.prod(threadgroup)
+        if threads > self.max_threads:
+            raise ValueError(
+                f"kernel {self.name}: threadgroup {tuple(threadgroup)} has {threads} threads, "
+                f"over its declared limit of {self.max_threads}"
+            )
+        fn = self._compiled(backend_name or backend())
+        return fn(
+            inputs=list(inputs),
+            output_shapes=[tuple(s) for s in output_shapes],
+            output_dtypes=list(output_dtypes),
+            grid=tuple(grid),
+            threadgroup=tuple(threadgroup),
+            template=list(template or []),
+            init_value=init_value,
+            verbose=verbose,
+        )
+
+
+REGISTRY: dict[str, Kernel] = {}
+
+
+def register(kernel: Kernel) -> Kernel:
+    if kernel.name in REGISTRY:
+        raise ValueError(f"kernel {kernel.name} registered twice")
+    REGISTRY[kernel.name] = kernel
+    return kernel
+
+
+# Op modules that register kernels; imported by load_all() so CI sees every kernel.
+_OP_MODULES = ("sparse_attention", "exl3")
+
+
+def load_all() -> dict[str, Kernel]:
+    import importlib
+
+    for mod in _OP_MODULES:
+        importlib.import_module(f"{__name__}.{mod}")
+    return REGISTRY
