@@ -51,3 +51,28 @@ typedef long long i64;
 #define KX_F32_BITS(f) ((u32)__float_as_uint(f))
 #define KX_BITS_F32(u) __uint_as_float((u32)(u))
 typedef __half f16;
+
+// Packed fp16 pairs in a u32 (first element in the low half); each op rounds once (IEEE RNE).
+KX_INLINE u32 kx_hfma2_bits(u32 a, u32 b, u32 c) {
+  const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b),
+                            *reinterpret_cast<const __half2*>(&c));
+  return *reinterpret_cast<const u32*>(&r);
+}
+KX_INLINE u32 kx_hadd2_bits(u32 a, u32 b) {
+  const __half2 r = __hadd2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<const u32*>(&r);
+}
+#define KX_HFMA2_BITS(a, b, c) kx_hfma2_bits((a), (b), (c))
+#define KX_HADD2_BITS(a, b) kx_hadd2_bits((a), (b))
+// c + the sum of the four bytes of u32 x.
+#define KX_BYTE_SUM(x, c) __dp4a((u32)(x), 0x01010101u, (u32)(c))
+
+// Tensor-core tile product. KX_HAS_MMA_F16 says whether KX_MMA_F16_F32 exists (Metal: 0, bodies
+// then use per-lane FMAs). KX_MMA_F16_F32(c, a0..a3, b0, b1): c[0..3] += A·B for one
+// mma.m16n8k16 (PTX fragment layouts; a*, b* packed fp16 pairs, c an lvalue float[4]).
+#define KX_HAS_MMA_F16 1
+#define KX_MMA_F16_F32(c, a0, a1, a2, a3, b0, b1)                                                   \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, " \
+      "{%0,%1,%2,%3};"                                                                               \
+      : "+f"((c)[0]), "+f"((c)[1]), "+f"((c)[2]), "+f"((c)[3])                                      \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))

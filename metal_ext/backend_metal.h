@@ -61,3 +61,21 @@ typedef long i64;
 #define KX_F32_BITS(f) as_type<u32>(f)
 #define KX_BITS_F32(u) as_type<float>((u32)(u))
 typedef half f16;
+
+// Packed fp16 pairs in a u32 (first element in the low half); each op rounds once (IEEE RNE).
+KX_INLINE u32 kx_hfma2_bits(u32 a, u32 b, u32 c) {
+  return as_type<u32>(metal::fma(as_type<half2>(a), as_type<half2>(b), as_type<half2>(c)));
+}
+KX_INLINE u32 kx_hadd2_bits(u32 a, u32 b) { return as_type<u32>(as_type<half2>(a) + as_type<half2>(b)); }
+#define KX_HFMA2_BITS(a, b, c) kx_hfma2_bits((a), (b), (c))
+#define KX_HADD2_BITS(a, b) kx_hadd2_bits((a), (b))
+// c + the sum of the four bytes of u32 x.
+KX_INLINE u32 kx_byte_sum(u32 x, u32 c) {
+  const u32 pairs = (x & 0x00FF00FFu) + ((x >> 8) & 0x00FF00FFu);
+  return (pairs & 0xFFFFu) + (pairs >> 16) + c;
+}
+#define KX_BYTE_SUM(x, c) kx_byte_sum((u32)(x), (u32)(c))
+
+// Tensor-core tile product: Apple GPUs have 8x8 simdgroup matrices with another fragment layout,
+// so KX_MMA_F16_F32 does not exist here and bodies use per-lane FMAs (see backend_cuda.h).
+#define KX_HAS_MMA_F16 0

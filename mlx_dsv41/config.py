@@ -168,6 +168,15 @@ class ModelArgs:
         return len(self.engram_ngram_sizes) * self.engram_n_heads
 
     @property
+    def engram_row_bytes(self) -> int:
+        """Bytes of one stored Engram row: head_dim e4m3 values then head_dim/32 e8m0 scales."""
+        return self.engram_head_dim + self.engram_head_dim // 32
+
+    def engram_index(self, layer: int) -> int:
+        """Position of an Engram layer in engram_layer_ids (its table, hash columns, multipliers)."""
+        return self.engram_layer_ids.index(layer)
+
+    @property
     def roles(self) -> tuple[LayerRole, ...]:
         return _derive_roles(self)
 
@@ -182,6 +191,17 @@ class ModelArgs:
                 raise ConfigError(msg)
 
         need(self.num_hidden_layers > 0, "num_hidden_layers must be positive")
+        for name in ("vocab_size", "hidden_size", "num_attention_heads", "q_lora_rank", "o_lora_rank",
+                     "moe_intermediate_size", "n_routed_experts", "hc_mult", "hc_sinkhorn_iters",
+                     "sliding_window", "index_n_heads", "index_topk", "candidate_block_size",
+                     "candidate_topk_blocks"):
+            need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        need(self.topk_method == "noaux_tc", f"topk_method {self.topk_method!r} is not supported (only 'noaux_tc')")
+        # The reference always renormalises sqrtsoftplus routing weights (spec §4.5).
+        need(self.norm_topk_prob is True, "norm_topk_prob must be true for sqrtsoftplus routing")
+        need(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        need(self.gate_temp > 0, f"gate_temp must be positive, got {self.gate_temp}")
+        need(not self.tie_word_embeddings, "tie_word_embeddings must be false (embed and head are separate)")
         need(self.num_key_value_heads == 1,
              f"num_key_value_heads must be 1 (one shared K=V latent), got {self.num_key_value_heads}")
         need(self.n_shared_experts == 1, f"n_shared_experts must be 1, got {self.n_shared_experts}")
@@ -207,8 +227,16 @@ class ModelArgs:
              f"{len(self.engram_layer_ids)} engram layers")
         for i in self.engram_layer_ids:
             need(0 <= i < self.num_hidden_layers, f"engram layer {i} is not a backbone layer")
+        need(len(set(self.engram_layer_ids)) == len(self.engram_layer_ids),
+             f"engram_layer_ids has duplicates: {list(self.engram_layer_ids)}")
         if self.engram_layer_ids:
             need(self.engram_max_ngram_size >= 2, "engram_max_ngram_size must be >= 2")
+            need(self.engram_n_heads > 0, f"engram_n_heads must be positive, got {self.engram_n_heads}")
+            need(0 < self.engram_compressed_vocab_size <= self.vocab_size,
+                 f"engram_compressed_vocab_size {self.engram_compressed_vocab_size} must be in "
+                 f"1..vocab_size ({self.vocab_size})")
+            need(0 <= self.engram_pad_token_id < self.vocab_size,
+                 f"engram_pad_token_id {self.engram_pad_token_id} is not a token id (0..{self.vocab_size - 1})")
             need(self.engram_head_dim % 32 == 0,
                  "engram_head_dim must be a multiple of 32 (one e8m0 scale per 32 values)")
         _derive_roles(self)  # raises ConfigError on inconsistent source ids

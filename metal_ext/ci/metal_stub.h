@@ -40,6 +40,7 @@ typedef vec4<uint> uint4;
 typedef vec2<float> float2;
 typedef vec4<float> float4;
 typedef vec2<half> half2;
+template <typename T> vec2<T> operator+(vec2<T> a, vec2<T> b);
 typedef vec4<half> half4;
 
 template <typename To, typename From> To as_type(From x) {
@@ -61,6 +62,7 @@ template <typename T> T simd_sum(T v);
 template <typename T> T simd_max(T v);
 template <typename T> T simd_min(T v);
 float fma(float a, float b, float c);
+half2 fma(half2 a, half2 b, half2 c);
 float fmax(float a, float b);
 float fmin(float a, float b);
 template <typename T> T max(T a, T b);

@@ -3,19 +3,48 @@
     out[b, s, h] = Σ_j exp(l_j - m) kv_j / (Σ_j exp(l_j - m) + exp(sink_h - m)),
     l_j = scale · (q[b, s, h] · kv_j),  j over indices[b, s, :] that are >= 0   (spec §4.3)
 
-Index i < W reads window[b, i]; i >= W reads pool[b, i - W]; -1 is skipped. K = V (one shared
-latent). The sink is an extra logit in the denominator only.
+Index i < W reads window[b, i]; i >= W reads pool[b, i - W]; -1 is skipped; any other index outside
+[0, W + T) is invalid and makes the outputs of its (b, s) NaN (a device kernel cannot raise, and a
+host-side check would force a sync). K = V (one shared latent). The sink is an extra logit in the
+denominator only. Nonfinite inputs give what the formula gives in float64.
+
+On a GPU two kernels compute this (metal_ext/sparse_attention.h): ``serial`` (one SIMD group per
+(b, s, h)) and ``parallel`` (eight SIMD groups). Their output bytes are identical by construction,
+so the choice is only about speed: ``variant=`` per call, else :func:`set_default_variant`, else
+``MLX_DSV41_ATTENTION``, else ``auto``, which times both once per shape class and keeps the faster.
+On the CPU every variant runs :func:`sparse_attention_reference`. :func:`variant_counts` says
+which ran (for generation statistics). Under ``mx.compile`` the choice and the count happen once,
+when the function is traced.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import time
+from collections import Counter
+
 import mlx.core as mx
 
+from mlx_dsv41.kernels import Kernel, backend, register
+
+VARIANTS = ("serial", "parallel", "auto")
+ENV_VAR = "MLX_DSV41_ATTENTION"
+
+_LANES = 32  # SIMD width the kernels are written for
+_GROUPS = {"serial": 1, "parallel": 8}  # SIMD groups per (b, s, h)
+_MAX_DIM = 1024  # register budget: a serial lane keeps several DIM/32-float arrays live
 # Query rows per gather in the reference path: bounds its [rows, N, D] temporary.
 _REFERENCE_ROW_CHUNK = 64
+# Messages with which a backend refuses a 256-thread pipeline (Metal raises at evaluation).
+_LAUNCH_LIMIT_ERRORS = ("maximum allowed threads per threadgroup", "too many resources requested")
+# Auto timing: synthetic inputs capped at these sizes (speed depends on rows x keys, not on T).
+_AUTO_MAX_ROWS = 512
+_AUTO_MAX_POOL = 4096
+_AUTO_CALLS, _AUTO_ROUNDS = 8, 3
 
 
-def _check(q, window, pool, indices, sinks):
+def _check(q, window, pool, indices, sinks, scale):
     if q.ndim != 4:
         raise ValueError(f"sparse_attention: q must be [B, S, H, D], got shape {q.shape}")
     B, S, H, D = q.shape
@@ -24,11 +53,23 @@ def _check(q, window, pool, indices, sinks):
     if pool.ndim != 3 or pool.shape[0] != B or pool.shape[2] != D:
         raise ValueError(f"sparse_attention: pool must be [B={B}, T, D={D}], got {pool.shape}")
     if indices.ndim != 3 or indices.shape[:2] != (B, S):
-        raise ValueError(f"sparse_attention: indices must be [B={B}, S={S}, N], got {indices.shape}")
+        raise ValueError(
+            f"sparse_attention: indices must be [B={B}, S={S}, N], got {indices.shape}")
     if indices.dtype != mx.int32:
         raise ValueError(f"sparse_attention: indices must be int32, got {indices.dtype}")
     if sinks.shape != (H,):
         raise ValueError(f"sparse_attention: sinks must be [H={H}], got {sinks.shape}")
+    if sinks.dtype != mx.float32:
+        raise ValueError(f"sparse_attention: sinks must be float32, got {sinks.dtype}")
+    if q.dtype not in (mx.float32, mx.bfloat16):
+        raise ValueError(f"sparse_attention: q must be float32 or bfloat16, got {q.dtype}")
+    if window.dtype not in (mx.float32, mx.bfloat16) or pool.dtype not in (mx.float32, mx.bfloat16):
+        raise ValueError(
+            f"sparse_attention: window and pool must be float32 or bfloat16, got {window.dtype} "
+            f"and {pool.dtype}"
+        )
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"sparse_attention: scale must be a finite Python float, got {scale!r}")
 
 
 def sparse_attention_reference(q, window, pool, indices, sinks, scale: float) -> mx.array:
@@ -43,19 +84,244 @@ def sparse_attention_reference(q, window, pool, indices, sinks, scale: float) ->
     outs = []
     for s0 in range(0, S, _REFERENCE_ROW_CHUNK):
         idx = indices[:, s0 : s0 + _REFERENCE_ROW_CHUNK]  # [B, s, N]
-        valid = idx >= 0
+        valid = (idx >= 0) & (idx < W + T)
+        invalid = ((idx < -1) | (idx >= W + T))[:, :, None, :]
         rows = kv[mx.where(valid, idx, 0) + base]  # [B, s, N, D]
+        # Skipped keys contribute nothing at all (not 0 · row, which is NaN for an inf row).
+        rows = mx.where(valid[..., None], rows, 0.0)
         qc = q[:, s0 : s0 + _REFERENCE_ROW_CHUNK].astype(mx.float32)  # [B, s, H, D]
         logits = (qc @ rows.swapaxes(-1, -2)) * scale  # [B, s, H, N]
         logits = mx.where(valid[:, :, None, :], logits, -mx.inf)
-        m = mx.maximum(mx.max(logits, axis=-1, keepdims=True), sink) if N else mx.broadcast_to(sink, logits.shape[:-1] + (1,))
+        logits = mx.where(invalid, mx.nan, logits)
+        if N:
+            m = mx.maximum(mx.max(logits, axis=-1, keepdims=True), sink)
+        else:
+            m = mx.broadcast_to(sink, logits.shape[:-1] + (1,))
         p = mx.exp(logits - m)
         denom = mx.sum(p, axis=-1, keepdims=True) + mx.exp(sink - m)
         outs.append((p @ rows) / denom)
     return mx.concatenate(outs, axis=1) if outs else mx.zeros((B, 0, H, D), mx.float32)
 
 
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+_INPUTS = ("q", "window", "pool", "indices", "sinks", "scale", "dims")
+
+
+def _launch_args(q, window, pool, indices, sinks, scale: float, variant: str) -> dict:
+    """Call kwargs for one kernel launch (also what CI compiles)."""
+    B, S, H, D = q.shape
+    W, T, N = window.shape[1], pool.shape[1], indices.shape[2]
+    threads = _GROUPS[variant] * _LANES
+    if window.dtype != pool.dtype:  # one key type per kernel; bf16 -> fp32 is exact
+        window, pool = window.astype(mx.float32), pool.astype(mx.float32)
+    # Empty inputs are never read (dims carries the real sizes); stand-ins keep the buffers
+    # non-empty, NaN-filled so that a wrong read could not go unnoticed.
+    if W == 0:
+        window = mx.full((1, 1, D), mx.nan, window.dtype)
+    if T == 0:
+        pool = mx.full((1, 1, D), mx.nan, pool.dtype)
+    if N == 0:
+        indices = mx.full((1,), -1, mx.int32)
+    return dict(
+        inputs=[
+            q, window, pool, indices, sinks,
+            mx.array([scale], mx.float32),
+            mx.array([W, T, N, H, S], mx.int32),
+        ],
+        output_shapes=[(B, S, H, D)],
+        output_dtypes=[mx.float32],
+        grid=(B * S * H * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        template=[("DIM", D)],
+    )
+
+
+def _examples(variant: str) -> list[dict]:
+    """Small launches for the CI compile checks: both q dtypes, bf16 and fp32 keys."""
+    key = mx.random.key(7)
+    calls = []
+    for q_dtype, kv_dtype, H in ((mx.float32, mx.bfloat16, 3), (mx.bfloat16, mx.bfloat16, 8),
+                                 (mx.float32, mx.float32, 2)):
+        B, S, D, W, T, N = 1, 2, 512, 4, 5, 6
+        q = mx.random.normal((B, S, H, D), key=key).astype(q_dtype)
+        window = mx.random.normal((B, W, D), key=key).astype(kv_dtype)
+        pool = mx.random.normal((B, T, D), key=key).astype(kv_dtype)
+        indices = mx.random.randint(-1, W + T, (B, S, N), key=key).astype(mx.int32)
+        sinks = mx.random.normal((H,), key=key)
+        calls.append(_launch_args(q, window, pool, indices, sinks, 0.0625, variant))
+    return calls
+
+
+SERIAL = register(Kernel(
+    "sparse_attention_serial", _INPUTS, ("out",), includes=("sparse_attention.h",),
+    max_threads=_GROUPS["serial"] * _LANES, examples=lambda: _examples("serial"),
+))
+PARALLEL = register(Kernel(
+    "sparse_attention_parallel", _INPUTS, ("out",), includes=("sparse_attention.h",),
+    max_threads=_GROUPS["parallel"] * _LANES, examples=lambda: _examples("parallel"),
+))
+_KERNELS = {"serial": SERIAL, "parallel": PARALLEL}
+
+
+def _run(variant: str, q, window, pool, indices, sinks, scale: float) -> mx.array:
+    return _KERNELS[variant](**_launch_args(q, window, pool, indices, sinks, scale, variant))[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Variant selection and statistics (per process)
+
+_default_variant: str | None = None
+_counts: Counter = Counter()  # variant that ran -> calls ("reference" on the CPU path)
+_reference_reasons: Counter = Counter()
+_auto_choices: dict[tuple, str] = {}
+_parallel_refusals: dict[tuple, str] = {}  # kernel instance -> why the backend refused it
+
+
+def parse_variant(name: str, source: str = "variant") -> str:
+    """'serial' | 'parallel' | 'auto' from user text (case and surrounding blanks ignored)."""
+    value = str(name).strip().lower()
+    if value not in VARIANTS:
+        raise ValueError(
+            f"sparse_attention: {source} must be one of {', '.join(VARIANTS)}; got {name!r}")
+    return value
+
+
+def set_default_variant(name: str | None) -> None:
+    """Default for calls without ``variant=`` (the CLI ``--attention``); None: back to the env."""
+    global _default_variant
+    _default_variant = None if name is None else parse_variant(name)
+
+
+def default_variant() -> str:
+    """The variant a call without ``variant=`` asks for; the environment is read at each call."""
+    if _default_variant is not None:
+        return _default_variant
+    raw = os.environ.get(ENV_VAR, "")
+    return parse_variant(raw, ENV_VAR) if raw.strip() else "auto"
+
+
+def variant_counts() -> dict[str, int]:
+    """Calls per variant that actually ran: {'serial', 'parallel', 'reference'} -> n."""
+    return {name: _counts[name] for name in ("serial", "parallel", "reference")}
+
+
+def reset_variant_counts() -> None:
+    _counts.clear()
+    _reference_reasons.clear()
+
+
+def reference_reasons() -> dict[str, int]:
+    """Why calls took the plain-MLX path, with counts."""
+    return dict(_reference_reasons)
+
+
+def auto_choices() -> dict[tuple, str]:
+    """Shape class -> variant that ``auto`` measured faster."""
+    return dict(_auto_choices)
+
+
+def parallel_refusals() -> dict[tuple, str]:
+    """Kernel instance (q dtype, kv dtype, D) -> why the backend refused the parallel kernel."""
+    return dict(_parallel_refusals)
+
+
+def _kernel_unavailable(q) -> str | None:
+    """Why this call cannot use a kernel, or None."""
+    if backend() == "cpu":
+        return "cpu backend"
+    B, S, H, D = q.shape
+    if D % (_GROUPS["parallel"] * _LANES) or not 0 < D <= _MAX_DIM:
+        return f"head dim {D}: the kernels need a multiple of 256 up to {_MAX_DIM}"
+    if B * S * H == 0:
+        return "empty output"
+    if B * S * H * _GROUPS["parallel"] * _LANES >= 2**31:
+        return f"{B * S * H} (batch, row, head) blocks: over the 2^31-thread grid"
+    return None
+
+
+def _synthetic(B, S, H, D, W, T, N, q_dtype, kv_dtype):
+    """Random inputs of one call shape (valid indices), from a fixed key."""
+    k = mx.random.split(mx.random.key(0), 5)
+    q = mx.random.normal((B, S, H, D), key=k[0]).astype(q_dtype)
+    window = mx.random.normal((B, W, D), key=k[1]).astype(kv_dtype)
+    pool = mx.random.normal((B, T, D), key=k[2]).astype(kv_dtype)
+    if W + T:
+        indices = mx.random.randint(0, W + T, (B, S, N), key=k[3]).astype(mx.int32)
+    else:
+        indices = mx.full((B, S, N), -1, mx.int32)
+    sinks = mx.random.normal((H,), key=k[4])
+    return q, window, pool, indices, sinks
+
+
+def _parallel_refusal(q_dtype, kv_dtype, D: int) -> str | None:
+    """Why the backend refuses the parallel pipeline for this instance, or None (probed once)."""
+    key = (str(q_dtype), str(kv_dtype), D)
+    if key not in _parallel_refusals:
+        try:
+            mx.eval(_run("parallel", *_synthetic(1, 1, 1, D, 1, 1, 1, q_dtype, kv_dtype), 1.0))
+            _parallel_refusals[key] = ""
+        except (RuntimeError, ValueError) as e:  # MLX maps C++ invalid_argument to ValueError
+            if not any(s in str(e) for s in _LAUNCH_LIMIT_ERRORS):
+                raise
+            _parallel_refusals[key] = f"{backend()} refused the 256-thread parallel kernel: {e}"
+    return _parallel_refusals[key] or None
+
+
+def _bucket(n: int) -> int:
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
+def _time_per_call(variant: str, args) -> float:
+    """Best seconds per launch over a few rounds of queued launches (graph building not timed)."""
+    mx.eval(_run(variant, *args))  # compile and warm up
+    best = math.inf
+    for _ in range(_AUTO_ROUNDS):
+        outs = [_run(variant, *args) for _ in range(_AUTO_CALLS)]
+        t0 = time.perf_counter()
+        mx.eval(outs)
+        best = min(best, (time.perf_counter() - t0) / _AUTO_CALLS)
+    return best
+
+
+def _shape_class(q, window, indices) -> tuple:
+    """Calls that ``auto`` treats alike: dtypes, D, H, and rows and key tiles to a power of two."""
+    B, S, H, D = q.shape
+    key_tiles = -(-indices.shape[2] // 64)
+    return (str(q.dtype), str(window.dtype), D, H, _bucket(B * S), _bucket(key_tiles))
+
+
+def _auto_variant(q, window, pool, indices) -> str:
+    """The faster variant for this call's shape class, timed once on synthetic inputs shaped
+    like this call (same bytes either way, so only speed decides)."""
+    B, S, H, D = q.shape
+    W, T, N = window.shape[1], pool.shape[1], indices.shape[2]
+    shape_class = _shape_class(q, window, indices)
+    if shape_class not in _auto_choices:
+        candidates = ["serial"]
+        if _parallel_refusal(q.dtype, window.dtype, D) is None:
+            candidates.append("parallel")
+        rows = min(B * S, _AUTO_MAX_ROWS)
+        args = (*_synthetic(1, rows, H, D, W, min(T, _AUTO_MAX_POOL), N, q.dtype, window.dtype),
+                D**-0.5)
+        times = {v: _time_per_call(v, args) for v in candidates}
+        _auto_choices[shape_class] = min(times, key=times.get)
+    return _auto_choices[shape_class]
+
+
 def sparse_attention(q, window, pool, indices, sinks, scale: float, variant: str | None = None):
-    """[B, S, H, D] float32. See the module docstring for the contract."""
-    _check(q, window, pool, indices, sinks)
-    return sparse_attention_reference(q, window, pool, indices, sinks, scale)
+    """[B, S, H, D] float32. See the module docstring for the contract and variant selection."""
+    _check(q, window, pool, indices, sinks, scale)
+    wanted = default_variant() if variant is None else parse_variant(variant)
+    why_not = _kernel_unavailable(q)
+    if why_not is not None:
+        _counts["reference"] += 1
+        _reference_reasons[why_not] += 1
+        return sparse_attention_reference(q, window, pool, indices, sinks, scale)
+    if wanted == "auto":
+        wanted = _auto_variant(q, window, pool, indices)
+    if wanted == "parallel" and _parallel_refusal(q.dtype, window.dtype, q.shape[3]) is not None:
+        wanted = "serial"
+    _counts[wanted] += 1
+    return _run(wanted, q, window, pool, indices, sinks, float(scale))

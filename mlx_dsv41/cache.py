@@ -1,0 +1,368 @@
+"""Decode-time state (spec §5): one `LayerCache` per layer, and the Engram n-gram history.
+
+Every piece of state is indexed by absolute token position, so `trim(n)` is exact: a cache keeps
+`trim_slack` tokens more than decoding needs (window rows older than the window, the raw fp32
+compressor projections of recent tokens, older Engram ids) and can remove up to that many tokens
+(at least `trim_slack`; `max_trim()` says exactly how many), also inside a compression group. A
+larger trim raises instead of leaving a silently wrong cache.
+
+Both classes follow the mlx-lm 0.32 cache contract (mlx-notes §8.4): `state` (arrays and Python
+scalars) get/set, `from_state`, `is_trimmable`, `trim`, `size`, `empty`, `nbytes`, and they are
+registered in `mlx_lm.models.cache` so `save_prompt_cache` / `load_prompt_cache` round-trip them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+from .config import ModelArgs
+
+DEFAULT_TRIM_SLACK = 32
+
+
+class _PositionalCache:
+    """Trim and size bookkeeping shared by the caches; subclasses say how far back they can go."""
+
+    offset: int
+    trim_slack: int
+
+    def max_trim(self) -> int:
+        raise NotImplementedError
+
+    def _drop(self, n: int) -> None:
+        """Forget the last n tokens (called before `offset` moves back)."""
+        raise NotImplementedError
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(int(n), self.offset)
+        limit = self.max_trim()
+        if n > limit:
+            raise ValueError(
+                f"{type(self).__name__}.trim({n}): only the last {limit} tokens can be removed exactly "
+                f"(trim_slack={self.trim_slack}); build the cache with a larger trim_slack"
+            )
+        if n > 0:
+            self._drop(n)
+            self.offset -= n
+        return n
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    @classmethod
+    def from_state(cls, state):
+        obj = cls.__new__(cls)
+        obj.state = state
+        return obj
+
+
+class LayerCache(_PositionalCache):
+    """The state of one attention layer.
+
+    ring          [B, window + trim_slack, D] window KV; position p lives in slot p mod ring_size
+                  (spec §4.3 "Sliding window"; the slack keeps rows a trim may bring back)
+    kv, index_keys  owners only: compressed KV [B, cap, D] and index keys [B, cap, Di], entry j =
+                  group j; `offset // ratio` entries are valid; grown in steps of `step`
+    raw_kv, raw_gate  ratio > 1 owners: fp32 wkv / wgate projections of the last tokens (positions
+                  raw_from .. offset-1); the open group is the last `offset % ratio` of them
+                  (spec §8.14), the rest lets a trim reopen a group
+    """
+
+    step = 256
+
+    def __init__(self, window: int, ratio: int = 0, owns_kv: bool = False,
+                 trim_slack: int = DEFAULT_TRIM_SLACK):
+        if window < 1:
+            raise ValueError(f"LayerCache: window must be >= 1, got {window}")
+        if trim_slack < 0:
+            raise ValueError(f"LayerCache: trim_slack must be >= 0, got {trim_slack}")
+        if owns_kv and ratio < 1:
+            raise ValueError(f"LayerCache: a compressed-KV owner needs ratio >= 1, got {ratio}")
+        self.window_size, self.ratio, self.owns_kv, self.trim_slack = window, ratio, owns_kv, trim_slack
+        self.offset = 0
+        self.ring: mx.array | None = None
+        self.ring_from = 0  # lowest position still held by the ring
+        self.kv: mx.array | None = None
+        self.index_keys: mx.array | None = None
+        self.raw_kv: mx.array | None = None
+        self.raw_gate: mx.array | None = None
+        self.raw_from = 0  # position of raw_kv[:, 0]
+
+    @property
+    def ring_size(self) -> int:
+        return self.window_size + self.trim_slack
+
+    @property
+    def raw_capacity(self) -> int:
+        return self.trim_slack + self.ratio - 1 if self.owns_kv and self.ratio > 1 else 0
+
+    # ------------------------------------------------------------ one forward (Attention calls)
+    # Every method places this call's tokens at positions offset .. offset+S-1; `advance(S)` moves
+    # the offset once the layer is done.
+
+    def update_window(self, kv: mx.array) -> tuple[mx.array, mx.array]:
+        """Store the window KV of the new tokens; return what their queries attend to.
+
+        Returns (window [B, ring_size + S, D], rows [S, window] int32): `window` is the ring as it
+        was, then the new rows; rows[s, c] indexes the row of `window` holding position
+        t - window + 1 + c (t = offset + s), or -1 when that position is before the start.
+        """
+        B, S, D = kv.shape
+        R, W, o = self.ring_size, self.window_size, self.offset
+        if self.ring is None:
+            self.ring = mx.zeros((B, R, D), kv.dtype)
+        elif self.ring.shape[0] != B or self.ring.shape[2] != D:
+            raise ValueError(f"LayerCache: got kv of shape {kv.shape}; this cache holds batch "
+                             f"{self.ring.shape[0]} and width {self.ring.shape[2]}")
+        window = mx.concatenate([self.ring, kv], axis=1)
+        p = o + np.arange(S)[:, None] - W + 1 + np.arange(W)[None, :]
+        rows = np.where(p < 0, -1, np.where(p >= o, R + p - o, p % R))
+        # Only the last R new rows can survive in the ring; write them at their slots.
+        keep = min(S, R)
+        first = o + S - keep
+        slot = first % R
+        split = min(keep, R - slot)
+        self.ring[:, slot : slot + split] = kv[:, S - keep : S - keep + split]
+        if split < keep:
+            self.ring[:, : keep - split] = kv[:, S - keep + split :]
+        self.ring_from = max(self.ring_from, o + S - R)
+        return window, mx.array(rows.astype(np.int32))
+
+    def group_inputs(self, kv: mx.array, gate: mx.array) -> tuple[mx.array, mx.array]:
+        """Ratio > 1 owners: record the new raw projections; return the rows from the start of the
+        open group on (the carried partial group, then the new tokens), fp32 [B, pending + S, D]."""
+        S = kv.shape[1]
+        pending = self.offset % self.ratio
+        if self.raw_kv is None:
+            all_kv, all_gate = kv, gate
+        else:
+            all_kv = mx.concatenate([self.raw_kv, kv], axis=1)
+            all_gate = mx.concatenate([self.raw_gate, gate], axis=1)
+        start = all_kv.shape[1] - S - pending
+        if start < 0:
+            raise ValueError(f"LayerCache: the open group needs {pending} raw rows before offset "
+                             f"{self.offset}, but only {all_kv.shape[1] - S} are held")
+        keep = min(all_kv.shape[1], self.raw_capacity)
+        cut = all_kv.shape[1] - keep
+        self.raw_kv, self.raw_gate = all_kv[:, cut:], all_gate[:, cut:]
+        self.raw_from = self.offset + S - keep
+        return all_kv[:, start:], all_gate[:, start:]
+
+    def append_compressed(self, kv: mx.array | None, index_keys: mx.array | None
+                          ) -> tuple[mx.array | None, mx.array | None]:
+        """Owners: store the new compressed entries (None: no group completed in this call).
+        Returns the valid entries (kv [B, T, D], index keys [B, T, Di]), or (None, None) if T = 0."""
+        first = self.offset // self.ratio
+        n = 0 if kv is None else kv.shape[1]
+        if n:
+            self.kv = self._grow(self.kv, first, kv)
+            self.index_keys = self._grow(self.index_keys, first, index_keys)
+            self.kv[:, first : first + n] = kv
+            self.index_keys[:, first : first + n] = index_keys
+        count = first + n
+        if count == 0:
+            return None, None
+        return self.kv[:, :count], self.index_keys[:, :count]
+
+    def _grow(self, buf: mx.array | None, used: int, rows: mx.array) -> mx.array:
+        """A buffer with room for `rows` after the first `used` entries (grown in steps)."""
+        need = used + rows.shape[1]
+        if buf is not None and need <= buf.shape[1]:
+            return buf
+        B, _, D = rows.shape
+        cap = -(-need // self.step) * self.step
+        fresh = mx.zeros((B, cap - used, D), rows.dtype)
+        return fresh if buf is None or used == 0 else mx.concatenate([buf[:, :used], fresh], axis=1)
+
+    def advance(self, n: int) -> None:
+        self.offset += n
+
+    def arrays(self) -> list[mx.array]:
+        """The arrays this cache holds: evaluate them after each forward so a long generation does
+        not build an ever longer lazy graph."""
+        held = (self.ring, self.kv, self.index_keys, self.raw_kv, self.raw_gate)
+        return [a for a in held if a is not None]
+
+    # ------------------------------------------------------------ trim
+
+    def max_trim(self) -> int:
+        limit = self.offset
+        if self.ring_from > 0:  # the next query needs positions offset' - window + 1 .. offset' - 1
+            limit = min(limit, self.offset - (self.ring_from + self.window_size - 1))
+        if self.raw_from > 0:  # the open group after the trim must still be held raw
+            limit = min(limit, self.offset - -(-self.raw_from // self.ratio) * self.ratio)
+        return max(limit, 0)
+
+    def _drop(self, n: int) -> None:
+        # Ring rows past the new offset are never read again before they are rewritten, and
+        # compressed entries past (offset - n) // ratio are ignored and overwritten.
+        if self.raw_kv is not None:
+            keep = self.offset - n - self.raw_from
+            self.raw_kv, self.raw_gate = self.raw_kv[:, :keep], self.raw_gate[:, :keep]
+
+    # ------------------------------------------------------------ mlx-lm contract
+
+    @property
+    def state(self):
+        count = self.offset // self.ratio if self.owns_kv else 0
+        kv = self.kv[:, :count] if self.kv is not None and count else None
+        keys = self.index_keys[:, :count] if self.index_keys is not None and count else None
+        return (self.ring, kv, keys, self.raw_kv, self.raw_gate, self.offset, self.ring_from,
+                self.raw_from, self.window_size, self.ratio, self.owns_kv, self.trim_slack)
+
+    @state.setter
+    def state(self, v):
+        if len(v) != 12:
+            raise ValueError(f"LayerCache.state: expected 12 entries, got {len(v)}")
+        (self.ring, self.kv, self.index_keys, self.raw_kv, self.raw_gate, offset, ring_from,
+         raw_from, window, ratio, owns_kv, trim_slack) = v
+        self.offset, self.ring_from, self.raw_from = int(offset), int(ring_from), int(raw_from)
+        self.window_size, self.ratio, self.trim_slack = int(window), int(ratio), int(trim_slack)
+        self.owns_kv = bool(owns_kv)
+        count = self.offset // self.ratio if self.owns_kv else 0
+        held = 0 if self.kv is None else self.kv.shape[1]
+        if held != count:
+            raise ValueError(f"LayerCache.state: {held} compressed entries for offset {self.offset} "
+                             f"and ratio {self.ratio} (expected {count})")
+        if self.raw_capacity:
+            raw = 0 if self.raw_kv is None else self.raw_kv.shape[1]
+            if raw != self.offset - self.raw_from or raw < self.offset % self.ratio:
+                raise ValueError(f"LayerCache.state: {raw} raw rows from position {self.raw_from} do not "
+                                 f"reach offset {self.offset} with its open group")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+
+def make_layer_cache(args: ModelArgs, layer_id: int, trim_slack: int = DEFAULT_TRIM_SLACK) -> LayerCache:
+    """The cache of backbone layer `layer_id`, or of a DSpark stage (layer_id >= num_hidden_layers)."""
+    if not 0 <= layer_id < len(args.compress_ratios):
+        raise ValueError(f"make_layer_cache: layer {layer_id} is not in 0..{len(args.compress_ratios) - 1}")
+    if layer_id < args.num_hidden_layers:
+        role = args.role(layer_id)
+        ratio, owns = role.ratio, role.owns_kv
+    else:
+        ratio, owns = 0, False  # DSpark stages are window-only (spec §2.3)
+    _register_once()
+    return LayerCache(args.sliding_window, ratio, owns, trim_slack)
+
+
+class EngramHistory(_PositionalCache):
+    """The last compressed token ids per batch row (spec §4.4d: decode needs max_ngram_size - 1).
+
+    Host-side numpy int64 (the hash runs on the host: its row ids pick rows to read from SSD).
+    Positions before the first token read as NO_TOKEN.
+    """
+
+    NO_TOKEN = -1
+
+    def __init__(self, length: int, trim_slack: int = DEFAULT_TRIM_SLACK):
+        if length < 1 or trim_slack < 0:
+            raise ValueError(f"EngramHistory: need length >= 1 and trim_slack >= 0, "
+                             f"got {length} and {trim_slack}")
+        self.length, self.trim_slack = length, trim_slack
+        self.offset = 0
+        self.ids: np.ndarray | None = None  # [B, m] int64: positions offset - m .. offset - 1
+        self.kept_from = 0
+
+    def last(self, batch: int) -> np.ndarray:
+        """int64 [batch, length]: ids at positions offset - length .. offset - 1."""
+        out = np.full((batch, self.length), self.NO_TOKEN, np.int64)
+        if self.ids is not None:
+            m = min(self.length, self.ids.shape[1])
+            if m:
+                out[:, self.length - m :] = self.ids[:, self.ids.shape[1] - m :]
+        return out
+
+    def update(self, new_ids: np.ndarray) -> np.ndarray:
+        """Append ids [B, S] of the next S positions; return the history before them [B, length]."""
+        new_ids = np.asarray(new_ids)
+        if new_ids.ndim != 2 or not np.issubdtype(new_ids.dtype, np.integer):
+            raise ValueError(f"EngramHistory.update: ids must be an integer array [B, S], got "
+                             f"{new_ids.dtype} {new_ids.shape}")
+        B, S = new_ids.shape
+        if self.ids is not None and self.ids.shape[0] != B:
+            raise ValueError(f"EngramHistory.update: batch {B}, but this history holds batch "
+                             f"{self.ids.shape[0]}")
+        previous = self.last(B)
+        held = new_ids.astype(np.int64) if self.ids is None else np.concatenate(
+            [self.ids, new_ids.astype(np.int64)], axis=1)
+        keep = min(held.shape[1], self.length + self.trim_slack)
+        self.ids = held[:, held.shape[1] - keep :].copy()
+        self.offset += S
+        self.kept_from = self.offset - keep
+        return previous
+
+    def max_trim(self) -> int:
+        if self.kept_from == 0:
+            return self.offset
+        return max(self.offset - (self.kept_from + self.length), 0)
+
+    def _drop(self, n: int) -> None:
+        self.ids = self.ids[:, : self.offset - n - self.kept_from]
+
+    @property
+    def state(self):
+        ids = None if self.ids is None else mx.array(self.ids)
+        return (ids, self.offset, self.kept_from, self.length, self.trim_slack)
+
+    @state.setter
+    def state(self, v):
+        if len(v) != 5:
+            raise ValueError(f"EngramHistory.state: expected 5 entries, got {len(v)}")
+        ids, offset, kept_from, length, trim_slack = v
+        self.ids = None if ids is None else np.array(ids, dtype=np.int64)
+        self.offset, self.kept_from = int(offset), int(kept_from)
+        self.length, self.trim_slack = int(length), int(trim_slack)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.ids is None else self.ids.nbytes
+
+
+def make_engram_history(args: ModelArgs, trim_slack: int = DEFAULT_TRIM_SLACK) -> EngramHistory:
+    """The history the n-gram hash needs: the last max_ngram_size - 1 ids (spec §4.4d)."""
+    return EngramHistory(args.engram_max_ngram_size - 1, trim_slack)
+
+
+def register_with_mlx_lm() -> bool:
+    """Put the cache classes into `mlx_lm.models.cache`, where `load_prompt_cache` looks classes up
+    by name (mlx-notes §8.4 pitfall). Returns False when mlx-lm is not installed."""
+    try:
+        import mlx_lm.models.cache as mlx_lm_cache
+    except ImportError:
+        return False
+    for cls in (LayerCache, EngramHistory):
+        existing = getattr(mlx_lm_cache, cls.__name__, None)
+        if existing is not None and existing is not cls and existing.__module__ != cls.__module__:
+            raise RuntimeError(f"mlx_lm.models.cache already defines a different {cls.__name__} "
+                               f"({existing.__module__}); refusing to replace it")
+        setattr(mlx_lm_cache, cls.__name__, cls)
+    return True
+
+
+_registered = False
+
+
+def _register_once() -> None:
+    """Register when caches are built (if mlx-lm is installed), so a cache saved by this process or
+    loaded after building a model round-trips whatever the import order was."""
+    global _registered
+    if not _registered:
+        _registered = importlib.util.find_spec("mlx_lm") is None or register_with_mlx_lm()
+
+
+# Importing mlx-lm costs ~1 s (it pulls in transformers): at import, register only if it is loaded.
+if "mlx_lm.models.cache" in sys.modules:
+    register_with_mlx_lm()

@@ -1,0 +1,125 @@
+"""CSA2 attention: one shared K=V latent, a sliding window, and selected compressed entries of the
+layer's KV source (spec §4.3; roles §2.3).
+
+  Q:       qr = q_norm(wq_a(x)); q = wq_b(qr) -> [B, S, H, head_dim]; RoPE on the last dims at t
+  KV:      kv = kv_norm(wkv(x)); RoPE at t; FP8 fake quant -> the layer's window ring
+  owners:  compressor latents -> RoPE at j·r + FP4 fake quant -> compressed KV;
+           index keys from the pre-RoPE latents (indexer.keys)
+  select:  Full / Reindex layers run their indexer; Reuse layers take their index source's top-k
+  attend:  one softmax over window ∪ selected entries with the per-head sink in the denominator,
+           scale exactly head_dim^-0.5 (kernels.sparse_attention)
+  output:  inverse RoPE at t, grouped wo_a, wo_b
+
+Layers share compressed KV, index keys, top-k and the candidate mask through `shared`, one dict
+per forward pass: sources publish under "kv.<layer>", "index_keys.<layer>", "topk.<layer>",
+"candidates.<layer>" and later layers read by their role's source ids. Owners publish their whole
+running index-key cache on every call, also when no group completed (spec §8.2: the reference's
+stale-key bug is fixed on purpose).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import LayerCache
+from ..config import LayerRole, ModelArgs
+from ..kernels.sparse_attention import sparse_attention
+from ..quant import GroupedLinear
+from .compressor import Compressor
+from .fake_quant import fake_quant_fp4, fake_quant_fp8
+from .indexer import Indexer
+from .norm import RMSNorm
+from .rope import make_rope
+
+
+def _read(shared: dict, kind: str, source: int, reader: int):
+    key = f"{kind}.{source}"
+    if key not in shared:
+        raise KeyError(f"layer {reader} reads {key!r}, but layer {source} has not run in this forward "
+                       f"pass (shared holds {sorted(shared)}); pass the same dict to every layer in order")
+    return shared[key]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        if layer_id < args.num_hidden_layers:
+            self.role = args.role(layer_id)
+        elif layer_id < len(args.compress_ratios):  # DSpark stages: window-only (spec §2.3)
+            self.role = LayerRole(layer_id, 0, "window", None, None, False, False, False)
+        else:
+            raise ValueError(f"Attention: layer {layer_id} is not in 0..{len(args.compress_ratios) - 1}")
+        self.layer_id, self.hidden_size = layer_id, args.hidden_size
+        self.candidate_source = args.candidate_source_layer_id
+        self.n_heads, self.head_dim, self.o_groups = args.num_attention_heads, args.head_dim, args.o_groups
+        self.scale = args.head_dim**-0.5  # exactly; no YaRN mscale (spec §4.3)
+        self.rope = make_rope(args, layer_id)
+        # Ablation switch: False attends to the window only (the compressed path still runs and
+        # publishes, so other layers are unaffected).
+        self.attend_compressed = True
+
+        H, Dh = args.num_attention_heads, args.head_dim
+        self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.wq_b = nn.Linear(args.q_lora_rank, H * Dh, bias=False)
+        self.wkv = nn.Linear(args.hidden_size, Dh, bias=False)
+        self.kv_norm = RMSNorm(Dh, args.rms_norm_eps)
+        self.wo_a = GroupedLinear(args.o_groups, H // args.o_groups * Dh, args.o_lora_rank)
+        self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, args.hidden_size, bias=False)
+        self.attn_sink = mx.zeros((H,), mx.float32)
+        if self.role.owns_kv:
+            self.compressor = Compressor(args, layer_id)
+        if self.role.runs_indexer:
+            self.indexer = Indexer(args, layer_id)
+
+    def __call__(self, x: mx.array, cache: LayerCache, shared: dict) -> mx.array:
+        """x [B, S, hidden] (attn_norm-ed) at positions cache.offset .. +S-1 -> [B, S, hidden]."""
+        if x.ndim != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"Attention {self.layer_id}: x must be [B, S, {self.hidden_size}], got {x.shape}")
+        if (cache.ratio, cache.owns_kv) != (self.role.ratio, self.role.owns_kv):
+            raise ValueError(f"Attention {self.layer_id}: its cache must come from make_layer_cache(args, "
+                             f"{self.layer_id}) (ratio {self.role.ratio}, owner {self.role.owns_kv}); got ratio "
+                             f"{cache.ratio}, owner {cache.owns_kv}")
+        B, S, _ = x.shape
+        offset = cache.offset
+        qr = self.q_norm(self.wq_a(x))
+        q = self.rope(self.wq_b(qr).reshape(B, S, self.n_heads, self.head_dim), offset)
+        kv = fake_quant_fp8(self.rope(self.kv_norm(self.wkv(x)), offset), 32)
+
+        window, rows = cache.update_window(kv)
+        indices = mx.broadcast_to(rows, (B, S, rows.shape[1]))
+        pool = window[:, :0]
+        if self.role.ratio:
+            selected, topk = self._compressed(x, qr, offset, cache, shared)
+            if selected is not None and self.attend_compressed:
+                pool = selected  # index i >= window rows reads pool[i - window rows]
+                picks = mx.where(topk >= 0, topk + window.shape[1], -1)
+                indices = mx.concatenate([indices, picks], axis=-1)
+
+        o = sparse_attention(q, window, pool, indices, self.attn_sink.astype(mx.float32), self.scale)
+        o = self.rope(o.astype(x.dtype), offset, inverse=True)  # conjugate rotation at the query position
+        o = self.wo_a(o.reshape(B, S, self.o_groups, -1)).reshape(B, S, -1)
+        cache.advance(S)
+        return self.wo_b(o)
+
+    def _compressed(self, x, qr, offset: int, cache: LayerCache, shared: dict):
+        """Update / publish the shared state this layer owns; return (the compressed KV of its
+        KV source [B, T, D] or None if T = 0, the top-k it attends to [B, S, k])."""
+        role, me = self.role, self.layer_id
+        if role.owns_kv:
+            latent, first = self.compressor(x, cache)
+            kv = keys = None
+            if latent is not None:
+                kv = fake_quant_fp4(self.rope(latent, first, step=role.ratio), 16, scale="e4m3")
+                keys = self.indexer.keys(latent, first)
+            shared[f"kv.{me}"], shared[f"index_keys.{me}"] = cache.append_compressed(kv, keys)
+        pool = _read(shared, "kv", role.kv_source, me)
+        if role.runs_indexer:
+            candidates = _read(shared, "candidates", self.candidate_source, me) if role.uses_candidates else None
+            topk, blocks = self.indexer(x, qr, _read(shared, "index_keys", role.kv_source, me), offset,
+                                        candidates=candidates, build_candidates=role.builds_candidates)
+            shared[f"topk.{me}"] = topk
+            if role.builds_candidates:
+                shared[f"candidates.{me}"] = blocks
+        return pool, _read(shared, "topk", role.index_source, me)

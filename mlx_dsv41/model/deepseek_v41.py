@@ -1,0 +1,223 @@
+"""DeepSeek-V4.1: Block and Model (spec §4.1, §4.2, §4.6), following the mlx-lm model contract
+(mlx-notes §8.3): `Model(args)`, `layers`, `make_cache()`, `sanitize(weights)`,
+`__call__(inputs, cache=None, input_embeddings=None) -> logits`.
+
+Module attributes carry the official checkpoint names (spec §6.2), so a plain checkpoint loads
+without renaming; `sanitize` only re-lays formats through `mlx_dsv41.quant`.
+
+Engram (spec §4.4) runs partly on the host: the n-gram hash needs the token ids, and its row ids
+pick rows to read from SSD. The model therefore holds a compressed-token map and one row source per
+Engram layer, set with `set_engram(...)`; they are not parameters.
+"""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_unflatten
+
+from .. import quant
+from ..cache import EngramHistory, LayerCache, make_layer_cache
+from ..config import ModelArgs
+from .attention import Attention
+from .engram import Engram, RowSource
+from .engram_hash import CompressedTokenMap, EngramHashLayout
+from .hyper_connections import collapse, expand, hc_mixes, initial_pre
+from .moe import MoE
+from .norm import RMSNorm
+
+
+class Block(nn.Module):
+    """One backbone layer: [engram], attention site, FFN site, with their mHC parameters."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, expert_range: tuple[int, int] | None = None):
+        super().__init__()
+        self.layer_id = layer_id
+        self.hc_iters, self.hc_eps, self.norm_eps = args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps
+        d, hc = args.hidden_size, args.hc_mult
+        mix = (2 + hc) * hc
+        self.attn = Attention(args, layer_id)
+        self.ffn = MoE(args, expert_range)
+        self.attn_norm = RMSNorm(d, args.rms_norm_eps)
+        self.ffn_norm = RMSNorm(d, args.rms_norm_eps)
+        for site in ("attn", "ffn"):  # fp32 (spec §3); official names hc_{attn,ffn}_{fn,base,scale}
+            setattr(self, f"hc_{site}_fn", mx.random.normal((mix, hc * d)) * (hc * d) ** -0.5)
+            setattr(self, f"hc_{site}_base", mx.random.normal((mix,)) * 0.5)
+            setattr(self, f"hc_{site}_scale", mx.ones((3,), dtype=mx.float32))
+        if args.role(layer_id).engram:
+            self.engram = Engram(args)
+
+    def _mixes(self, streams: mx.array, site: str):
+        return hc_mixes(streams, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                        getattr(self, f"hc_{site}_scale"), iters=self.hc_iters, hc_eps=self.hc_eps,
+                        norm_eps=self.norm_eps)
+
+    def __call__(self, streams: mx.array, pre: mx.array, cache: LayerCache, shared: dict,
+                 engram_rows: mx.array | None = None, engram_live: mx.array | None = None
+                 ) -> tuple[mx.array, mx.array]:
+        """streams [B, S, HC, D] bf16, pre [B, S, HC] fp32 (from the previous site) -> (streams, pre
+        for the next block's attention). Engram, if any, runs first (spec §4.1)."""
+        if engram_rows is not None:
+            streams = self.engram(streams, engram_rows, engram_live)
+        # Single-pass mHC (spec §4.2, §8.1): each site collapses with the previous site's pre.
+        a_pre, a_post, a_comb = self._mixes(streams, "attn")
+        x = self.attn(self.attn_norm(collapse(streams, pre)), cache, shared)
+        streams = expand(x, streams, a_post, a_comb)
+        f_pre, f_post, f_comb = self._mixes(streams, "ffn")
+        x = self.ffn(self.ffn_norm(collapse(streams, a_pre)))
+        streams = expand(x, streams, f_post, f_comb)
+        return streams, f_pre
+
+
+# Checkpoint tensors the text model never reads (spec §6.2; mlx-notes §8.8: dropped tensors are
+# never loaded, which is how the Engram tables stay on SSD).
+_DROP = re.compile(r"^(mtp\.|vision\.|aligner\.|image_)|\.gate\.bias_vl$|^layers\.\d+\.engram\.embed\.")
+_EXPERT_PREFIX = re.compile(r"^(layers\.\d+\.ffn\.experts)\.")
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs, expert_range: tuple[int, int] | None = None):
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.model_type = args.model_type
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [Block(args, i, expert_range) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self._engram_layers = [i for i, r in enumerate(args.roles) if r.engram]
+        self._engram_hash: EngramHashLayout | None = None
+        self._engram_map: CompressedTokenMap | None = None
+        self._engram_rows: dict[int, RowSource] = {}
+
+    # ---------------------------------------------------------------- Engram inputs
+
+    def set_engram(self, token_map: CompressedTokenMap, row_sources: dict[int, RowSource]) -> None:
+        """The compressed-token map and one row source per Engram layer (not parameters).
+
+        Checks the map size and the bucket primes against the config (spec §8.12)."""
+        layout = EngramHashLayout.from_args(self.args, token_map)
+        missing = sorted(set(self._engram_layers) - set(row_sources))
+        extra = sorted(set(row_sources) - set(self._engram_layers))
+        if missing or extra:
+            raise ValueError(f"set_engram: row sources needed for Engram layers {self._engram_layers}, "
+                             f"got {sorted(row_sources)}")
+        self._engram_hash, self._engram_map = layout, token_map
+        self._engram_rows = dict(row_sources)
+
+    def _engram_inputs(self, inputs: mx.array, history: EngramHistory):
+        """Host side of Engram: hash the n-grams ending at each position, read their rows."""
+        if self._engram_hash is None:
+            raise RuntimeError(
+                f"Engram layers {self._engram_layers} need a token map and row sources: call "
+                f"model.set_engram(token_map, {{layer: row_source}}) first"
+            )
+        ids = np.array(inputs, dtype=np.int64)  # host-readable ids (this waits for them)
+        compressed = self._engram_map.compress(ids, dead_token_id=self.args.image_token_id)
+        row_ids = self._engram_hash.row_ids(compressed, history.update(compressed))
+        B, S = ids.shape
+        rows = {}
+        for li, layer in enumerate(self._engram_layers):
+            raw = self._engram_rows[layer].read(row_ids[:, :, li].reshape(-1))
+            rows[layer] = mx.array(raw).reshape(B, S, row_ids.shape[-1], -1)
+        dead = compressed < 0
+        live = mx.array(~dead) if dead.any() else None
+        return rows, live
+
+    # ---------------------------------------------------------------- mlx-lm contract
+
+    def make_cache(self) -> list:
+        """One LayerCache per layer, then the Engram n-gram history if the model has Engram."""
+        caches: list = [make_layer_cache(self.args, i) for i in range(self.args.num_hidden_layers)]
+        if self._engram_layers:
+            caches.append(EngramHistory(self.args.engram_max_ngram_size - 1))
+        return caches
+
+    def __call__(self, inputs: mx.array, cache: list | None = None,
+                 input_embeddings: mx.array | None = None) -> mx.array:
+        """inputs [B, S] token ids -> logits [B, S, vocab] fp32.
+
+        `input_embeddings` [B, S, D] replaces the embedding lookup (the ids still drive Engram).
+        """
+        if inputs.ndim != 2:
+            raise ValueError(f"inputs must be token ids [B, S], got shape {inputs.shape}")
+        n = self.args.num_hidden_layers
+        cache = self.make_cache() if cache is None else cache
+        expected = n + (1 if self._engram_layers else 0)
+        if len(cache) != expected:
+            raise ValueError(f"cache has {len(cache)} entries; this model needs {expected} "
+                             f"(one per layer{', then the Engram history' if self._engram_layers else ''})")
+        rows, live = self._engram_inputs(inputs, cache[n]) if self._engram_layers else ({}, None)
+
+        h = self.embed(inputs) if input_embeddings is None else input_embeddings
+        B, S, D = h.shape
+        hc = self.args.hc_mult
+        streams = mx.broadcast_to(h[:, :, None, :], (B, S, hc, D))
+        pre = initial_pre(B, S, hc)
+        shared: dict = {}  # one per forward: sources publish compressed KV, index keys, top-k
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+            streams, pre = layer(streams, pre, layer_cache, shared, rows.get(i), live)
+        x = self.norm(collapse(streams, pre))  # the last FFN site's pre (spec §4.6)
+        logits = self.head(x.astype(mx.float32))
+        # Evaluating the logits also materialises every cache array, so a long generation never
+        # builds a lazy chain through state the logits do not read (e.g. pending groups).
+        return mx.depends(logits, [a for c in cache[:n] for a in c.arrays()])
+
+    # ---------------------------------------------------------------- loading
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Official checkpoint tensors -> this model's parameters.
+
+        Drops what the text model does not read; builds every linear and experts module from the
+        format stored for it (quant seam) and swaps it in; holds fp32 what the reference holds fp32.
+        Nothing is evaluated: unread tensors are never loaded.
+        """
+        weights = {k: v for k, v in weights.items() if not _DROP.search(k)}
+        experts: dict[str, dict[str, mx.array]] = {}
+        out: dict[str, mx.array] = {}
+        for k, v in weights.items():
+            m = _EXPERT_PREFIX.match(k)
+            (experts.setdefault(m.group(1), {}) if m else out)[k] = v
+
+        args = self.args
+        swaps = []
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                built = quant.make_linear(out, name, module.weight.shape[1], module.weight.shape[0])
+            elif isinstance(module, quant.GroupedLinear):
+                built = quant.make_grouped_linear(out, name, module.groups, module.in_features,
+                                                  module.out_features)
+            elif name.endswith(".ffn.experts"):
+                lo_hi = getattr(module, "expert_range", None)
+                built = quant.make_experts(experts.pop(name, {}), name, args.n_routed_experts,
+                                           args.hidden_size, args.moe_intermediate_size,
+                                           args.swiglu_limit, lo_hi)
+            else:
+                continue
+            for k in [k for k in out if k.startswith(name + ".")]:
+                del out[k]
+            out.update(quant.module_tensors(built, name))
+            swaps.append((name, built))
+        self.update_modules(tree_unflatten(swaps))  # nested dict/list tree of the swapped modules
+        return {k: self._held_dtype(k, v) for k, v in out.items()}
+
+    def _held_dtype(self, key: str, value: mx.array) -> mx.array:
+        """fp32 where the reference computes from fp32 weights (spec §3); else as stored."""
+        if not mx.issubdtype(value.dtype, mx.floating):
+            return value
+        m = re.match(r"layers\.(\d+)\.attn\.compressor\.(wkv|wgate)\.weight$", key)
+        if m and self.args.compress_ratios[int(m.group(1))] > 1:
+            return value.astype(mx.float32)  # fp32 pooling (spec §8.6); ratio 1 stays bf16
+        if re.search(r"(\.hc_(attn|ffn)_(fn|base|scale)|\.attn_sink|\.ffn\.gate\.(bias|weight))$", key) \
+                or key == "head.weight":
+            return value.astype(mx.float32)  # router logits and the head are fp32 (spec §3, §4.6)
+        return value
+
+    @property
+    def cast_predicate(self):
+        """mlx-lm convert --dtype: keep the fp32 tensors fp32."""
+        return lambda k: not re.search(r"hc_(attn|ffn)_|attn_sink|\.gate\.|compressor\.|^head\.", k)
+

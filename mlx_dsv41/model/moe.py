@@ -1,0 +1,77 @@
+"""Mixture of experts (spec §4.5): sqrtsoftplus router with bias-only selection, routed experts
+through the experts contract (docs/design.md), and one shared expert."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config import ModelArgs
+from ..quant import DenseExperts, swiglu
+
+# The router renormalises with this literal, not with rms_norm_eps (spec §8.8).
+_RENORM_EPS = 1e-20
+
+
+class Gate(nn.Module):
+    """Router: `weight [E, D]`, `bias [E]` fp32 (used only to choose experts)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.num_experts_per_tok
+        self.route_scale = args.routed_scaling_factor
+        self.temperature = args.gate_temp
+        self.weight = mx.random.normal((args.n_routed_experts, args.hidden_size)) * args.hidden_size**-0.5
+        self.bias = mx.zeros((args.n_routed_experts,), dtype=mx.float32)
+
+    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """x [T, D] -> indices [T, k] int32 (ascending expert id), weights [T, k] fp32."""
+        logits = x.astype(mx.float32) @ self.weight.astype(mx.float32).T
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        scores = mx.sqrt(nn.softplus(logits))
+        chosen = mx.argpartition(-(scores + self.bias), self.top_k - 1, axis=-1)[..., : self.top_k]
+        # Ascending expert id is the order the reference accumulates expert outputs in.
+        indices = mx.sort(chosen, axis=-1).astype(mx.int32)
+        weights = mx.take_along_axis(scores, indices, axis=-1)
+        weights = weights / (mx.sum(weights, axis=-1, keepdims=True) + _RENORM_EPS)
+        return indices, weights * self.route_scale
+
+
+class SharedExpert(nn.Module):
+    """`shared_experts.{w1, w2, w3}`: the same clamped SwiGLU as a routed expert, weight 1."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        d, inter = args.hidden_size, args.moe_intermediate_size
+        self.limit = args.swiglu_limit
+        self.w1 = nn.Linear(d, inter, bias=False)
+        self.w3 = nn.Linear(d, inter, bias=False)
+        self.w2 = nn.Linear(inter, d, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit, dtype=x.dtype))
+
+
+class MoE(nn.Module):
+    """`gate`, `experts` (any module with the experts contract), `shared_experts`."""
+
+    def __init__(self, args: ModelArgs, expert_range: tuple[int, int] | None = None):
+        super().__init__()
+        self.dim = args.hidden_size
+        self.gate = Gate(args)
+        self.experts = DenseExperts(args.n_routed_experts, args.hidden_size,
+                                    args.moe_intermediate_size, args.swiglu_limit, expert_range)
+        self.shared_experts = SharedExpert(args)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """x [B, S, D] bf16 (ffn_norm-ed) -> [B, S, D] in x.dtype."""
+        flat = x.reshape(-1, self.dim)
+        indices, weights = self.gate(flat)
+        slots = self.experts(flat, indices, weights)  # [T, k, D] fp32
+        # fp32 sum in slot order, then the shared expert (the reference's accumulation order).
+        out = slots[:, 0]
+        for s in range(1, slots.shape[1]):
+            out = out + slots[:, s]
+        out = out + self.shared_experts(flat).astype(mx.float32)
+        return out.astype(x.dtype).reshape(x.shape)

@@ -1,0 +1,83 @@
+"""Rotary embedding of DeepSeek-V4.1 (spec §4.3 "RoPE", pitfall §8.11).
+
+Interleaved pairs (2k, 2k+1) of the LAST `dims` features are rotated by position · f_k, with
+f_k = θ^(-2k/dims). Two flavours, chosen per layer:
+  ratio 0 (window-only layers):  θ = rope_theta (1e4), plain;
+  ratio > 0:                     θ = compress_rope_theta (1.6e5) with YaRN: the correction dims are
+                                 floored / ceiled (Flash: 15 and 25), mscale = 1 (nothing scales the
+                                 logits or cos/sin).
+The rotation runs in fp32 and the result is cast back to the input dtype, as in the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from ..config import ConfigError, ModelArgs
+
+
+def yarn_correction_range(dims: int, theta: float, beta_fast: float, beta_slow: float,
+                          original_max_positions: int) -> tuple[int, int]:
+    """(low, high) frequency indices of the YaRN ramp, floored / ceiled and clamped to the dims."""
+
+    def corr(rotations: float) -> float:
+        return dims * math.log(original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    return max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), dims - 1)
+
+
+def rope_frequencies(dims: int, theta: float, yarn: dict | None = None) -> np.ndarray:
+    """f_k for k = 0 .. dims/2 - 1 (float64). `yarn` is the config's rope_scaling dict."""
+    freqs = theta ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)
+    if yarn is None:
+        return freqs
+    low, high = yarn_correction_range(dims, theta, yarn["beta_fast"], yarn["beta_slow"],
+                                      yarn["original_max_position_embeddings"])
+    ramp = np.clip((np.arange(dims // 2) - low) / max(high - low, 1e-3), 0.0, 1.0)
+    return freqs * (1 - ramp) + freqs / yarn["factor"] * ramp
+
+
+class RoPE:
+    """Interleaved RoPE on the last `dims` features of x [B, S, D] or [B, S, H, D].
+
+    Row s of x sits at position (offset + s) · step: step is the compression ratio for compressed
+    entries (group j sits at position j·r, the first token of the group) and 1 otherwise.
+    `inverse=True` rotates by the negative angle (the output's conjugate rotation).
+    """
+
+    def __init__(self, dims: int, theta: float, yarn: dict | None = None):
+        self.dims = dims
+        self.frequencies = rope_frequencies(dims, theta, yarn)
+        # mx.fast.rope's `freqs` argument is the period of each pair: angle = position / period.
+        self._periods = mx.array((1.0 / self.frequencies).astype(np.float32))
+
+    def __call__(self, x: mx.array, offset: int, *, step: int = 1, inverse: bool = False) -> mx.array:
+        d = self.dims
+        tail = x[..., -d:].astype(mx.float32)
+        if x.ndim == 4:  # mx.fast.rope wants positions on axis -2
+            tail = tail.swapaxes(1, 2)
+        tail = mx.fast.rope(tail, d, traditional=True, base=None, scale=float(-step if inverse else step),
+                            offset=offset, freqs=self._periods)
+        if x.ndim == 4:
+            tail = tail.swapaxes(1, 2)
+        return mx.concatenate([x[..., :-d], tail.astype(x.dtype)], axis=-1)
+
+
+def make_rope(args: ModelArgs, layer_id: int) -> RoPE:
+    """The RoPE flavour of one layer (spec §4.3): by its compression ratio."""
+    ratio = args.compress_ratios[layer_id]
+    if ratio == 0:
+        return RoPE(args.qk_rope_head_dim, args.rope_theta)
+    scaling = args.rope_scaling
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind != "yarn":
+            raise ConfigError(f"rope_scaling: only rope_type 'yarn' is supported, got {kind!r}")
+        missing = [k for k in ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings")
+                   if k not in scaling]
+        if missing:
+            raise ConfigError(f"rope_scaling (yarn) is missing {', '.join(missing)}")
+    return RoPE(args.qk_rope_head_dim, args.compress_rope_theta, scaling)

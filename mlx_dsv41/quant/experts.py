@@ -1,0 +1,56 @@
+"""The routed-experts contract every experts module follows (docs/design.md, "Experts").
+
+    experts(x [T, D], indices [T, k] int32, weights [T, k] float32) -> y [T, k, D] float32
+
+Slot (t, s) is w2_e(bf16(weights[t, s] · silu(min(g, limit)) · clamp(u, -limit, limit))) with
+g = w1_e(x_t), u = w3_e(x_t), e = indices[t, s]: the routing weight goes in before w2 (spec §4.5).
+"bf16" is the activation dtype x.dtype (bf16 in the model): the w2 input is rounded to it.
+Slots are not summed here; the MoE sums them in slot order. A module holding only the experts
+lo..hi-1 (`expert_range`) returns exactly 0 for slots routed elsewhere.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def swiglu(g: mx.array, u: mx.array, limit: float, weights: mx.array | None = None,
+           dtype: mx.Dtype = mx.bfloat16) -> mx.array:
+    """The clamped SwiGLU of spec §4.5 in fp32, optionally times the routing weight, cast to `dtype`.
+
+    The weight multiplies silu(g)·u (the reference forms the product first, then weights it).
+    """
+    g = g.astype(mx.float32)
+    u = u.astype(mx.float32)
+    if limit > 0:
+        g = mx.minimum(g, limit)
+        u = mx.clip(u, -limit, limit)
+    h = nn.silu(g) * u
+    if weights is not None:
+        h = weights.astype(mx.float32) * h
+    return h.astype(dtype)
+
+
+def check_expert_range(expert_range: tuple[int, int] | None, n_experts: int) -> tuple[int, int]:
+    """(lo, hi) with 0 <= lo < hi <= n_experts; None means all experts."""
+    if expert_range is None:
+        return 0, n_experts
+    lo, hi = (int(v) for v in expert_range)
+    if not 0 <= lo < hi <= n_experts:
+        raise ValueError(f"expert_range {expert_range} must satisfy 0 <= lo < hi <= {n_experts}")
+    return lo, hi
+
+
+def check_routing(x: mx.array, indices: mx.array, weights: mx.array, dim: int) -> None:
+    """Shape/dtype checks of one experts call (no evaluation)."""
+    if x.ndim != 2 or x.shape[1] != dim:
+        raise ValueError(f"experts: x must be [T, {dim}], got {x.shape}")
+    if indices.ndim != 2 or indices.shape[0] != x.shape[0]:
+        raise ValueError(f"experts: indices must be [T={x.shape[0]}, k], got {indices.shape}")
+    if indices.dtype != mx.int32:
+        raise ValueError(f"experts: indices must be int32, got {indices.dtype}")
+    if weights.shape != indices.shape or weights.dtype != mx.float32:
+        raise ValueError(
+            f"experts: weights must be float32 {indices.shape}, got {weights.dtype} {weights.shape}"
+        )

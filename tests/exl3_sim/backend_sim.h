@@ -1,0 +1,280 @@
+// metal_ext backend header: a CPU simulator (tests only). The same KX_* names as backend_metal.h /
+// backend_cuda.h, so the kernel bodies compile unchanged with g++ and run here: every GPU thread is
+// a fiber (ucontext), threadgroup barriers and SIMD exchanges are cooperative switches, threadgroup
+// memory is one arena per threadgroup. It checks the bodies' logic (indexing, fragment layouts,
+// synchronisation, exact integer/fp16 arithmetic), not GPU timing or memory models.
+//   KX_HAS_MMA_F16 is set by the build (-D): 1 simulates the CUDA mma.m16n8k16 path (PTX fragment
+//   layouts, float64 accumulation rounded once), 0 the per-lane FMA path that Metal uses.
+// Not exact where a GPU is not: KX_HFMA2_BITS/KX_HADD2_BITS round through double/float first
+// (exact for the EXL3 codebooks, whose sums fit in 21 bits) and the MMA accumulates in double.
+#pragma once
+#include <ucontext.h>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#define KX_SIM 1
+typedef uint32_t u32;
+typedef uint16_t u16;
+typedef uint8_t u8;
+typedef int32_t i32;
+typedef uint64_t u64;
+typedef int64_t i64;
+using Shape = std::array<int32_t, 10>;
+
+#define KX_DEVICE
+#define KX_THREADGROUP
+#define KX_INLINE inline
+
+// ---- simulated machine state (one threadgroup at a time) ---------------------------------------
+struct SimFiber {
+  ucontext_t ctx;
+  u32 lid;
+  int wait;  // 0 runnable, 1 threadgroup barrier, 2 SIMD-group sync
+  bool done;
+  size_t shared_offset;
+};
+inline std::vector<SimFiber> sim_fibers;
+inline SimFiber* sim_cur = nullptr;
+inline ucontext_t sim_main_ctx;
+inline u32 sim_tgid[3], sim_tgsize[3];
+inline std::vector<unsigned char> sim_arena(64 * 1024);
+inline std::vector<u64> sim_xchg;            // [threads] SIMD exchange slots
+inline std::vector<std::array<u32, 10>> sim_mma_regs;  // [threads] a0..a3, b0, b1, c0..c3 bits
+
+[[noreturn]] inline void sim_fail(const std::string& what) {
+  std::fprintf(stderr, "SIM ERROR: %s\n", what.c_str());
+  std::exit(3);
+}
+
+inline void sim_yield(int wait) {
+  sim_cur->wait = wait;
+  swapcontext(&sim_cur->ctx, &sim_main_ctx);
+}
+
+#define KX_TID_X (sim_tgid[0] * sim_tgsize[0] + sim_cur->lid)
+#define KX_TID_Y (sim_tgid[1])
+#define KX_TID_Z (sim_tgid[2])
+#define KX_LID_X (sim_cur->lid)
+#define KX_TGID_X (sim_tgid[0])
+#define KX_TGID_Y (sim_tgid[1])
+#define KX_TGID_Z (sim_tgid[2])
+#define KX_TG_SIZE_X (sim_tgsize[0])
+#define KX_LANE (sim_cur->lid & 31u)
+#define KX_WARP (sim_cur->lid >> 5)
+#define KX_SIMD_WIDTH 32
+
+#define KX_BARRIER() sim_yield(1)
+#define KX_SIMD_BARRIER() sim_yield(2)
+
+template <typename T>
+inline T* sim_shared(size_t n) {
+  size_t off = (sim_cur->shared_offset + 15) & ~size_t(15);
+  sim_cur->shared_offset = off + n * sizeof(T);
+  if (sim_cur->shared_offset > sim_arena.size()) sim_fail("threadgroup memory over 64 KiB");
+  return reinterpret_cast<T*>(sim_arena.data() + off);
+}
+#define KX_SHARED(T, name, n) T* name = sim_shared<T>(n)
+
+template <typename T>
+inline T sim_shuffle_to(T v, u32 src_lane) {
+  static_assert(sizeof(T) <= 8, "shuffle of a wide type");
+  u64 bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  const u32 base = sim_cur->lid & ~31u;
+  sim_xchg[sim_cur->lid] = bits;
+  sim_yield(2);
+  const u64 got = sim_xchg[base + (src_lane & 31u)];
+  sim_yield(2);
+  T out;
+  std::memcpy(&out, &got, sizeof(T));
+  return out;
+}
+#define KX_SHUFFLE_XOR(v, m) sim_shuffle_to((v), (sim_cur->lid & 31u) ^ (u32)(m))
+#define KX_SHUFFLE(v, lane) sim_shuffle_to((v), (u32)(lane))
+
+// ---- arithmetic -------------------------------------------------------------------------------
+#define KX_FMA(a, b, c) std::fmaf((a), (b), (c))
+#define KX_EXP(x) std::exp((float)(x))
+#define KX_FMAX(a, b) std::fmaxf((a), (b))
+#define KX_ISNAN(x) std::isnan(x)
+#define KX_ISINF(x) std::isinf(x)
+#define KX_INF_F32 (INFINITY)
+#define KX_NAN_F32 (NAN)
+#define KX_POPCOUNT(x) ((u32)__builtin_popcount((u32)(x)))
+
+template <typename T>
+inline T min(T a, T b) { return b < a ? b : a; }
+template <typename T>
+inline T max(T a, T b) { return a < b ? b : a; }
+
+inline float sim_f16_to_f32(u32 bits) {
+  _Float16 h;
+  const u16 b = (u16)bits;
+  std::memcpy(&h, &b, 2);
+  return (float)h;
+}
+inline u32 sim_f32_to_f16(float f) {
+  const _Float16 h = (_Float16)f;  // round to nearest even
+  u16 b;
+  std::memcpy(&b, &h, 2);
+  return b;
+}
+inline u32 sim_f32_bits(float f) { u32 u; std::memcpy(&u, &f, 4); return u; }
+inline float sim_bits_f32(u32 u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+struct sim_half {
+  u16 bits;
+  sim_half() = default;
+  sim_half(float f) : bits((u16)sim_f32_to_f16(f)) {}
+  operator float() const { return sim_f16_to_f32(bits); }
+};
+struct sim_bf16 {
+  u16 bits;
+  sim_bf16() = default;
+  sim_bf16(float f) {
+    u32 u = sim_f32_bits(f);
+    u = std::isnan(f) ? (u | 0x00400000u) : u + 0x7FFFu + ((u >> 16) & 1u);
+    bits = (u16)(u >> 16);
+  }
+  operator float() const { return sim_bits_f32((u32)bits << 16); }
+};
+typedef sim_half f16;
+
+#define KX_TO_F32(x) static_cast<float>(x)
+#define KX_F16_BITS_TO_F32(bits) sim_f16_to_f32((u32)(bits))
+#define KX_F32_TO_F16_BITS(f) sim_f32_to_f16((float)(f))
+#define KX_F32_BITS(f) sim_f32_bits(f)
+#define KX_BITS_F32(u) sim_bits_f32((u32)(u))
+
+inline u32 sim_hfma2_bits(u32 a, u32 b, u32 c) {
+  u32 r = 0;
+  for (int h = 0; h < 2; h++) {
+    const double v = std::fma((double)sim_f16_to_f32(a >> (16 * h)), (double)sim_f16_to_f32(b >> (16 * h)),
+                              (double)sim_f16_to_f32(c >> (16 * h)));
+    r |= sim_f32_to_f16((float)v) << (16 * h);
+  }
+  return r;
+}
+inline u32 sim_hadd2_bits(u32 a, u32 b) {
+  u32 r = 0;
+  for (int h = 0; h < 2; h++)
+    r |= sim_f32_to_f16(sim_f16_to_f32(a >> (16 * h)) + sim_f16_to_f32(b >> (16 * h))) << (16 * h);
+  return r;
+}
+#define KX_HFMA2_BITS(a, b, c) sim_hfma2_bits((a), (b), (c))
+#define KX_HADD2_BITS(a, b) sim_hadd2_bits((a), (b))
+#define KX_BYTE_SUM(x, c) ((u32)(((x) & 0xFFu) + (((x) >> 8) & 0xFFu) + (((x) >> 16) & 0xFFu) + ((u32)(x) >> 24) + (c)))
+
+// mma.sync.m16n8k16.row.col.f32.f16.f16.f32 over the SIMD group, from the PTX fragment layouts:
+// lane (g = lane/4, c = lane%4) holds A[g][2c..2c+1], A[g+8][2c..], A[g][2c+8..], A[g+8][2c+8..]
+// (a0..a3), B[2c..2c+1][g], B[2c+8..2c+9][g] (b0, b1), C[g][2c..2c+1], C[g+8][2c..2c+1] (c[0..3]).
+inline void sim_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  const u32 lid = sim_cur->lid, base = lid & ~31u;
+  sim_mma_regs[lid] = {a0, a1, a2, a3, b0, b1, sim_f32_bits(c[0]), sim_f32_bits(c[1]), sim_f32_bits(c[2]),
+                       sim_f32_bits(c[3])};
+  sim_yield(2);
+  double A[16][16], B[16][8];
+  for (u32 l = 0; l < 32; l++) {
+    const auto& r = sim_mma_regs[base + l];
+    const u32 g = l >> 2, cc = l & 3u;
+    for (int h = 0; h < 2; h++) {
+      A[g][2 * cc + h] = sim_f16_to_f32(r[0] >> (16 * h));
+      A[g + 8][2 * cc + h] = sim_f16_to_f32(r[1] >> (16 * h));
+      A[g][2 * cc + 8 + h] = sim_f16_to_f32(r[2] >> (16 * h));
+      A[g + 8][2 * cc + 8 + h] = sim_f16_to_f32(r[3] >> (16 * h));
+      B[2 * cc + h][g] = sim_f16_to_f32(r[4] >> (16 * h));
+      B[2 * cc + 8 + h][g] = sim_f16_to_f32(r[5] >> (16 * h));
+    }
+  }
+  const u32 g = (lid & 31u) >> 2, cc = lid & 3u;
+  float d[4];
+  for (int i = 0; i < 4; i++) {
+    const u32 row = g + 8 * (i >> 1), col = 2 * cc + (i & 1);
+    double s = c[i];
+    for (int k = 0; k < 16; k++) s += A[row][k] * B[k][col];
+    d[i] = (float)s;
+  }
+  sim_yield(2);
+  for (int i = 0; i < 4; i++) c[i] = d[i];
+}
+#ifndef KX_HAS_MMA_F16
+#error "build with -DKX_HAS_MMA_F16=0 or 1"
+#endif
+#if KX_HAS_MMA_F16
+#define KX_MMA_F16_F32(c, a0, a1, a2, a3, b0, b1) sim_mma((c), (a0), (a1), (a2), (a3), (b0), (b1))
+#endif
+
+// ---- launching ----------------------------------------------------------------------------------
+inline void (*sim_thread_fn)() = nullptr;
+
+inline void sim_fiber_entry() {
+  sim_thread_fn();
+  sim_cur->done = true;
+}
+
+// Run grid (in threads) / threadgroup the CUDA way: whole threadgroups, ceil(grid / tg) of them.
+inline void sim_launch(const u32 grid[3], const u32 tg[3], void (*fn)()) {
+  if (tg[1] != 1 || tg[2] != 1 || tg[0] % 32 != 0) sim_fail("bodies are written for 1-D threadgroups of whole SIMD groups");
+  const u32 threads = tg[0];
+  static std::vector<std::vector<char>> stacks;
+  if (stacks.size() < threads) stacks.resize(threads, std::vector<char>(128 * 1024));
+  sim_fibers.assign(threads, SimFiber{});
+  sim_xchg.assign(threads, 0);
+  sim_mma_regs.assign(threads, {});
+  sim_thread_fn = fn;
+  for (int d = 0; d < 3; d++) sim_tgsize[d] = tg[d];
+  const u32 groups[3] = {(grid[0] + tg[0] - 1) / tg[0], (grid[1] + tg[1] - 1) / tg[1], (grid[2] + tg[2] - 1) / tg[2]};
+  for (u32 z = 0; z < groups[2]; z++)
+    for (u32 y = 0; y < groups[1]; y++)
+      for (u32 x = 0; x < groups[0]; x++) {
+        sim_tgid[0] = x, sim_tgid[1] = y, sim_tgid[2] = z;
+        std::memset(sim_arena.data(), 0xFF, sim_arena.size());  // poison: NaN floats, NaN halves
+        for (u32 i = 0; i < threads; i++) {
+          SimFiber& f = sim_fibers[i];
+          f = SimFiber{};
+          f.lid = i;
+          getcontext(&f.ctx);
+          f.ctx.uc_stack.ss_sp = stacks[i].data();
+          f.ctx.uc_stack.ss_size = stacks[i].size();
+          f.ctx.uc_link = &sim_main_ctx;
+          makecontext(&f.ctx, sim_fiber_entry, 0);
+        }
+        while (true) {
+          for (auto& f : sim_fibers)
+            if (!f.done && f.wait == 0) {
+              sim_cur = &f;
+              swapcontext(&sim_main_ctx, &f.ctx);
+            }
+          u32 done = 0, at_barrier = 0;
+          bool released = false;
+          for (u32 w = 0; w < threads / 32; w++) {
+            u32 syncing = 0, lane_done = 0;
+            for (u32 l = 0; l < 32; l++) {
+              syncing += sim_fibers[32 * w + l].wait == 2;
+              lane_done += sim_fibers[32 * w + l].done;
+            }
+            if (syncing == 32) {
+              for (u32 l = 0; l < 32; l++) sim_fibers[32 * w + l].wait = 0;
+              released = true;
+            } else if (syncing) {
+              sim_fail("SIMD-group exchange with only part of the group (divergent lanes)");
+            }
+            done += lane_done;
+          }
+          if (released) continue;
+          for (auto& f : sim_fibers) at_barrier += f.wait == 1;
+          if (done == threads) break;
+          if (at_barrier + done != threads) sim_fail("deadlock");
+          if (done) sim_fail("threadgroup barrier after some threads returned");
+          for (auto& f : sim_fibers) f.wait = 0;
+        }
+      }
+}

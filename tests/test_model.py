@@ -1,0 +1,316 @@
+"""The assembled model on the tiny config (every layer role, two Engram layers, hc_mult 4, 8 experts
+top-2): the spec §4.1/§4.2 wiring against a float64 reference, and the cache contract: decode ==
+prefill, chunked prefill == prefill, trim + re-decode == never decoded, batched == solo.
+
+On this CPU the paths agree bit for bit (MLX's CPU matmuls give each row the same result whatever
+the number of rows); the assertions allow 1e-3 of the logit scale and require identical greedy
+tokens, which is what a GPU backend can also promise. Any wiring error (history, positions,
+pending groups, shared state) moves logits by O(1).
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_dsv41.model.deepseek_v41 import Model
+from mlx_dsv41.model.engram import MemoryRowSource
+from mlx_dsv41.testing import (
+    random_engram_tables, random_weights, synthetic_token_map, tiny_args, tiny_model,
+)
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+L = 24  # tokens: layer 4's pool (ratio 1) reaches 24 > index_topk 4; 12 candidate blocks > 2 kept
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return mx.array(np.random.default_rng(1).integers(0, 159, (2, L)))  # 159 = image id: not here
+
+
+@pytest.fixture(scope="module")
+def full(model, ids):
+    return np.array(model(ids, model.make_cache()))
+
+
+def _close(got, ref, what):
+    scale = np.abs(ref).max()
+    err = np.abs(got - ref).max()
+    assert err <= 1e-3 * scale, f"{what}: max |Δ| {err:.3g} vs logit scale {scale:.3g}"
+    assert np.array_equal(got.argmax(-1), ref.argmax(-1)), f"{what}: greedy tokens differ"
+
+
+def test_tiny_config_covers_every_role():
+    roles = tiny_args().roles
+    assert [(r.ratio, r.mode, r.engram) for r in roles] == [
+        (0, "window", False), (0, "window", True), (2, "full", True), (2, "reuse", False),
+        (1, "full", False), (1, "reuse", False), (1, "reindex", False), (1, "reuse", False)]
+    assert roles[4].builds_candidates and roles[6].uses_candidates and roles[7].index_source == 6
+    assert tiny_args().hc_mult == 4 and tiny_args().n_routed_experts == 8
+
+
+def test_logits_shape_dtype_finite_and_varied(full):
+    assert full.shape == (2, L, 160) and full.dtype == np.float32
+    assert np.isfinite(full).all()
+    assert 0.3 < full.std() < 30
+    assert len(np.unique(full.argmax(-1))) > 5  # not a degenerate model
+
+
+class _Spy(nn.Module):
+    """Wraps an attention module and keeps the `shared` dict it saw."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.seen = None
+
+    def __call__(self, x, cache, shared):
+        self.seen = shared
+        return self.inner(x, cache, shared)
+
+
+def test_pool_exceeds_topk_and_candidate_blocks_filter(ids):
+    model = tiny_model(seed=0)
+    spy = _Spy(model.layers[7].attn)
+    model.layers[7].attn = spy
+    model(ids, model.make_cache())
+    args, bs = model.args, model.args.candidate_block_size
+    assert spy.seen["kv.4"].shape[1] == L > args.index_topk  # ratio-1 pool
+    assert spy.seen["kv.2"].shape[1] == L // 2 > args.index_topk  # ratio-2 pool
+    blocks = np.array(spy.seen["candidates.4"])  # [B, S, blocks] kept by the candidate source
+    t = np.arange(L)
+    visible_blocks = -(-(t + 1) // bs)
+    assert np.array_equal(blocks.sum(-1), np.broadcast_to(np.minimum(visible_blocks, args.candidate_topk_blocks), (2, L)))
+    assert (visible_blocks > args.candidate_topk_blocks).sum() > L // 2  # most queries are filtered
+    assert blocks[:, t, t // bs].all()  # the newest block is always kept
+    # The Reindex layer (6) picks only inside the kept blocks; layer 7 reuses its top-k.
+    topk = np.array(spy.seen["topk.6"])
+    assert topk.shape[-1] == args.index_topk and (topk[:, -1] >= 0).all()
+    b, s, k = np.nonzero(topk >= 0)
+    assert blocks[b, s, topk[b, s, k] // bs].all()
+
+
+def test_decode_one_token_at_a_time_equals_prefill(model, ids, full):
+    cache = model.make_cache()
+    steps = [np.array(model(ids[:, t : t + 1], cache)) for t in range(L)]
+    _close(np.concatenate(steps, axis=1), full, "decode vs prefill")
+
+
+def test_chunked_prefill_every_size_equals_prefill(model, ids, full):
+    window = model.args.sliding_window
+    for n in range(1, 2 * window + 1):
+        cache = model.make_cache()
+        parts = [np.array(model(ids[:, s : s + n], cache)) for s in range(0, L, n)]
+        _close(np.concatenate(parts, axis=1), full, f"chunks of {n}")
+
+
+@pytest.mark.parametrize("keep,trim", [(13, 5), (16, 3), (11, 8)])  # trims inside ratio-2 groups
+def test_trim_then_redecode_equals_never_decoded(model, ids, full, keep, trim):
+    other = mx.array(np.random.default_rng(keep).integers(0, 159, (2, trim)))
+    cache = model.make_cache()
+    model(ids[:, :keep], cache)
+    model(other, cache)  # tokens that are then taken back
+    for c in cache:
+        assert c.trim(trim) == trim
+    assert all(c.offset == keep for c in cache)
+    rest = np.array(model(ids[:, keep:], cache))
+    _close(rest, full[:, keep:], f"trim {trim} after {keep + trim}")
+
+
+def test_batched_equals_each_alone(model, ids, full):
+    for b in range(2):
+        solo = np.array(model(ids[b : b + 1], model.make_cache()))
+        _close(solo, full[b : b + 1], f"row {b} alone")
+
+
+def test_engram_path_changes_the_output(ids, full):
+    for layer in (1, 2):  # one on a window-only layer, one on a KV-source layer
+        model = tiny_model(seed=0)
+        model.layers[layer].engram.wkv.weight = mx.zeros_like(model.layers[layer].engram.wkv.weight)
+        out = np.array(model(ids, model.make_cache()))
+        assert np.abs(out - full).max() > 0.05 * np.abs(full).max(), f"Engram layer {layer} had no effect"
+
+
+def test_indexed_attention_path_changes_the_output(ids, full):
+    model = tiny_model(seed=0)
+    for layer in model.layers:
+        layer.attn.attend_compressed = False
+    out = np.array(model(ids, model.make_cache()))
+    assert np.abs(out - full).max() > 0.05 * np.abs(full).max()
+
+
+def test_engram_reads_every_row_once_per_position(ids):
+    model = tiny_model(seed=0)
+    model(ids, model.make_cache())
+    cols = model.args.engram_columns
+    for layer in (1, 2):
+        assert model._engram_rows[layer].stats.rows == 2 * L * cols
+
+
+def test_engram_state_is_not_a_parameter_and_is_required():
+    model = tiny_model(seed=0)
+    names = [k for k, _ in __import__("mlx.utils", fromlist=["x"]).tree_flatten(model.parameters())]
+    assert not any("engram_rows" in k or "token_map" in k or "_engram" in k for k in names)
+    bare = Model(tiny_args())
+    with pytest.raises(RuntimeError, match=r"Engram layers \[1, 2\] need a token map and row sources"):
+        bare(mx.array([[1, 2]]))
+    tables = random_engram_tables(bare.args)
+    with pytest.raises(ValueError, match=r"row sources needed for Engram layers \[1, 2\], got \[1\]"):
+        bare.set_engram(synthetic_token_map(bare.args), {1: MemoryRowSource(tables[1])})
+
+
+def test_evaluating_logits_materialises_every_cache_array(ids):
+    """No lazy chain survives a step: after evaluating the logits, no cache array has a graph
+    (long generations would otherwise grow one through state the logits do not read)."""
+    import io
+
+    model = tiny_model(seed=0)
+    cache = model.make_cache()
+    for t in range(5):  # odd offsets leave ratio-2 groups pending
+        mx.eval(model(ids[:, t : t + 1], cache))
+    held = [a for c in cache[:-1] for a in c.arrays()]
+    assert any(c.raw_kv is not None for c in cache[:-1])
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *held)
+    assert "shape=rectangle" not in buf.getvalue()
+
+
+def test_input_embeddings_replace_the_lookup(model, ids, full):
+    out = np.array(model(ids, model.make_cache(), input_embeddings=model.embed(ids)))
+    assert np.array_equal(out, full)
+
+
+def test_cache_list_is_checked(model):
+    with pytest.raises(ValueError, match="cache has 8 entries; this model needs 9"):
+        model(mx.array([[1]]), model.make_cache()[:8])
+
+
+def test_mlx_lm_generate_step_drives_the_model(model, ids):
+    """mlx-lm's own generation loop (prefill chunks, async decode) gives our greedy tokens."""
+    from mlx_lm.generate import generate_step
+
+    prompt = ids[0, :10]
+    got = [int(t) for t, _ in generate_step(prompt, model, max_tokens=6, prefill_step_size=4)]
+    cache, seq, want = model.make_cache(), prompt[None], []
+    for _ in range(6):
+        tok = int(np.array(model(seq, cache))[0, -1].argmax())
+        want.append(tok)
+        seq = mx.array([[tok]])
+    assert got == want
+
+
+# ------------------------------------------------------------------ wiring vs float64 (§4.1, §4.2)
+
+
+def _rb(x):
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+class _StubAttention(nn.Module):
+    """Stands in for attention: bf16(tanh(x @ M)) (the wiring test needs no attention math)."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def __call__(self, x, cache, shared):
+        return mx.tanh(x.astype(mx.float32) @ self.m).astype(x.dtype)
+
+
+class _StubFFN(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def __call__(self, x):
+        return mx.sin(x.astype(mx.float32) @ self.m).astype(x.dtype)
+
+
+def _ref_mixes(streams, fn, base, sc, hc, iters=20, eps=1e-6):
+    z = streams.reshape(*streams.shape[:-2], -1)
+    m = (z @ fn.T) / np.sqrt(np.mean(z * z, -1, keepdims=True) + 1e-20)
+    sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
+    pre = sig(m[..., :hc] * sc[0] + base[:hc]) + eps
+    post = 2 * sig(m[..., hc : 2 * hc] * sc[1] + base[hc : 2 * hc])
+    c = (m[..., 2 * hc :] * sc[2] + base[2 * hc :]).reshape(*m.shape[:-1], hc, hc)
+    c = np.exp(c - c.max(-1, keepdims=True))
+    c = c / c.sum(-1, keepdims=True) + eps
+    c = c / (c.sum(-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdims=True) + eps)
+        c = c / (c.sum(-2, keepdims=True) + eps)
+    return pre, post, c
+
+
+def _ref_norm(x, w):
+    return _rb(x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-20) * w)
+
+
+def _reference(args, w, tables, ids, stubs, lag=True):
+    """Spec §4.1 / §4.2 / §4.4f / §4.6 in float64 with the bf16 roundings of the reference."""
+    from mlx_dsv41.model.engram_hash import DEAD, EngramHashLayout
+
+    hc, D = args.hc_mult, args.hidden_size
+    tmap = synthetic_token_map(args)
+    layout = EngramHashLayout.from_args(args, tmap)
+    comp = tmap.compress(ids, dead_token_id=args.image_token_id)
+    row_ids = layout.row_ids(comp, np.full((ids.shape[0], 3), DEAD))
+    h = w["embed.weight"][ids]
+    streams = np.repeat(h[:, :, None, :], hc, axis=2)
+    pre = np.zeros((*ids.shape, hc))
+    pre[..., 0] = 1
+    for i in range(args.num_hidden_layers):
+        p = f"layers.{i}."
+        if i in args.engram_layer_ids:
+            li = args.engram_layer_ids.index(i)
+            raw = tables[i][row_ids[:, :, li]]  # [B, S, cols, row_bytes]
+            hd = args.engram_head_dim
+            vals = raw[..., :hd].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+            e = _rb(vals * np.repeat(np.exp2(raw[..., hd:].astype(np.float64) - 127), 32, -1))
+            kv = _rb(e.reshape(*ids.shape, -1) @ w[p + "engram.wkv.weight"].T)
+            key, value = kv[..., : hc * D].reshape(*ids.shape, hc, D), kv[..., hc * D :]
+            dot = (streams * w[p + "engram.q_weight"] * w[p + "engram.k_weight"] * key).sum(-1)
+            dot /= np.sqrt((streams**2).mean(-1) + 1e-20) * np.sqrt((key**2).mean(-1) + 1e-20) * np.sqrt(D)
+            gate = 1 / (1 + np.exp(-np.sign(dot) * np.sqrt(np.maximum(np.abs(dot), 1e-6))))
+            gate[comp < 0] = 0
+            streams = _rb(streams + gate[..., None] * value[:, :, None, :])
+        a_pre, a_post, a_c = _ref_mixes(streams, w[p + "hc_attn_fn"], w[p + "hc_attn_base"], w[p + "hc_attn_scale"], hc)
+        x = _ref_norm(_rb(np.einsum("bsi,bsid->bsd", pre if lag else a_pre, streams)), w[p + "attn_norm.weight"])
+        y = _rb(np.tanh(x @ stubs[i][0]))
+        streams = _rb(a_post[..., None] * y[:, :, None, :] + np.einsum("bsij,bsid->bsjd", a_c, streams))
+        f_pre, f_post, f_c = _ref_mixes(streams, w[p + "hc_ffn_fn"], w[p + "hc_ffn_base"], w[p + "hc_ffn_scale"], hc)
+        x = _ref_norm(_rb(np.einsum("bsi,bsid->bsd", a_pre if lag else f_pre, streams)), w[p + "ffn_norm.weight"])
+        y = _rb(np.sin(x @ stubs[i][1]))
+        streams = _rb(f_post[..., None] * y[:, :, None, :] + np.einsum("bsij,bsid->bsjd", f_c, streams))
+        pre = f_pre
+    x = _ref_norm(_rb(np.einsum("bsi,bsid->bsd", pre, streams)), w["norm.weight"])
+    return x @ w["head.weight"].T
+
+
+def test_mhc_engram_and_head_wiring_matches_float64():
+    args = tiny_args()
+    weights = random_weights(args, seed=3)
+    model = tiny_model(args, seed=3, weights=weights)
+    rng = np.random.default_rng(4)
+    stubs = [(rng.standard_normal((64, 64)).astype(np.float32) / 8, rng.standard_normal((64, 64)).astype(np.float32) / 8)
+             for _ in range(args.num_hidden_layers)]
+    for layer, (ma, mf) in zip(model.layers, stubs):
+        layer.attn = _StubAttention(mx.array(ma))
+        layer.ffn = _StubFFN(mx.array(mf))
+    ids = rng.integers(0, 159, (2, 9))
+    ids[1, 4] = args.image_token_id  # a DEAD position: Engram gate 0, look-back stops there
+    got = np.array(model(mx.array(ids), model.make_cache()), np.float64)
+
+    w = {k: np.array(v.astype(mx.float32), np.float64) for k, v in weights.items()}
+    tables = random_engram_tables(args, seed=3)
+    stubs64 = [(a.astype(np.float64), b.astype(np.float64)) for a, b in stubs]
+    ref = _reference(args, w, tables, ids, stubs64)
+    wrong = _reference(args, w, tables, ids, stubs64, lag=False)  # V4's same-site pre
+    err, scale = np.abs(got - ref).max(), np.abs(ref).max()
+    assert err < 5e-3 * scale, (err, scale)
+    assert np.abs(got - wrong).max() > 10 * err  # the test tells the lag apart
