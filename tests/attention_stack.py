@@ -214,10 +214,10 @@ def ref_fq4(x, block, scale_kind="ue8m0"):
     return (q * scale).reshape(x.shape)
 
 
-def ref_select_topk(scores_row, k):
-    """Best k by (score desc, index asc), ascending, -inf picks -> -1 (sorted last)."""
+def ref_select_topk(scores_row, k, visible):
+    """Best k by (score desc, index asc), ascending; picks >= visible -> -1 (sorted last)."""
     order = sorted(range(len(scores_row)), key=lambda j: (-scores_row[j], j))[:k]
-    keep = sorted(j for j in order if scores_row[j] != -np.inf)
+    keep = sorted(j for j in order if j < visible)
     return keep + [-1] * (k - len(keep))
 
 
@@ -317,7 +317,7 @@ class ReferenceStack:
             elif role.uses_candidates:
                 cand = shared[f"candidates.{a.candidate_source_layer_id}"][t]
                 row = [s if j // a.candidate_block_size in cand else -np.inf for j, s in enumerate(row)]
-            out.append(ref_select_topk(row, k))
+            out.append(ref_select_topk(row, k, vis))
         if role.builds_candidates:
             shared[f"candidates.{i}"] = blocks
         shared[f"scores.{i}"] = scores

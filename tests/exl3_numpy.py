@@ -61,13 +61,18 @@ def positions() -> list[tuple[int, int]]:
 
 
 def reconstruct(trellis: np.ndarray, codebook: str) -> np.ndarray:
-    """W̃ (k, n) float16 from a trellis (k/16, n/16, 16K)."""
+    """W̃ (k, n) float16 from a trellis (k/16, n/16, 16K), one row of tiles at a time."""
     tk, tn, words16 = trellis.shape
-    values = decode(tile_states(trellis, words16 / 16), codebook)  # [tk, tn, 256]
-    tiles = np.zeros((tk, tn, 16, 16), np.float16)
-    for p, (r, c) in enumerate(positions()):
-        tiles[:, :, r, c] = values[:, :, p]
-    return tiles.transpose(0, 2, 1, 3).reshape(tk * 16, tn * 16)
+    w = np.zeros((tk * 16, tn * 16), np.float16)
+    where = positions()
+    rows = np.array([r for r, _ in where])
+    cols = np.array([c for _, c in where])
+    for i in range(tk):
+        values = decode(tile_states(trellis[i], words16 / 16), codebook)  # [tn, 256]
+        tiles = np.zeros((tn, 16, 16), np.float16)
+        tiles[:, rows, cols] = values
+        w[16 * i : 16 * i + 16] = tiles.transpose(1, 0, 2).reshape(16, tn * 16)
+    return w
 
 
 def hadamard(n: int = 128) -> np.ndarray:
@@ -76,10 +81,14 @@ def hadamard(n: int = 128) -> np.ndarray:
     return np.where(pop % 2 == 0, 1.0, -1.0) / np.sqrt(n)
 
 
+def hadamard_blocks(a: np.ndarray, axis: int) -> np.ndarray:
+    """The block-diagonal H128 applied along ``axis`` (float64)."""
+    a = np.moveaxis(np.asarray(a, np.float64), axis, -1)
+    out = (a.reshape(*a.shape[:-1], -1, 128) @ hadamard()).reshape(a.shape)
+    return np.moveaxis(out, -1, axis)
+
+
 def dequantize(trellis, suh, svh, codebook) -> np.ndarray:
     """W = diag(suh) · H · W̃ · H · diag(svh) in float64 (spec §3.2)."""
-    wt = reconstruct(np.asarray(trellis), codebook).astype(np.float64)
-    k, n = wt.shape
-    hk = np.kron(np.eye(k // 128), hadamard())
-    hn = np.kron(np.eye(n // 128), hadamard())
-    return np.asarray(suh, np.float64)[:, None] * (hk @ wt @ hn) * np.asarray(svh, np.float64)[None, :]
+    w = hadamard_blocks(hadamard_blocks(reconstruct(np.asarray(trellis), codebook), 0), 1)
+    return np.asarray(suh, np.float64)[:, None] * w * np.asarray(svh, np.float64)[None, :]

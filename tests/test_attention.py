@@ -149,14 +149,17 @@ def test_index_scores_match_float64():
 
 
 @pytest.mark.parametrize("T, k", [(13, 4), (13, 13), (5, 5), (1, 1)])
-def test_select_topk_ties_by_lower_index_ascending_and_drops_inf(T, k):
+def test_select_topk_ties_by_lower_index_ascending_and_drops_invisible(T, k):
     rng = np.random.default_rng(T + k)
     visible = np.array([0, 1, 3, T, T, T])
     scores = _tied_scores(rng, (2, 6, T), visible)
-    got = np.array(select_topk(mx.array(scores), k))
+    scores[1, 4, : T // 2] = -np.inf  # visible but masked (candidate blocks): still pickable
+    got = np.array(select_topk(mx.array(scores), k, visible))
     for b in range(2):
         for s in range(6):
-            assert got[b, s].tolist() == ref_select_topk(scores[b, s].tolist(), k), (b, s)
+            assert got[b, s].tolist() == ref_select_topk(scores[b, s].tolist(), k, visible[s]), (b, s)
+    if k > T - T // 2:
+        assert 0 in got[1, 4]  # a masked visible entry filled the top-k, as in the reference
     assert np.all(got[:, 0] == -1)  # nothing visible yet
 
 
@@ -198,7 +201,7 @@ def test_config_exercises_every_selection_stage(args, stack):
     # The candidate source keeps 3 of up to 12 blocks: rows late in the sequence are filtered ...
     assert min(len(b) for b in shared["candidates.3"][-8:]) == args.candidate_topk_blocks
     # ... and the Reindex layer's top-k differs from what it would pick without the mask.
-    unmasked = [ref_select_topk([s if j < t + 1 else -np.inf for j, s in enumerate(row)], args.index_topk)
+    unmasked = [ref_select_topk([s if j < t + 1 else -np.inf for j, s in enumerate(row)], args.index_topk, t + 1)
                 for t, row in enumerate(shared["scores.5"])]
     assert unmasked != shared["topk.5"]
     # Ties at zero happen (ReLU + FP4) and are broken by index.

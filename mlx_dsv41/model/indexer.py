@@ -9,7 +9,9 @@ entry j is visible to the query at t iff j < (t+1) // r, otherwise its score is 
 Selection: the candidate source keeps, per query, the best `candidate_topk_blocks` blocks of
 `candidate_block_size` entries by their max score, always including the block of the newest
 visible entry; Reindex layers after it only score inside those blocks. Every index source then
-takes the top min(index_topk, T) entries, sorted ascending; picks with score -inf become -1.
+takes the top min(index_topk, T) entries, sorted ascending; picks that are not visible become -1.
+As in the reference (`idx >= lens -> -1`), a visible entry masked out by the candidate blocks can
+still be picked when fewer than index_topk entries survive the mask (never at Flash sizes).
 
 Ties (spec §8.3): ReLU and FP4 make exactly equal scores common, and top-k among ties is
 backend-dependent in the reference. Here selection is made deterministic: entries (and blocks) are
@@ -56,11 +58,12 @@ def _ranking_keys(scores: mx.array) -> mx.array:
     return ordered * (1 << 32) + (0xFFFFFFFF - mx.arange(scores.shape[-1], dtype=mx.int64))
 
 
-def select_topk(scores: mx.array, k: int) -> mx.array:
-    """The k best entries of each row [..., T] -> int32 [..., k], ascending; -inf picks are -1."""
+def select_topk(scores: mx.array, k: int, visible: np.ndarray) -> mx.array:
+    """The k best entries of each row of scores [B, S, T] -> int32 [B, S, k], ascending; picks at
+    or past the row's visible count (visible [S]) are -1."""
     T = scores.shape[-1]
     picks = mx.argpartition(-_ranking_keys(scores), kth=k - 1, axis=-1)[..., :k].astype(mx.int32)
-    dropped = mx.take_along_axis(scores, picks, axis=-1) == -mx.inf
+    dropped = picks >= mx.array(visible.astype(np.int32))[:, None]
     picks = mx.sort(mx.where(dropped, T, picks), axis=-1)  # dropped picks sort last ...
     return mx.where(picks == T, -1, picks)  # ... and read -1
 
@@ -136,7 +139,7 @@ class Indexer(nn.Module):
                     select_candidate_blocks(scores, visible[s0:s1], self.block_size, self.topk_blocks))
             elif candidates is not None:
                 scores = apply_candidate_blocks(scores, candidates[:, s0:s1], self.block_size)
-            topks.append(select_topk(scores, k))
+            topks.append(select_topk(scores, k, visible[s0:s1]))
         topk = topks[0] if len(topks) == 1 else mx.concatenate(topks, axis=1)
         if not build_candidates:
             return topk, None

@@ -1,0 +1,295 @@
+"""EXL3 linear and MoE kernels on the GPU against the exllamav3 anchor and MLX's own matmuls (issue 6).
+
+For m = 1 and 8 rows (bf16 activations, bf16 outputs), K = 2..5 MUL1, on the DeepSeek-V4.1-Flash
+shapes (in x out); then one token through 6 of 384 experts (gate+up 5120x2304, down 2304x5120) at
+K = 2..5. Method (the anchor's): every case rotates over enough random weight sets (> --rotate-mib
+in total) that weights stream from device memory rather than the 60 MB L2; --calls launches are
+queued and evaluated together (graph building excluded); after a warm-up round (JIT compiles
+included there), the median over --repeats rounds of time/calls is reported in microseconds. Packed
+bytes are the trellis bytes a call must read; the roofline is this device's read bandwidth measured
+here (a large float32 reduction and a large copy, the faster). MLX baselines on the same shapes:
+bf16 matmul, affine 4-bit (group 64) and mxfp4 quantized_matmul; for the MoE block, gather_qmm.
+Results: a markdown table on stdout and bench_exl3.json in --out.
+
+    python3 benchmarks/bench_exl3.py --out /tmp/bench_out          (on the GPU machine)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlx_dsv41.exl3.experts import EXL3ExpertProjection, EXL3Experts
+from mlx_dsv41.kernels import backend
+from mlx_dsv41.kernels import exl3 as ops
+
+SHAPES = (
+    ("wq_a", 5120, 1280), ("wq_b", 1280, 32768), ("wkv", 5120, 512), ("wo_a group", 4096, 1024),
+    ("wo_b", 8192, 5120), ("expert w1/w3", 5120, 2304), ("expert w2", 2304, 5120), ("head", 5120, 129280),
+)
+# exllamav3 v1.4.1 on the H200, fp16 activations (issue 6): (shape, K) -> (m=1 µs, m=8 µs).
+ANCHOR = {
+    ("wq_a", 3): (17.8, 18.1), ("wq_a", 4): (16.7, 16.9), ("wq_a", 5): (21.9, 22.6),
+    ("wq_b", 3): (26.6, 27.9), ("wq_b", 4): (22.3, 22.5), ("wq_b", 5): (27.5, 29.2),
+    ("wkv", 3): (17.5, 18.4), ("wkv", 4): (16.4, 17.1), ("wkv", 5): (21.6, 22.0),
+    ("wo_a group", 3): (15.0, 15.4), ("wo_a group", 4): (14.1, 14.5), ("wo_a group", 5): (20.3, 20.8),
+    ("wo_b", 3): (34.9, 35.8), ("wo_b", 4): (32.3, 33.4), ("wo_b", 5): (39.2, 40.8),
+    ("expert w1/w3", 2): (16.3, 16.4), ("expert w1/w3", 3): (18.0, 18.5), ("expert w1/w3", 4): (16.8, 17.1),
+    ("expert w2", 2): (12.7, 13.4), ("expert w2", 3): (13.4, 14.2), ("expert w2", 4): (12.7, 13.6),
+    ("head", 4): (318.7, 322.1), ("head", 5): (380.7, 386.8),
+}
+MOE_ANCHOR = {2: 132.1, 3: 137.2, 4: 131.4, 5: 150.8}  # µs, one token, 6 of 384 experts
+MOE_TARGET_US = 60.0  # K = 3
+N_EXPERTS, TOP_K, HIDDEN, INTER = 384, 6, 5120, 2304
+
+
+def per_call_us(launch, calls: int, repeats: int) -> float:
+    mx.eval([launch(i) for i in range(calls)])  # warm-up: JIT, allocator, caches
+    samples = []
+    for _ in range(repeats):
+        outs = [launch(i) for i in range(calls)]
+        t0 = time.perf_counter()
+        mx.eval(outs)
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def n_sets(set_bytes: int, rotate_mib: int) -> int:
+    return max(1, math.ceil(rotate_mib * 2**20 / set_bytes) + 1)
+
+
+def calls_for(sets: int, minimum: int) -> int:
+    """Every weight set is used once per round (at least ``minimum`` launches)."""
+    return max(minimum, sets)
+
+
+def device_read_bandwidth(repeats: int) -> dict:
+    a = mx.random.uniform(shape=(1 << 30,))  # 4 GiB float32
+    mx.eval(a)
+    sum_us = per_call_us(lambda i: mx.sum(a), 4, repeats)
+    copy_us = per_call_us(lambda i: a * 1.0, 4, repeats)
+    read_sum = a.nbytes / sum_us / 1e3  # GB/s
+    read_copy = a.nbytes / copy_us / 1e3  # the read half of a copy that moves 2x the bytes
+    del a
+    return {"sum_read_GBps": read_sum, "copy_read_GBps": read_copy, "copy_total_GBps": 2 * read_copy,
+            "roofline_GBps": max(read_sum, 2 * read_copy)}
+
+
+def random_trellis(shape_prefix, bits: int) -> mx.array:
+    """Random int16 trellis (every pattern is valid, exl3 spec §2.3): 16K words per tile."""
+    return mx.random.randint(-(1 << 15), 1 << 15, (*shape_prefix, 16 * bits), dtype=mx.int16)
+
+
+def random_words(shape) -> mx.array:
+    """Random packed uint32 words (for MLX's quantized formats; only the timing matters)."""
+    return mx.random.randint(-(1 << 31), (1 << 31) - 1, shape, dtype=mx.int32).view(mx.uint32)
+
+
+def exl3_case(name, k, n, bits, m, args, roofline) -> dict:
+    tk, tn = k // 16, n // 16
+    set_bytes = k * n * bits // 8 + 2 * (k + n)
+    sets = []
+    for _ in range(n_sets(set_bytes, args.rotate_mib)):
+        sets.append((random_trellis((tk, tn), bits), (mx.random.normal((k,)) * 0.02).astype(mx.float16),
+                     mx.random.normal((n,)).astype(mx.float16)))
+    mx.eval(sets)
+    x = mx.random.normal((m, k)).astype(mx.bfloat16)
+    calls = calls_for(len(sets), args.calls)
+    us = per_call_us(lambda i: ops.linear(x, *sets[i % len(sets)], "mul1"), calls, args.repeats)
+    splits, per_split, wpc = ops._split_plan(k // 128, n // 128)
+    packed = k * n * bits // 8
+    anchor = ANCHOR.get((name, bits), (None, None))[0 if m == 1 else 1]
+    del sets
+    return {"kind": "exl3", "shape": name, "k": k, "n": n, "K": bits, "m": m, "us": us,
+            "packed_GBps": packed / us / 1e3, "roofline_frac": packed / us / 1e3 / roofline,
+            "anchor_us": anchor, "calls": calls, "splits": splits, "wpc": wpc,
+            "launches": 1 if (m <= ops.GEMV_MAX_ROWS and splits == 1) else 2}
+
+
+def mlx_case(name, k, n, fmt, m, args, roofline) -> dict:
+    def one():
+        w = mx.random.normal((n, k)).astype(mx.bfloat16) * 0.02
+        if fmt == "bf16":
+            return (w,)
+        if fmt == "affine4":
+            return mx.quantize(w, group_size=64, bits=4)
+        return mx.quantize(w, mode="mxfp4")
+
+    w0 = one()
+    set_bytes = sum(a.nbytes for a in w0)
+    sets = [w0] + [one() for _ in range(n_sets(set_bytes, args.rotate_mib) - 1)]
+    mx.eval(sets)
+    x = mx.random.normal((m, k)).astype(mx.bfloat16)
+
+    def launch(i):
+        w = sets[i % len(sets)]
+        if fmt == "bf16":
+            return x @ w[0].T
+        if fmt == "affine4":
+            return mx.quantized_matmul(x, *w, transpose=True, group_size=64, bits=4)
+        return mx.quantized_matmul(x, *w, transpose=True, mode="mxfp4")
+
+    calls = calls_for(len(sets), args.calls)
+    us = per_call_us(launch, calls, args.repeats)
+    del sets
+    return {"kind": "mlx", "shape": name, "k": k, "n": n, "format": fmt, "m": m, "us": us,
+            "packed_GBps": set_bytes / us / 1e3, "roofline_frac": set_bytes / us / 1e3 / roofline, "calls": calls}
+
+
+def routing(calls: int, seed: int):
+    key = mx.random.key(seed)
+    picks = []
+    for i in range(calls):
+        k1, k2, key = mx.random.split(key, 3)
+        idx = mx.argsort(mx.random.uniform(shape=(N_EXPERTS,), key=k1))[:TOP_K].astype(mx.int32)[None]
+        w = mx.random.uniform(0.05, 0.5, (1, TOP_K), key=k2)
+        picks.append((idx, w))
+    mx.eval(picks)
+    return picks
+
+
+def moe_case(bits, args, roofline) -> dict:
+    def projection(k, n):
+        trellis = random_trellis((N_EXPERTS, k // 16, n // 16), bits)
+        suh = (mx.random.normal((N_EXPERTS, k)) * 0.02).astype(mx.float16)
+        svh = mx.random.normal((N_EXPERTS, n)).astype(mx.float16)
+        return EXL3ExpertProjection.from_stacked(trellis, suh, svh, "mul1")
+
+    experts = EXL3Experts(projection(HIDDEN, INTER), projection(HIDDEN, INTER), projection(INTER, HIDDEN), N_EXPERTS)
+    mx.eval(experts.parameters())
+    x = mx.random.normal((1, HIDDEN)).astype(mx.bfloat16)
+    picks = routing(args.moe_calls, seed=bits)
+    us = per_call_us(lambda i: experts(x, *picks[i]), args.moe_calls, args.repeats)
+    packed = TOP_K * 3 * HIDDEN * INTER * bits // 8
+    del experts
+    return {"kind": "exl3_moe", "K": bits, "us": us, "packed_GBps": packed / us / 1e3,
+            "roofline_frac": packed / us / 1e3 / roofline, "anchor_us": MOE_ANCHOR[bits],
+            "target_us": MOE_TARGET_US if bits == 3 else None, "calls": args.moe_calls}
+
+
+def moe_mlx_case(fmt, args, roofline) -> dict:
+    """mlx-lm's SwitchGLU pattern: gather_qmm gate, up, silu * up, gather_qmm down (random bits)."""
+    def stack(n, k):
+        if fmt == "affine4":
+            w = random_words((N_EXPERTS, n, k // 8))
+            scales = (mx.random.uniform(shape=(N_EXPERTS, n, k // 64)) * 0.01).astype(mx.bfloat16)
+            return w, scales, (mx.random.normal((N_EXPERTS, n, k // 64)) * 0.01).astype(mx.bfloat16)
+        w = random_words((N_EXPERTS, n, k // 8))
+        return w, mx.random.randint(118, 126, (N_EXPERTS, n, k // 32)).astype(mx.uint8)
+
+    gate, up, down = stack(INTER, HIDDEN), stack(INTER, HIDDEN), stack(HIDDEN, INTER)
+    mx.eval(gate, up, down)
+    kw = dict(transpose=True, group_size=64, bits=4) if fmt == "affine4" else dict(transpose=True, mode="mxfp4")
+    x = mx.random.normal((1, 1, 1, HIDDEN)).astype(mx.bfloat16)
+    picks = routing(args.moe_calls, seed=99)
+
+    def launch(i):
+        idx, w = picks[i]
+        g = mx.gather_qmm(x, *gate, rhs_indices=idx, **kw)
+        u = mx.gather_qmm(x, *up, rhs_indices=idx, **kw)
+        h = (g * mx.sigmoid(g) * u).astype(mx.bfloat16)
+        y = mx.gather_qmm(h, *down, rhs_indices=idx, **kw)
+        return (y.squeeze(-2) * w[..., None]).sum(axis=-2)
+
+    us = per_call_us(launch, args.moe_calls, args.repeats)
+    packed = sum(a.nbytes for a in (*gate, *up, *down)) * TOP_K // N_EXPERTS
+    del gate, up, down
+    return {"kind": "mlx_moe", "format": fmt, "us": us, "packed_GBps": packed / us / 1e3,
+            "roofline_frac": packed / us / 1e3 / roofline, "calls": args.moe_calls}
+
+
+def fmt_us(v):
+    return "–" if v is None else f"{v:.1f}"
+
+
+def print_tables(bw, rows):
+    print(f"\nDevice read bandwidth: {bw['roofline_GBps']:.0f} GB/s (sum {bw['sum_read_GBps']:.0f}, "
+          f"copy {bw['copy_total_GBps']:.0f} GB/s read+write)\n")
+    print("| shape (in x out) | K | m | EXL3 µs | packed GB/s | of roofline | launches | exllamav3 µs | vs exllamav3 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if r["kind"] != "exl3":
+            continue
+        ratio = "–" if r["anchor_us"] is None else f"{r['anchor_us'] / r['us']:.2f}x"
+        print(f"| {r['shape']} {r['k']}x{r['n']} | {r['K']} | {r['m']} | {r['us']:.1f} | {r['packed_GBps']:.0f} | "
+              f"{100 * r['roofline_frac']:.0f}% | {r['launches']} | {fmt_us(r['anchor_us'])} | {ratio} |")
+    mlx_rows = [r for r in rows if r["kind"] == "mlx"]
+    if mlx_rows:
+        print("\n| shape (in x out) | m | MLX bf16 µs | MLX affine4 µs | MLX mxfp4 µs |")
+        print("|---|---:|---:|---:|---:|")
+        for name, k, n in SHAPES:
+            for m in sorted({r["m"] for r in mlx_rows}):
+                got = {r["format"]: r["us"] for r in mlx_rows if r["shape"] == name and r["m"] == m}
+                if got:
+                    print(f"| {name} {k}x{n} | {m} | {fmt_us(got.get('bf16'))} | {fmt_us(got.get('affine4'))} | "
+                          f"{fmt_us(got.get('mxfp4'))} |")
+    moe = [r for r in rows if r["kind"] in ("exl3_moe", "mlx_moe")]
+    if moe:
+        print("\n| MoE block, 1 token, 6 of 384 experts | µs | packed GB/s | of roofline | exllamav3 µs | target µs |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for r in moe:
+            label = f"EXL3 K={r['K']}" if r["kind"] == "exl3_moe" else f"MLX gather_qmm {r['format']}"
+            print(f"| {label} | {r['us']:.1f} | {r['packed_GBps']:.0f} | {100 * r['roofline_frac']:.0f}% | "
+                  f"{fmt_us(r.get('anchor_us'))} | {fmt_us(r.get('target_us'))} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=16, help="minimum launches per evaluation")
+    ap.add_argument("--moe-calls", type=int, default=100)
+    ap.add_argument("--rotate-mib", type=int, default=256)
+    ap.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 5])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES])
+    ap.add_argument("--skip-mlx", action="store_true", help="no MLX baselines")
+    ap.add_argument("--skip-moe", action="store_true")
+    args = ap.parse_args()
+    if backend() == "cpu":
+        print("bench_exl3: needs an MLX GPU backend (Metal or CUDA); nothing measured")
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    bw = device_read_bandwidth(args.repeats)
+    roofline = bw["roofline_GBps"]
+    rows = []
+    shapes = [s for s in SHAPES if s[0] in args.shapes]
+    for name, k, n in shapes:
+        for bits in args.bits:
+            for m in args.rows:
+                rows.append(exl3_case(name, k, n, bits, m, args, roofline))
+                print(f"  {name} K={bits} m={m}: {rows[-1]['us']:.1f} µs "
+                      f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+    if not args.skip_mlx:
+        for name, k, n in shapes:
+            for fmt in ("bf16", "affine4", "mxfp4"):
+                for m in args.rows:
+                    rows.append(mlx_case(name, k, n, fmt, m, args, roofline))
+        print(f"  MLX baselines done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+    if not args.skip_moe:
+        for bits in args.bits:
+            rows.append(moe_case(bits, args, roofline))
+            print(f"  MoE K={bits}: {rows[-1]['us']:.1f} µs ({time.perf_counter() - t_start:.0f} s)",
+                  file=sys.stderr, flush=True)
+        if not args.skip_mlx:
+            for fmt in ("affine4", "mxfp4"):
+                rows.append(moe_mlx_case(fmt, args, roofline))
+    print_tables(bw, rows)
+    total = time.perf_counter() - t_start
+    print(f"\nbench_exl3: {total:.0f} s")
+    result = {"device": str(mx.default_device()), "backend": backend(), "mlx": mx.__version__,
+              "bandwidth": bw, "rows": rows, "seconds": total, "args": {k: str(v) for k, v in vars(args).items()}}
+    (args.out / "bench_exl3.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+// exl3_expert_gate_up: for each routed slot, the k-split partial sums (before the output transform)
+// of g = w1_e·x and u = w3_e·x for the experts of one (K, codebook) group (exl3 spec §3.3 steps
+// 1-3, one row each; only the selected experts' tiles are read). Grid: x = 128-column blocks of the
+// intermediate dim, y = k split, z = 2*slot + (0: w1, 1: w3); threadgroups as in exl3_gemv (M = 1).
+// Slots whose expert has this projection in another group keep prev (HAS_PREV) or get 0, as do
+// slots outside the held range; launches for the other groups fill them in turn.
+// Inputs: x [T, in], indices [T, top_k] int32, suh1/suh3 [E, k], t1/t3 [G, k/16, n/16, 16K] int16
+// (this group's stacks), p1/p3 [E] int32 (local expert -> index in the stack, -1 if elsewhere),
+// prev [slots, 2, splits, n] float32, params [3] = (first held expert, 128-blocks per split, splits).
+// Output: out [slots, 2, splits, n] float32. Template: K2, CB, WPC, HAS_PREV.
+const u32 lane = KX_LANE, warp = KX_WARP;
+const u32 col_block = KX_TGID_X, split = KX_TGID_Y;
+const u32 slot = KX_TGID_Z >> 1, mat = KX_TGID_Z & 1u;
+const u32 top_k = indices_shape[1], in_features = x_shape[1];
+const u32 n_local = p1_shape[0];
+const u32 tiles_k = t1_shape[1], tiles_n = t1_shape[2];
+const u32 n = tiles_n * 16, row_words = tiles_n * 4 * K2;
+const u32 per_split = (u32)params[1], splits = (u32)params[2];
+const int e = indices[slot] - params[0];
+const int pos = (e >= 0 && e < (int)n_local) ? (mat ? p3[e] : p1[e]) : -2;
+const u64 base = (((u64)slot * 2 + mat) * splits + split) * n + col_block * 128;
+if (pos < 0) {
+  // Uniform over the threadgroup: nothing below is reached.
+  for (u32 i = KX_LID_X; i < 128; i += 256 * WPC) out[base + i] = (HAS_PREV && pos == -1) ? prev[base + i] : 0.0f;
+  return;
+}
+const u32 kb_begin = split * per_split;
+const u32 kb_end = min(kb_begin + per_split, tiles_k / 8);
+KX_SHARED(u32, xs, EXL3_XS_WORDS);
+KX_SHARED(float, ys, WPC * 128);
+
+const Exl3Lane l = exl3_lane<K2>(lane);
+const u32 kgroup = warp / 8, col0 = (warp % 8) * 16;
+const KX_DEVICE u32* column = (const KX_DEVICE u32*)(mat ? t3 : t1) +
+                              (u64)pos * tiles_k * row_words + (u64)(col_block * 8 + warp % 8) * (4 * K2);
+const u64 suh_offset = (u64)e * tiles_k * 16;
+Exl3Acc<1> acc = exl3_acc_zero<1>();
+for (u32 kb = kb_begin; kb < kb_end; kb += EXL3_CHUNK_BLOCKS(1)) {
+  const u32 nb = min((u32)EXL3_CHUNK_BLOCKS(1), kb_end - kb);
+  KX_BARRIER();
+  exl3_stage_input<1>(xs, x + (u64)(slot / top_k) * in_features, (mat ? suh3 : suh1) + suh_offset, 1u,
+                      in_features, kb, nb, warp, 8 * WPC, lane);
+  KX_BARRIER();
+  acc = exl3_tile_column<K2, CB, 1, WPC>(acc, column + (u64)kb * 8 * row_words, row_words, xs, nb * 8, kgroup, l, lane);
+}
+exl3_store_acc<1>(ys, exl3_acc_finish<1>(acc, lane), kgroup, col0, lane);
+KX_BARRIER();
+for (u32 j = KX_LID_X; j < 128; j += 256 * WPC) {
+  float s = ys[j];
+  for (int g = 1; g < WPC; g++) s += ys[g * 128 + j];
+  out[base + j] = s;
+}

@@ -1,0 +1,55 @@
+"""EXL3Linear: y = x·W (+ bias) with W kept as the packed trellis (exl3 spec §3.3)."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_dsv41.exl3.stored import check_linear, linear_tensors
+from mlx_dsv41.exl3.trellis import bits_per_weight
+from mlx_dsv41.kernels import exl3 as exl3_ops
+
+
+class EXL3Linear(nn.Module):
+    """A linear layer stored as EXL3 (trellis, suh, svh, codebook[, bias]).
+
+    Calling it on x [..., in_features] returns [..., out_features] in x.dtype. The trellis stays
+    int16 as stored; inputs narrower than the 128-padded k are zero-extended and outputs are
+    trimmed to out_features inside the op.
+    """
+
+    def __init__(self, trellis, suh, svh, codebook: str, bias=None, in_features=None, out_features=None):
+        super().__init__()
+        _, n, k2, self.in_features, self.out_features = check_linear(
+            trellis, suh, svh, codebook, bias, in_features, out_features
+        )
+        self.trellis = trellis
+        self.suh = suh.astype(mx.float16)
+        self.svh = svh.astype(mx.float16)
+        if bias is not None:
+            # exllamav3 keeps the bias in fp16 (an fp32 bias is cast at load, spec §1.2).
+            self.bias = bias[: self.out_features].astype(mx.float16)
+        self.codebook = codebook
+        self.bits = bits_per_weight(k2)
+
+    @classmethod
+    def from_tensors(cls, trellis, suh, svh, codebook: str, bias=None, in_features=None, out_features=None):
+        return cls(trellis, suh, svh, codebook, bias, in_features, out_features)
+
+    @classmethod
+    def from_stored(cls, tensors: Mapping, prefix: str, in_features=None, out_features=None):
+        """From a checkpoint's tensors under ``prefix`` (codebook from the marker tensor)."""
+        t = linear_tensors(tensors, prefix)
+        return cls(t["trellis"], t["suh"], t["svh"], t["codebook"], t["bias"], in_features, out_features)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"EXL3Linear expects [..., {self.in_features}], got {x.shape}")
+        lead = x.shape[:-1]
+        y = exl3_ops.linear(
+            x.reshape(-1, self.in_features), self.trellis, self.suh, self.svh, self.codebook,
+            bias=self.get("bias"), out_features=self.out_features,
+        )
+        return y.reshape(*lead, self.out_features)

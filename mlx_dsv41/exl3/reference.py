@@ -1,0 +1,63 @@
+"""The EXL3 forward in plain MLX: the CPU path and the oracle the kernels are tested against.
+
+    W = diag(suh) · H · W̃ · H · diag(svh)                              (exl3 spec §3.2)
+    y = H(xh @ W̃) ⊙ svh (+ bias),  xh = fp16(H(fp16(x ⊙ suh)))         (spec §3.3, float32 sums)
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_dsv41.exl3.hadamard import hadamard_128, input_transform, output_transform
+from mlx_dsv41.exl3.trellis import reconstruct
+from mlx_dsv41.quant.experts import swiglu
+
+
+def dequantize(trellis, suh, svh, codebook: str) -> mx.array:
+    """W (k, n) float32 in the original basis (y = x @ W)."""
+    w = hadamard_128(reconstruct(trellis, codebook), axis=0)
+    w = hadamard_128(w, axis=1)
+    return suh.astype(mx.float32)[:, None] * w * svh.astype(mx.float32)[None, :]
+
+
+def pad_features(x: mx.array, k: int) -> mx.array:
+    """Zero-extend the last dim of x to k (inputs narrower than the padded weight, spec §1.1)."""
+    extra = k - x.shape[-1]
+    return x if extra == 0 else mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
+def linear(x, trellis, suh, svh, codebook, bias=None, out_features=None, out_dtype=None):
+    """y [m, out_features] = x [m, in] @ W (+ bias), spec §3.3 order, float32 accumulation."""
+    k, n = suh.shape[0], svh.shape[0]
+    out_features = n if out_features is None else out_features
+    xh = input_transform(pad_features(x, k), suh)
+    acc = xh.astype(mx.float32) @ reconstruct(trellis, codebook).astype(mx.float32)
+    y = output_transform(acc, svh)[:, :out_features]
+    if bias is not None:
+        y = y + bias[:out_features].astype(mx.float32)
+    return y.astype(out_dtype or x.dtype)
+
+
+def experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit, linear_fn):
+    """Per-slot expert outputs [T, k, D] float32, one expert at a time.
+
+    Reads the routing to the host and runs each expert in ``expert_range`` that has slots on its
+    tokens with ``linear_fn`` (this module's ``linear`` on CPU, the dispatching op on GPU). Slots
+    routed elsewhere stay exactly 0.
+    """
+    T, top_k = indices.shape
+    lo, hi = expert_range
+    flat = np.array(indices).reshape(-1)
+    out = mx.zeros((T * top_k, w2.out_features), mx.float32)
+    w_flat = weights.reshape(-1).astype(mx.float32)
+    for e in np.unique(flat[(flat >= lo) & (flat < hi)]):
+        slots = np.nonzero(flat == e)[0]
+        s = mx.array(slots.astype(np.int32))
+        xe = x[mx.array((slots // top_k).astype(np.int32))]
+        local = int(e) - lo
+        g = linear_fn(xe, *w1.expert(local), out_features=w1.out_features, out_dtype=mx.float32)
+        u = linear_fn(xe, *w3.expert(local), out_features=w3.out_features, out_dtype=mx.float32)
+        h = swiglu(g, u, limit, w_flat[s][:, None])  # bf16(w * (silu(min(g, L)) * clamp(u)))
+        out[s] = linear_fn(h, *w2.expert(local), out_features=w2.out_features, out_dtype=mx.float32)
+    return out.reshape(T, top_k, w2.out_features)

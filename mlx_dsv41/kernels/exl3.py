@@ -1,0 +1,413 @@
+"""EXL3 ops: reconstruct, linear and routed experts, each on a Metal/CUDA kernel or plain MLX.
+
+    reconstruct(trellis, codebook) -> W̃ (k, n) fp16, bit-exact           (exl3 spec §2)
+    linear(x [m, in], trellis, suh, svh, codebook, bias) -> [m, out]    (exl3 spec §3.3)
+    experts(x [T, D], indices [T, k], weights [T, k], w1, w3, w2, ...) -> [T, k, D] float32
+
+On the CPU every op runs the plain-MLX reference (mlx_dsv41.exl3.reference). On a GPU:
+- ``reconstruct``: exl3_reconstruct (one tile per SIMD group);
+- ``linear`` with m <= 8 rows: exl3_gemv decodes the trellis on the fly; with one k split it also
+  applies the output transform (one launch), otherwise exl3_gemv_out finishes it (two launches).
+  With more rows: reconstruct, then an fp16 matmul between the two transforms (as exllamav3 does
+  above its GEMV sizes);
+- ``experts`` with at most FUSED_MAX_SLOTS slots: exl3_expert_gate_up (w1 and w3 of each selected
+  expert) and exl3_expert_down (SwiGLU + w2), one launch of each per (K, codebook) group present;
+  with more slots: one expert at a time through ``linear``.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import mlx.core as mx
+
+from mlx_dsv41.exl3 import reference
+from mlx_dsv41.exl3.codebook import CODEBOOK_IDS
+from mlx_dsv41.exl3.hadamard import BLOCK, input_transform, output_transform
+from mlx_dsv41.exl3.trellis import HALF_K2, k2_from_trellis_shape
+from mlx_dsv41.exl3.trellis import reconstruct as reconstruct_reference
+from mlx_dsv41.kernels import Kernel, backend, register
+
+GEMV_MAX_ROWS = 8  # rows served by exl3_gemv (the M template: 1, 2, 4 or 8)
+FUSED_MAX_SLOTS = 64  # (token, slot) pairs served by the fused expert kernels
+_TARGET_THREADGROUPS = 512  # enough threadgroups to keep every core of a large GPU streaming
+_LANES = 32
+_X_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+_OUT_KIND = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # the kernels' OUT template value
+
+_HEADERS = ("exl3_decode.h", "exl3_matmul.h")
+
+
+def _examples(name):
+    return lambda: _EXAMPLES[name]()
+
+
+RECONSTRUCT = register(Kernel(
+    "exl3_reconstruct", ("trellis",), ("out",), includes=("exl3_decode.h",), max_threads=256,
+    examples=_examples("exl3_reconstruct"),
+))
+GEMV = register(Kernel(
+    "exl3_gemv", ("x", "suh", "trellis", "svh", "bias", "params"), ("out",), includes=_HEADERS,
+    max_threads=512, examples=_examples("exl3_gemv"),
+))
+GEMV_OUT = register(Kernel(
+    "exl3_gemv_out", ("partial", "svh", "bias"), ("out",), includes=_HEADERS, max_threads=32,
+    examples=_examples("exl3_gemv_out"),
+))
+EXPERT_GATE_UP = register(Kernel(
+    "exl3_expert_gate_up",
+    ("x", "indices", "suh1", "t1", "p1", "suh3", "t3", "p3", "prev", "params"), ("out",),
+    includes=_HEADERS, max_threads=512, examples=_examples("exl3_expert_gate_up"),
+))
+EXPERT_DOWN = register(Kernel(
+    "exl3_expert_down",
+    ("gu", "weights", "indices", "svh1", "svh3", "suh2", "t2", "p2", "svh2", "limit", "prev", "params"),
+    ("out",), includes=_HEADERS + ("exl3_experts.h",), max_threads=512,
+    examples=_examples("exl3_expert_down"),
+))
+
+
+# ------------------------------------------------------------------------------------- checks
+
+
+def _check_trellis(trellis, codebook):
+    k2 = k2_from_trellis_shape(trellis.shape)
+    if trellis.dtype not in (mx.int16, mx.uint16):
+        raise ValueError(f"exl3: trellis must be int16, got {trellis.dtype}")
+    if codebook not in CODEBOOK_IDS:
+        raise ValueError(f"exl3: unknown codebook {codebook!r}; expected one of {tuple(CODEBOOK_IDS)}")
+    if k2 in HALF_K2 and codebook != "mul1":
+        raise ValueError(f"exl3: half-integer K={k2 / 2} needs the mul1 codebook, got {codebook!r}")
+    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+    if k % BLOCK or n % BLOCK:
+        raise ValueError(f"exl3: trellis {trellis.shape} gives {k}x{n}, not multiples of 128")
+    return k2, k, n
+
+
+def _check_linear_args(x, trellis, suh, svh, codebook, bias):
+    k2, k, n = _check_trellis(trellis, codebook)
+    if x.ndim != 2:
+        raise ValueError(f"exl3 linear: x must be [m, in], got shape {x.shape}")
+    if x.dtype not in _X_DTYPES:
+        raise ValueError(f"exl3 linear: x must be float32, float16 or bfloat16, got {x.dtype}")
+    if suh.shape != (k,) or svh.shape != (n,):
+        raise ValueError(f"exl3 linear: trellis {trellis.shape} needs suh ({k},), svh ({n},); got {suh.shape}, {svh.shape}")
+    if not k - BLOCK < x.shape[1] <= k:
+        raise ValueError(f"exl3 linear: x has {x.shape[1]} features, the weight is padded to {k}")
+    if bias is not None and (bias.ndim != 1 or not n - BLOCK < bias.shape[0] <= n):
+        raise ValueError(f"exl3 linear: bias {bias.shape} does not match {n} (padded) outputs")
+    return k2, k, n
+
+
+# --------------------------------------------------------------------------------- launch plans
+
+
+def _params(*values: int) -> mx.array:
+    """A small int32 array of launch parameters, made once per distinct value (no per-call copy)."""
+    return _cached_params(tuple(int(v) for v in values))
+
+
+@cache
+def _cached_params(values: tuple[int, ...]) -> mx.array:
+    return mx.array(values, mx.int32)
+
+
+@cache
+def _no_positions(n_local: int) -> mx.array:
+    """Positions for a projection with no expert in a group: every expert elsewhere."""
+    return mx.full((n_local,), -1, mx.int32)
+
+
+def _split_plan(k_blocks: int, n_blocks: int) -> tuple[int, int, int]:
+    """(splits, 128-blocks per split, SIMD groups per tile column) for n_blocks column blocks."""
+    if n_blocks >= _TARGET_THREADGROUPS // 2:
+        return 1, k_blocks, 1
+    splits = min(k_blocks, -(-_TARGET_THREADGROUPS // n_blocks))
+    per_split = -(-k_blocks // splits)
+    splits = -(-k_blocks // per_split)
+    wpc = 2 if n_blocks * splits < _TARGET_THREADGROUPS // 2 else 1
+    return splits, per_split, wpc
+
+
+def _rows_template(m: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(m)))
+
+
+# ------------------------------------------------------------------------------- launch kwargs
+
+
+def reconstruct_args(trellis, codebook: str, guard_rows: int = 0, init_value=None) -> dict:
+    """exl3_reconstruct call kwargs; ``guard_rows`` extra output rows (tests) are never written."""
+    k2 = k2_from_trellis_shape(trellis.shape)
+    tk, tn, _ = trellis.shape
+    return dict(
+        inputs=[trellis],
+        output_shapes=[(tk * 16 + guard_rows, tn * 16)],
+        output_dtypes=[mx.float16],
+        grid=(tn // 8 * 256, tk, 1),
+        threadgroup=(256, 1, 1),
+        template=[("K2", k2), ("CB", CODEBOOK_IDS[codebook])],
+        init_value=init_value,
+    )
+
+
+def gemv_args(x, trellis, suh, svh, codebook: str, bias=None, out_dtype=None, splits=None, wpc=None,
+              guard_rows: int = 0, init_value=None) -> list[dict]:
+    """Call kwargs of exl3_gemv (and exl3_gemv_out when k is split); the second call's partial
+    input is filled in by the caller. Tests: ``splits`` / ``wpc`` override the plan; ``guard_rows``
+    adds never-written rows to y (splits to the partial sums)."""
+    k2 = k2_from_trellis_shape(trellis.shape)
+    m = x.shape[0]
+    k_blocks, n_blocks = trellis.shape[0] // 8, trellis.shape[1] // 8
+    n = n_blocks * BLOCK
+    plan_splits, per_split, plan_wpc = _split_plan(k_blocks, n_blocks)
+    wpc = plan_wpc if wpc is None else wpc
+    if splits is not None:
+        per_split = -(-k_blocks // splits)
+        plan_splits = -(-k_blocks // per_split)
+    out_dtype = out_dtype or x.dtype
+    fused = plan_splits == 1
+    has_bias = bias is not None
+    bias_in = bias if has_bias else svh
+    gemv = dict(
+        inputs=[x, suh, trellis, svh, bias_in, _params(per_split)],
+        output_shapes=[(m + guard_rows, n) if fused else (plan_splits + guard_rows, m, n)],
+        output_dtypes=[out_dtype if fused else mx.float32],
+        grid=(n_blocks * 256 * wpc, plan_splits, 1),
+        threadgroup=(256 * wpc, 1, 1),
+        template=[("K2", k2), ("CB", CODEBOOK_IDS[codebook]), ("M", _rows_template(m)), ("WPC", wpc),
+                  ("FUSED", fused), ("HAS_BIAS", has_bias), ("OUT", _OUT_KIND[out_dtype] if fused else 0)],
+        init_value=init_value,
+    )
+    if fused:
+        return [gemv]
+    finish = dict(
+        inputs=[None, svh, bias_in],
+        output_shapes=[(m + guard_rows, n)],
+        output_dtypes=[out_dtype],
+        grid=(n_blocks * _LANES, m, 1),
+        threadgroup=(_LANES, 1, 1),
+        template=[("HAS_BIAS", has_bias), ("OUT", _OUT_KIND[out_dtype])],
+        init_value=init_value,
+    )
+    return [gemv, finish]
+
+
+def expert_plan(w1, slots: int) -> tuple[int, int, int]:
+    """(splits, 128-blocks per split, SIMD groups per column) of exl3_expert_gate_up."""
+    return _split_plan(w1.k // BLOCK, 2 * slots * (w1.n // BLOCK))
+
+
+def gate_up_args(x, indices, w1, w3, key, lo: int, prev=None, wpc=None, guard: int = 0, init_value=None) -> dict:
+    """exl3_expert_gate_up call kwargs for the (k2, codebook) group ``key`` of w1 and w3 (tests:
+    ``wpc`` overrides the plan, ``guard`` adds never-written slots)."""
+    slots = indices.size
+    splits, per_split, plan_wpc = expert_plan(w1, slots)
+    wpc = plan_wpc if wpc is None else wpc
+    g1, g3 = _group(w1, key), _group(w3, key)
+    t1 = (g1 or g3).trellis
+    t3 = (g3 or g1).trellis
+    p1 = g1.position if g1 else _no_positions(w1.n_local)
+    p3 = g3.position if g3 else _no_positions(w3.n_local)
+    return dict(
+        inputs=[x, indices, w1.suh, t1, p1, w3.suh, t3, p3, indices if prev is None else prev,
+                _params(lo, per_split, splits)],
+        output_shapes=[(slots + guard, 2, splits, w1.n)],
+        output_dtypes=[mx.float32],
+        grid=(w1.n // BLOCK * 256 * wpc, splits, 2 * slots),
+        threadgroup=(256 * wpc, 1, 1),
+        template=[("K2", key[0]), ("CB", CODEBOOK_IDS[key[1]]), ("WPC", wpc), ("HAS_PREV", prev is not None)],
+        init_value=init_value,
+    )
+
+
+def down_args(gu, weights, indices, w1, w3, w2, group, lo: int, limit: float, prev=None, wpc=None,
+              guard: int = 0, init_value=None) -> dict:
+    """exl3_expert_down call kwargs for one (k2, codebook) group of w2 (tests: as gate_up_args)."""
+    slots = indices.size
+    n_blocks = w2.n // BLOCK
+    if wpc is None:
+        wpc = 2 if slots * n_blocks < _TARGET_THREADGROUPS // 2 else 1
+    return dict(
+        inputs=[gu, weights, indices, w1.svh, w3.svh, w2.suh, group.trellis, group.position, w2.svh,
+                _limit(limit), weights if prev is None else prev, _params(lo, w1.out_features)],
+        output_shapes=[(slots + guard, w2.n)],
+        output_dtypes=[mx.float32],
+        grid=(n_blocks * 256 * wpc, slots, 1),
+        threadgroup=(256 * wpc, 1, 1),
+        template=[("K2", group.k2), ("CB", CODEBOOK_IDS[group.codebook]), ("WPC", wpc),
+                  ("HAS_PREV", prev is not None)],
+        init_value=init_value,
+    )
+
+
+def _group(proj, key):
+    for g in proj.groups:
+        if (g.k2, g.codebook) == key:
+            return g
+    return None
+
+
+def _limit(limit: float) -> mx.array:
+    return _limit_array(float(limit))
+
+
+@cache
+def _limit_array(limit: float) -> mx.array:
+    return mx.array([limit], mx.float32)
+
+
+# ----------------------------------------------------------------------------------------- ops
+
+
+def reconstruct(trellis: mx.array, codebook: str) -> mx.array:
+    """W̃ (k, n) fp16, bit-exact (exl3 spec §2)."""
+    _check_trellis(trellis, codebook)
+    if backend() == "cpu":
+        return reconstruct_reference(trellis, codebook)
+    return RECONSTRUCT(**reconstruct_args(trellis, codebook))[0]
+
+
+def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, out_dtype=None):
+    """y [m, out_features] = x [m, in] · W (+ bias) in ``out_dtype`` (default x.dtype)."""
+    _, k, n = _check_linear_args(x, trellis, suh, svh, codebook, bias)
+    out_features = n if out_features is None else out_features
+    if out_dtype is not None and out_dtype not in _OUT_KIND:
+        raise ValueError(f"exl3 linear: out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    if x.shape[0] == 0:
+        return mx.zeros((0, out_features), out_dtype or x.dtype)
+    if backend() == "cpu":
+        return reference.linear(x, trellis, suh, svh, codebook, bias, out_features, out_dtype)
+    out_dtype = out_dtype or x.dtype
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        y = _gemv(x, trellis, suh, svh, codebook, bias, out_dtype)
+        return y if out_features == n else y[:, :out_features]
+    # Prefill: W̃ once per call, an fp16 GEMM (fp32 accumulation) between the two transforms.
+    xh = input_transform(reference.pad_features(x, k), suh)
+    acc = (xh @ reconstruct(trellis, codebook)).astype(mx.float32)
+    y = output_transform(acc, svh)[:, :out_features]
+    if bias is not None:
+        y = y + bias[:out_features].astype(mx.float32)
+    return y.astype(out_dtype)
+
+
+def _gemv(x, trellis, suh, svh, codebook, bias, out_dtype):
+    if bias is not None and bias.shape[0] != svh.shape[0]:
+        bias = reference.pad_features(bias[None], svh.shape[0])[0]
+    calls = gemv_args(x, trellis, suh, svh, codebook, bias, out_dtype)
+    out = GEMV(**calls[0])[0]
+    if len(calls) == 2:
+        calls[1]["inputs"][0] = out
+        out = GEMV_OUT(**calls[1])[0]
+    return out
+
+
+def _check_experts_args(x, indices, weights, w1):
+    if x.ndim != 2 or x.shape[1] != w1.in_features or x.dtype not in _X_DTYPES:
+        raise ValueError(f"exl3 experts: x must be float [T, {w1.in_features}], got {x.dtype} {x.shape}")
+    if indices.ndim != 2 or indices.shape[0] != x.shape[0] or indices.dtype != mx.int32:
+        raise ValueError(f"exl3 experts: indices must be int32 [T={x.shape[0]}, k], got {indices.dtype} {indices.shape}")
+    if weights.shape != indices.shape or weights.dtype != mx.float32:
+        raise ValueError(f"exl3 experts: weights must be float32 {indices.shape}, got {weights.dtype} {weights.shape}")
+
+
+def experts(x, indices, weights, w1, w3, w2, expert_range, limit: float):
+    """Per-slot outputs [T, k, D] float32 (see mlx_dsv41.exl3.experts.EXL3Experts)."""
+    _check_experts_args(x, indices, weights, w1)
+    if indices.size == 0:
+        return mx.zeros((*indices.shape, w2.out_features), mx.float32)
+    if backend() == "cpu":
+        return reference.experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit, reference.linear)
+    if indices.size > FUSED_MAX_SLOTS:
+        return reference.experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit, linear)
+    return _experts_fused(x, indices, weights, w1, w3, w2, expert_range[0], limit)
+
+
+def _experts_fused(x, indices, weights, w1, w3, w2, lo, limit):
+    T, top_k = indices.shape
+    gu = None
+    for key in sorted({(g.k2, g.codebook) for g in (*w1.groups, *w3.groups)}):
+        gu = EXPERT_GATE_UP(**gate_up_args(x, indices, w1, w3, key, lo, prev=gu))[0]
+    y = None
+    for group in w2.groups:
+        y = EXPERT_DOWN(**down_args(gu, weights, indices, w1, w3, w2, group, lo, limit, prev=y))[0]
+    if w2.out_features != w2.n:
+        y = y[:, : w2.out_features]
+    return y.reshape(T, top_k, w2.out_features)
+
+
+# ------------------------------------------------------------------------------ CI examples
+
+
+def _example_linear(k, n, bits, codebook, seed):
+    from mlx_dsv41.exl3.testing import random_linear_tensors
+
+    t = random_linear_tensors(k, n, bits, codebook, seed=seed, bias=True)
+    return mx.array(t["trellis"]), mx.array(t["suh"]), mx.array(t["svh"]), mx.array(t["bias"])
+
+
+def _example_reconstruct():
+    calls = []
+    for bits, codebook in ((2, "mul1"), (2.5, "mul1"), (5, "mcg"), (8, "3inst")):
+        trellis, *_ = _example_linear(128, 256, bits, codebook, 1)
+        calls.append(reconstruct_args(trellis, codebook))
+    return calls
+
+
+def _example_gemv():
+    calls = []
+    for m, bits, codebook, dtype, splits in ((1, 3, "mul1", mx.bfloat16, 1), (8, 6, "mcg", mx.float16, 2),
+                                             (3, 1.5, "mul1", mx.float32, None), (2, 7, "3inst", mx.bfloat16, 1)):
+        trellis, suh, svh, bias = _example_linear(256, 256, bits, codebook, 2)
+        x = mx.random.normal((m, 250), key=mx.random.key(3)).astype(dtype)
+        calls.append(gemv_args(x, trellis, suh, svh, codebook, bias, splits=splits)[0])
+    return calls
+
+
+def _example_gemv_out():
+    trellis, suh, svh, bias = _example_linear(256, 256, 4, "mul1", 4)
+    x = mx.random.normal((2, 256), key=mx.random.key(5)).astype(mx.bfloat16)
+    finish = gemv_args(x, trellis, suh, svh, "mul1", bias, splits=2)[1]
+    finish["inputs"][0] = mx.zeros((2, 2, 256), mx.float32)
+    return [finish]
+
+
+def _example_experts():
+    from mlx_dsv41.exl3.experts import EXL3Experts
+    from mlx_dsv41.exl3.testing import random_experts_tensors
+
+    tensors = random_experts_tensors(4, 256, 384, bits={"w1": 3, "w3": 3, "w2": (2, 4)}, seed=6)
+    ex = EXL3Experts.from_tensors(tensors, "experts", 4, (1, 4))
+    x = mx.random.normal((2, 256), key=mx.random.key(8)).astype(mx.bfloat16)
+    indices = mx.array([[1, 3], [0, 2]], mx.int32)
+    weights = mx.array([[0.5, 0.25], [1.0, 0.125]], mx.float32)
+    return ex, x, indices, weights
+
+
+def _example_gate_up():
+    ex, x, indices, weights = _example_experts()
+    key = (ex.w1.groups[0].k2, ex.w1.groups[0].codebook)
+    first = gate_up_args(x, indices, ex.w1, ex.w3, key, 1)
+    splits = first["output_shapes"][0][2]
+    prev = mx.zeros((indices.size, 2, splits, ex.w1.n), mx.float32)
+    return [first, gate_up_args(x, indices, ex.w1, ex.w3, key, 1, prev=prev)]
+
+
+def _example_down():
+    ex, x, indices, weights = _example_experts()
+    splits = expert_plan(ex.w1, indices.size)[0]
+    gu = mx.zeros((indices.size, 2, splits, ex.w1.n), mx.float32)
+    calls = [down_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, g, 1, 10.0) for g in ex.w2.groups]
+    calls.append(down_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, ex.w2.groups[0], 1, 10.0,
+                           prev=mx.zeros((indices.size, ex.w2.n), mx.float32)))
+    return calls
+
+
+_EXAMPLES = {
+    "exl3_reconstruct": _example_reconstruct,
+    "exl3_gemv": _example_gemv,
+    "exl3_gemv_out": _example_gemv_out,
+    "exl3_expert_gate_up": _example_gate_up,
+    "exl3_expert_down": _example_down,
+}

@@ -1,0 +1,222 @@
+"""EXL3 kernels on the GPU (run by `bash benchmarks/gpu_run.sh tests`; skipped on the CPU).
+
+- exl3_reconstruct bit-exact to the plain-MLX reference (run on the CPU stream) for K = 1..8 x
+  every codebook and K = 1.5/2.5/3.5 (MUL1);
+- exl3_gemv (+ exl3_gemv_out) for every K x codebook, m = 1..8, fused and k-split, against float64
+  (independent numpy decoder) and against the reference path;
+- the fused expert kernels (mixed K and codebooks, a partial expert range, padded dims) against a
+  float64 per-expert reference; the many-slot path; the public ops' dispatch;
+- outputs poisoned before launch (init_value NaN) with guard rows past the shape left untouched;
+  five repeats byte-identical.
+"""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import exl3_numpy
+from mlx_dsv41.exl3 import EXL3Experts, EXL3Linear, reference
+from mlx_dsv41.exl3.testing import random_experts_tensors, random_linear_tensors
+from mlx_dsv41.kernels import exl3 as ops
+from test_exl3_layers import experts_f64
+
+BITS = (1, 2, 3, 4, 5, 6, 7, 8)
+CODEBOOKS = ("3inst", "mcg", "mul1")
+NAN = float("nan")
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def to_np(a: mx.array) -> np.ndarray:
+    mx.eval(a)
+    return np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
+
+
+def on_cpu(fn, *args, **kwargs):
+    with mx.stream(mx.cpu):
+        out = fn(*args, **kwargs)
+        mx.eval(out)
+    return out
+
+
+def same_bytes(arrays):
+    first = np.ascontiguousarray(arrays[0]).view(np.uint8)
+    return all(np.array_equal(first, np.ascontiguousarray(a).view(np.uint8)) for a in arrays[1:])
+
+
+def linear_tensors_mx(t):
+    return mx.array(t["trellis"]), mx.array(t["suh"]), mx.array(t["svh"])
+
+
+# ----------------------------------------------------------------------------------- reconstruct
+
+RECONSTRUCT_CASES = [(b, c) for b in BITS for c in CODEBOOKS] + [(b, "mul1") for b in (1.5, 2.5, 3.5)]
+
+
+@pytest.mark.parametrize("bits,codebook", RECONSTRUCT_CASES)
+def test_reconstruct_bit_exact(bits, codebook):
+    t = random_linear_tensors(512, 1024, bits, codebook, seed=int(bits * 10) + len(codebook))
+    trellis = mx.array(t["trellis"])
+    want = np.array(on_cpu(reference.reconstruct, trellis, codebook)).view(np.uint16)
+    outs = []
+    for _ in range(5):
+        out = ops.RECONSTRUCT(**ops.reconstruct_args(trellis, codebook, guard_rows=4, init_value=NAN))[0]
+        mx.eval(out)
+        outs.append(np.array(out))
+    got = outs[0]
+    assert np.array_equal(got[:512].view(np.uint16), want)
+    assert np.all(np.isnan(got[512:]))  # guard rows untouched
+    assert same_bytes(outs)
+    assert np.array_equal(np.array(ops.reconstruct(trellis, codebook)).view(np.uint16), want)  # public op
+
+
+# ------------------------------------------------------------------------------------------ GEMV
+
+
+def gemv_run(x, trellis, suh, svh, codebook, bias, out_dtype, splits, wpc, guard_rows=2):
+    """exl3_gemv (+ exl3_gemv_out) with poisoned, guard-padded outputs; returns (y, partial)."""
+    calls = ops.gemv_args(x, trellis, suh, svh, codebook, bias, out_dtype, splits=splits, wpc=wpc,
+                          guard_rows=guard_rows, init_value=NAN)
+    out = ops.GEMV(**calls[0])[0]
+    partial = None
+    if len(calls) == 2:
+        partial = out
+        calls[1]["inputs"][0] = partial[: partial.shape[0] - guard_rows]
+        out = ops.GEMV_OUT(**calls[1])[0]
+    mx.eval(out)
+    return to_np(out), (None if partial is None else to_np(partial))
+
+
+def check_gemv(m, in_f, out_f, bits, codebook, dtype, out_dtype, splits, wpc, bias, seed):
+    t = random_linear_tensors(in_f, out_f, bits, codebook, seed=seed, bias=bias)
+    trellis, suh, svh = linear_tensors_mx(t)
+    b = mx.array(t["bias"]) if bias else None
+    x = (mx.random.normal((m, in_f), key=mx.random.key(seed)) * 2).astype(dtype)
+    runs = [gemv_run(x, trellis, suh, svh, codebook, b, out_dtype, splits, wpc) for _ in range(5)]
+    y, partial = runs[0]
+    assert same_bytes([r[0] for r in runs])
+    assert np.all(np.isnan(y[m:])) and not np.any(np.isnan(y[:m]))
+    if partial is not None:
+        assert np.all(np.isnan(partial[-2:])) and not np.any(np.isnan(partial[:-2]))
+    y = y[:m, :out_f]
+    x64 = to_np(x).astype(np.float64)
+    w64 = exl3_numpy.dequantize(t["trellis"], t["suh"], t["svh"], codebook)[:in_f, :out_f]
+    y64 = x64 @ w64 + (t["bias"][:out_f].astype(np.float64) if bias else 0.0)
+    out_eps = {mx.float32: 0.0, mx.float16: 2**-11, mx.bfloat16: 2**-8}[out_dtype]
+    assert rel_err(y, y64) < 1.5e-3 + out_eps  # fp16 xh (spec §3.3), MMA fp32 accumulation
+    want = to_np(on_cpu(reference.linear, x, trellis, suh, svh, codebook, b, out_f, out_dtype))
+    assert rel_err(y, want) < 2e-4 + out_eps
+
+
+@pytest.mark.parametrize("bits,codebook", [(b, c) for b in BITS for c in CODEBOOKS] + [(2.5, "mul1")])
+def test_gemv_every_k_and_codebook(bits, codebook):
+    # One fused launch; MUL1 with one SIMD group per tile column, the others with two.
+    check_gemv(1, 1024, 768, bits, codebook, mx.bfloat16, mx.float32, 1, 1 if codebook == "mul1" else 2, False,
+               seed=int(bits * 4) + len(codebook))
+
+
+@pytest.mark.parametrize(
+    "m,in_f,out_f,bits,dtype,out_dtype,splits,wpc,bias",
+    [
+        (1, 2048, 512, 3, mx.bfloat16, mx.bfloat16, None, None, False),  # planned: split, 2 groups/column
+        (1, 2048, 2048, 4, mx.bfloat16, mx.bfloat16, None, None, False),  # planned: split, 1 group/column
+        (2, 1000, 640, 4, mx.float16, mx.float16, 3, 1, True),  # padded input, bias
+        (5, 1536, 1024, 5, mx.bfloat16, mx.bfloat16, 1, 2, True),
+        (8, 1024, 384, 2, mx.float32, mx.float32, 4, 2, False),
+        (8, 640, 1100, 3.5, mx.bfloat16, mx.bfloat16, None, 1, True),  # padded output, half-integer K
+        (3, 1024, 256, 6, mx.bfloat16, mx.float16, 1, 1, False),
+        (4, 1024, 512, 4, mx.float16, mx.float32, 2, 1, False),
+    ],
+)
+def test_gemv_rows_and_splits(m, in_f, out_f, bits, dtype, out_dtype, splits, wpc, bias):
+    check_gemv(m, in_f, out_f, bits, "mul1", dtype, out_dtype, splits, wpc, bias, seed=m * 31 + in_f + out_f)
+
+
+@pytest.mark.parametrize("m", [1, 7, 20])
+def test_linear_dispatch(m):
+    # Through EXL3Linear: m <= 8 takes exl3_gemv, m = 20 reconstruct + fp16 matmul.
+    t = random_linear_tensors(1000, 900, 4, "mul1", seed=m, bias=True, prefix="p")
+    lin = EXL3Linear.from_stored({k: mx.array(v) for k, v in t.items()}, "p", 1000, 900)
+    x = (mx.random.normal((m, 1000), key=mx.random.key(m)) * 2).astype(mx.bfloat16)
+    y = to_np(lin(x))
+    assert y.shape == (m, 900)
+    w64 = exl3_numpy.dequantize(t["p.trellis"], t["p.suh"], t["p.svh"], "mul1")[:1000, :900]
+    y64 = to_np(x).astype(np.float64) @ w64 + t["p.bias"][:900].astype(np.float64)
+    assert rel_err(y, y64) < 1.5e-3 + 2**-8
+
+
+# --------------------------------------------------------------------------------------- experts
+
+EXPERT_CASES = [
+    # n_experts, hidden, inter, bits, codebook, expert_range, T, top_k
+    (8, 1024, 768, {"w1": 3, "w3": 3, "w2": (3, 2)}, "mul1", None, 1, 6),
+    (8, 1024, 768, {"w1": (4, 3), "w3": 3, "w2": 5}, "mul1", (2, 7), 4, 6),
+    (6, 640, 700, {"w1": 2.5, "w3": 2.5, "w2": 4}, {"w1": "mul1", "w3": "mul1", "w2": ("mcg", "3inst")}, None, 2, 3),
+    (8, 512, 384, 3, "mul1", (1, 8), 12, 6),  # 72 slots: the expert-at-a-time path
+]
+
+
+def make_experts(case, seed):
+    n_experts, hidden, inter, bits, codebook, expert_range, T, top_k = case
+    tensors = random_experts_tensors(n_experts, hidden, inter, bits, codebook, seed=seed, prefix="e")
+    ex = EXL3Experts.from_tensors({k: mx.array(v) for k, v in tensors.items()}, "e", n_experts, expert_range,
+                                  hidden, inter)
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.normal(0, 2, (T, hidden)).astype(np.float32)).astype(mx.bfloat16)
+    indices = np.stack([rng.permutation(n_experts)[:top_k] for _ in range(T)]).astype(np.int32)
+    weights = rng.uniform(0.05, 1.0, (T, top_k)).astype(np.float32)
+    return tensors, ex, x, indices, weights
+
+
+@pytest.mark.parametrize("case", range(len(EXPERT_CASES)))
+def test_experts_vs_float64(case):
+    n_experts, hidden, inter, *_ = EXPERT_CASES[case]
+    tensors, ex, x, indices, weights = make_experts(EXPERT_CASES[case], seed=40 + case)
+    outs = [to_np(ex(x, mx.array(indices), mx.array(weights))) for _ in range(5)]
+    assert same_bytes(outs)
+    y = outs[0]
+    lo, hi = ex.expert_range
+    y64 = experts_f64(tensors, "e", to_np(x).astype(np.float64), indices, weights, hidden, inter, 10.0, lo, hi)
+    outside = (indices < lo) | (indices >= hi)
+    assert np.all(y[outside] == 0) and not np.any(np.signbit(y[outside]))
+    assert rel_err(y[~outside], y64[~outside]) < 2.5e-3
+    for t, s in zip(*np.nonzero(~outside)):  # per slot: bf16 flips of h weigh more on one row
+        assert rel_err(y[t, s], y64[t, s]) < 1e-2
+    want = to_np(on_cpu(reference.experts_by_expert, x, mx.array(indices), mx.array(weights), ex.w1, ex.w3, ex.w2,
+                        ex.expert_range, ex.swiglu_limit, reference.linear))
+    # Many slots run expert by expert, rows > 8 through the fp16 GEMM (fp16 output, as exllamav3).
+    assert rel_err(y, want) < (1e-3 if indices.size <= ops.FUSED_MAX_SLOTS else 3e-3)
+
+
+@pytest.mark.parametrize("case,wpc", [(0, None), (1, None), (2, None), (0, 1), (1, 2)])
+def test_expert_kernels_poisoned_and_guarded(case, wpc):
+    tensors, ex, x, indices, weights = make_experts(EXPERT_CASES[case], seed=40 + case)
+    indices, weights = mx.array(indices), mx.array(weights)
+    lo = ex.expert_range[0]
+    gu = None
+    for key in sorted({(g.k2, g.codebook) for g in (*ex.w1.groups, *ex.w3.groups)}):
+        out = ops.EXPERT_GATE_UP(**ops.gate_up_args(x, indices, ex.w1, ex.w3, key, lo, prev=gu, wpc=wpc,
+                                                    guard=1, init_value=NAN))[0]
+        o = to_np(out)
+        assert np.all(np.isnan(o[-1])) and not np.any(np.isnan(o[:-1]))
+        gu = out[:-1]
+    y = None
+    for group in ex.w2.groups:
+        out = ops.EXPERT_DOWN(**ops.down_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, group, lo,
+                                              ex.swiglu_limit, prev=y, wpc=wpc, guard=1, init_value=NAN))[0]
+        o = to_np(out)
+        assert np.all(np.isnan(o[-1])) and not np.any(np.isnan(o[:-1]))
+        y = out[:-1]
+    T, top_k = indices.shape
+    fused = to_np(y)[:, : ex.w2.out_features].reshape(T, top_k, -1)
+    public = to_np(ex(x, indices, weights))
+    if wpc is None:  # the launches the public op makes: the same bytes
+        assert np.array_equal(fused, public)
+    else:  # other SIMD groups per column: other summation order only
+        assert rel_err(fused, public) < 1e-4
+    assert math.isfinite(float(np.abs(fused).sum()))

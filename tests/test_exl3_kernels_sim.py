@@ -1,0 +1,228 @@
+"""The EXL3 kernel bodies (metal_ext/exl3_*.metal) run on the CPU simulator (tests/exl3_sim) with
+the exact launch kwargs mlx_dsv41.kernels.exl3 hands to MLX: reconstruct bit-exact for every K and
+codebook, the GEMV (both the tensor-core MMA path used on CUDA and the per-lane FMA path used on
+Metal) and the expert kernels against the plain-MLX reference; outputs start poisoned and guard
+rows past the shape must stay untouched. The GPU tests (tests/gpu/test_exl3_kernels.py) repeat this
+on the device."""
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import exl3_sim
+from mlx_dsv41.exl3 import EXL3Experts, reference
+from mlx_dsv41.exl3.testing import random_experts_tensors, random_linear_tensors
+from mlx_dsv41.kernels import exl3 as ops
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel simulator needs g++")
+
+BITS = (1, 2, 3, 4, 5, 6, 7, 8)
+HALF_BITS = (1.5, 2.5, 3.5)
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def with_input(call, i, array):
+    call = dict(call, inputs=list(call["inputs"]))
+    call["inputs"][i] = array
+    return call
+
+
+# ------------------------------------------------------------------------------------ reconstruct
+
+RECONSTRUCT_CASES = [(b, cb) for b in BITS for cb in ("3inst", "mcg", "mul1")] + [(b, "mul1") for b in HALF_BITS]
+
+
+@pytest.fixture(scope="module")
+def reconstruct_runs():
+    rng = np.random.default_rng(0)
+    cases = []
+    for i, (bits, codebook) in enumerate(RECONSTRUCT_CASES):
+        trellis = mx.array(rng.integers(-(1 << 15), 1 << 15, (2 + i % 3, 16, int(16 * bits)), dtype=np.int16))
+        cases.append((trellis, codebook, ops.reconstruct_args(trellis, codebook, guard_rows=3)))
+    program = exl3_sim.build([(ops.RECONSTRUCT, c[2]) for c in cases], mma=True)
+    return [(trellis, codebook, program.run(i)[0]) for i, (trellis, codebook, _) in enumerate(cases)]
+
+
+@pytest.mark.parametrize("case", range(len(RECONSTRUCT_CASES)), ids=[f"K{b}-{c}" for b, c in RECONSTRUCT_CASES])
+def test_reconstruct_bit_exact(reconstruct_runs, case):
+    trellis, codebook, out = reconstruct_runs[case]
+    k = trellis.shape[0] * 16
+    want = np.array(reference.reconstruct(trellis, codebook)).view(np.uint16)
+    assert np.array_equal(out[:k].view(np.uint16), want)
+    assert np.all(out[k:].view(np.uint16) == 0xFFFF)  # guard rows: still the poison
+
+
+# ------------------------------------------------------------------------------------------ GEMV
+
+# (m, in, out, bits, codebook, x dtype, out dtype, splits, SIMD groups per column, bias): fused and
+# split, one or two SIMD groups per tile column, M = 1/2/4/8 templates with rows to spare, padded
+# inputs, every codebook, half-integer K.
+GEMV_CASES = [
+    (1, 256, 256, 3, "mul1", mx.bfloat16, mx.float32, 1, 1, False),
+    (1, 512, 128, 2, "mul1", mx.bfloat16, mx.bfloat16, 4, None, True),
+    (2, 384, 256, 6, "3inst", mx.bfloat16, mx.bfloat16, 1, 2, True),
+    (3, 250, 384, 4, "mcg", mx.float16, mx.float32, 2, 1, True),
+    (5, 512, 256, 2.5, "mul1", mx.float32, mx.float32, 3, None, False),
+    (8, 256, 128, 5, "mul1", mx.bfloat16, mx.float32, None, 1, True),
+    (8, 128, 256, 8, "mcg", mx.float16, mx.float16, 1, 1, False),
+    (4, 640, 128, 3.5, "mul1", mx.bfloat16, mx.float32, 5, 2, False),
+]
+
+
+def gemv_case(i):
+    m, in_f, out_f, bits, codebook, dtype, out_dtype, splits, wpc, bias = GEMV_CASES[i]
+    t = random_linear_tensors(in_f, out_f, bits, codebook, seed=10 + i, bias=bias)
+    args = (mx.array(t["trellis"]), mx.array(t["suh"]), mx.array(t["svh"]), codebook,
+            mx.array(t["bias"]) if bias else None)
+    x = (mx.random.normal((m, in_f), key=mx.random.key(i)) * 2).astype(dtype)
+    calls = ops.gemv_args(x, *args[:4], args[4], out_dtype, splits=splits, wpc=wpc, guard_rows=2)
+    return x, args, out_dtype, calls
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["mma", "fma"])
+def gemv_runs(request):
+    cases = [gemv_case(i) for i in range(len(GEMV_CASES))]
+    specs = []
+    for x, args, out_dtype, calls in cases:
+        specs.append((ops.GEMV, calls[0]))
+        if len(calls) == 2:
+            partial_shape = calls[0]["output_shapes"][0]
+            specs.append((ops.GEMV_OUT, with_input(calls[1], 0, mx.zeros((partial_shape[0] - 2, *partial_shape[1:])))))
+    program = exl3_sim.build(specs, mma=request.param)
+    runs, spec = [], 0
+    for x, args, out_dtype, calls in cases:
+        out = program.run(spec)[0]
+        spec += 1
+        partial = None
+        if len(calls) == 2:
+            partial = out
+            out = program.run(spec, with_input(calls[1], 0, mx.array(partial[:-2])))[0]
+            spec += 1
+        runs.append((x, args, out_dtype, calls, partial, out))
+    return runs
+
+
+def test_gemv_cases_cover_every_variant():
+    seen = set()
+    for i in range(len(GEMV_CASES)):
+        template = dict(gemv_case(i)[3][0]["template"])
+        seen.add((template["FUSED"], template["WPC"]))
+        seen.add(("M", template["M"]))
+        seen.add(("OUT", template["FUSED"], GEMV_CASES[i][6]))
+    assert {(True, 1), (True, 2), (False, 1), (False, 2), ("M", 1), ("M", 2), ("M", 4), ("M", 8)} <= seen
+    assert {("OUT", fused, dtype) for fused in (True, False) for dtype in (mx.float32, mx.bfloat16)} <= seen
+    assert ("OUT", True, mx.float16) in seen
+
+
+@pytest.mark.parametrize("case", range(len(GEMV_CASES)))
+def test_gemv_matches_reference(gemv_runs, case):
+    x, (trellis, suh, svh, codebook, bias), out_dtype, calls, partial, out = gemv_runs[case]
+    m = x.shape[0]
+    assert len(calls) == (1 if calls[0]["template"][4][1] else 2)
+    if partial is not None:
+        assert np.all(np.isnan(partial[-2:]))  # guard splits untouched
+        assert not np.any(np.isnan(partial[:-2]))
+    guard = out[m:].astype(np.float32)
+    assert np.all(np.isnan(guard))
+    y = out[:m].astype(np.float32)
+    want = np.array(reference.linear(x, trellis, suh, svh, codebook, bias, out_dtype=out_dtype).astype(mx.float32))
+    # Same math, other summation orders: fp16 xh may round differently at a tie-break boundary.
+    out_eps = {mx.float32: 0.0, mx.float16: 2**-11, mx.bfloat16: 2**-8}[out_dtype]
+    assert rel_err(y, want) < 1e-4 + out_eps
+
+
+def test_gemv_plan_covers_wide_and_narrow():
+    # The launch plan: few column blocks -> split k (and 2 SIMD groups per column); many -> fused.
+    assert ops._split_plan(40, 4) == (40, 1, 2)
+    assert ops._split_plan(40, 10)[0] > 1
+    assert ops._split_plan(40, 1010) == (1, 40, 1)
+    splits, per, _ = ops._split_plan(18, 40)
+    assert splits * per >= 18 and (splits - 1) * per < 18
+
+
+# --------------------------------------------------------------------------------------- experts
+
+EXPERT_CASES = [
+    # hidden, inter, bits, codebook, expert_range, T, top_k, SIMD groups per column (None: plan)
+    (256, 384, {"w1": (3, 2), "w3": 3, "w2": (2, 3, 4)}, "mul1", (1, 5), 2, 3, 1),
+    (200, 300, {"w1": 2.5, "w3": 2.5, "w2": 4}, {"w1": "mul1", "w3": "mul1", "w2": ("mcg", "3inst")}, None, 1, 6, None),
+]
+
+
+def expert_chain(ex, x, indices, weights, wpc):
+    """The launch kwargs exl3_experts issues, with zero stand-ins for chained inputs."""
+    lo = ex.expert_range[0]
+    gu_calls, prev = [], None
+    for key in sorted({(g.k2, g.codebook) for g in (*ex.w1.groups, *ex.w3.groups)}):
+        call = ops.gate_up_args(x, indices, ex.w1, ex.w3, key, lo, prev=prev, wpc=wpc, guard=1)
+        gu_calls.append(call)
+        shape = call["output_shapes"][0]
+        prev = mx.zeros((shape[0] - 1, *shape[1:]))
+    gu = prev
+    down_calls, prev = [], None
+    for group in ex.w2.groups:
+        call = ops.down_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, group, lo, ex.swiglu_limit, prev=prev,
+                             wpc=wpc, guard=1)
+        down_calls.append(call)
+        shape = call["output_shapes"][0]
+        prev = mx.zeros((shape[0] - 1, *shape[1:]))
+    return gu_calls, down_calls
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["mma", "fma"])
+def expert_runs(request):
+    cases = []
+    for i, (hidden, inter, bits, codebook, expert_range, T, top_k, wpc) in enumerate(EXPERT_CASES):
+        n_experts = 6
+        tensors = random_experts_tensors(n_experts, hidden, inter, bits, codebook, seed=20 + i)
+        ex = EXL3Experts.from_tensors(tensors, "experts", n_experts, expert_range, hidden, inter)
+        rng = np.random.default_rng(i)
+        x = mx.array(rng.normal(0, 2, (T, hidden)).astype(np.float32)).astype(mx.bfloat16)
+        indices = mx.array(np.stack([rng.permutation(n_experts)[:top_k] for _ in range(T)]).astype(np.int32))
+        weights = mx.array(rng.uniform(0.1, 1.0, (T, top_k)).astype(np.float32))
+        cases.append((ex, x, indices, weights, *expert_chain(ex, x, indices, weights, wpc)))
+    specs = []
+    for ex, x, indices, weights, gu_calls, down_calls in cases:
+        specs += [(ops.EXPERT_GATE_UP, c) for c in gu_calls] + [(ops.EXPERT_DOWN, c) for c in down_calls]
+    program = exl3_sim.build(specs, mma=request.param)
+    runs, spec = [], 0
+    for ex, x, indices, weights, gu_calls, down_calls in cases:
+        gu = None
+        for call in gu_calls:
+            out = program.run(spec, call if gu is None else with_input(call, 8, mx.array(gu)))[0]
+            spec += 1
+            assert np.all(np.isnan(out[-1])) and not np.any(np.isnan(out[:-1]))  # guard; all written
+            gu = out[:-1]
+        y = None
+        for call in down_calls:
+            call = with_input(call, 0, mx.array(gu))
+            out = program.run(spec, call if y is None else with_input(call, 10, mx.array(y)))[0]
+            spec += 1
+            assert np.all(np.isnan(out[-1])) and not np.any(np.isnan(out[:-1]))
+            y = out[:-1]
+        runs.append((ex, x, indices, weights, len(gu_calls), len(down_calls), y))
+    return runs
+
+
+@pytest.mark.parametrize("case", range(len(EXPERT_CASES)))
+def test_experts_match_reference(expert_runs, case):
+    ex, x, indices, weights, n_gate_up, n_down, y = expert_runs[case]
+    assert n_gate_up == len({(g.k2, g.codebook) for g in (*ex.w1.groups, *ex.w3.groups)}) and n_down == len(ex.w2.groups)
+    assert n_gate_up + n_down > 2  # mixed groups are exercised
+    T, top_k = indices.shape
+    y = y[:, : ex.w2.out_features].reshape(T, top_k, -1)
+    want = np.array(reference.experts_by_expert(x, indices, weights, ex.w1, ex.w3, ex.w2, ex.expert_range,
+                                                ex.swiglu_limit, reference.linear))
+    lo, hi = ex.expert_range
+    idx = np.array(indices)
+    outside = (idx < lo) | (idx >= hi)
+    assert np.all(y[outside] == 0) and np.all(want[outside] == 0)
+    for t, s in zip(*np.nonzero(~outside)):
+        # A bf16 tie flip of h moves one element by 2^-8; everything else is summation order.
+        assert rel_err(y[t, s], want[t, s]) < 1e-3
