@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from convert.safetensors_io import SafetensorsCheckpoint, SafetensorsError
+from convert.safetensors_writer import sync_dir, sync_file
 from mlx_dsv41.engram_store import (
     DEFAULT_CHUNK_ROWS,
     SCALE_GROUP,
@@ -97,6 +97,21 @@ def table_from_checkpoint(ckpt: SafetensorsCheckpoint, layer_id: int) -> EngramT
     )
 
 
+def check_table(table: EngramTable, layer_id: int, expected_rows: int,
+                head_dim: int | None = None) -> None:
+    """The table must have the config's row count (``engram_num_embeddings``) and head_dim."""
+    if table.rows != expected_rows:
+        raise EngramStoreError(
+            f"{table.description}: {table.rows} rows but the config's engram_num_embeddings for "
+            f"layer {layer_id} is {expected_rows} (a table of another model?); {WHERE_TO_GET}"
+        )
+    if head_dim is not None and table.head_dim != head_dim:
+        raise EngramStoreError(
+            f"{table.description}: rows of {table.head_dim} values but the config's "
+            f"engram_head_dim is {head_dim} (a table of another model?)"
+        )
+
+
 def write_engram_rows(table: EngramTable, out_path: str | os.PathLike, layer_id: int,
                       expected_rows: int, *, chunk_rows: int = DEFAULT_CHUNK_ROWS,
                       progress: Callable[[int, int], None] | None = None) -> str:
@@ -107,11 +122,7 @@ def write_engram_rows(table: EngramTable, out_path: str | os.PathLike, layer_id:
     (delete it first). ``progress(rows_done, rows)`` is called after every chunk.
     """
     out_path = Path(out_path)
-    if table.rows != expected_rows:
-        raise EngramStoreError(
-            f"{table.description}: {table.rows} rows but the config's engram_num_embeddings for "
-            f"layer {layer_id} is {expected_rows} (a table of another model?); {WHERE_TO_GET}"
-        )
+    check_table(table, layer_id, expected_rows)
     if not out_path.parent.is_dir():
         raise EngramStoreError(f"{out_path}: directory {out_path.parent} does not exist")
 
@@ -151,16 +162,16 @@ def write_engram_rows(table: EngramTable, out_path: str | os.PathLike, layer_id:
                     pending = reader.submit(table.rows_of, *header.chunk_range(k + 1))
                 lo, hi = header.chunk_range(k)
                 _pwrite_all(fd, rows, header.data_offset + lo * header.row_bytes)
-                _sync(fd)  # the chunk is durable before the header says it is done
+                sync_file(fd)  # the chunk is durable before the header says it is done
                 header = header.with_chunk(k, chunk_digest(rows))
                 _pwrite_all(fd, header.pack(), 0)
                 if progress is not None:
                     progress(hi, header.rows)
-        _sync(fd)
+        sync_file(fd)
     finally:
         os.close(fd)
     os.replace(partial, out_path)
-    _sync_dir(out_path.parent)
+    sync_dir(out_path.parent)
     return "resumed" if resumed else "written"
 
 
@@ -196,19 +207,3 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
     while len(view):
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
-
-
-def _sync(fd: int) -> None:
-    """Flush to stable storage; macOS's fsync stops at the drive cache, F_FULLFSYNC does not."""
-    if sys.platform == "darwin":
-        fcntl.fcntl(fd, getattr(fcntl, "F_FULLFSYNC", 51))
-    else:
-        os.fsync(fd)
-
-
-def _sync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -238,16 +238,22 @@ class SafetensorsFile:
 class SafetensorsCheckpoint:
     """A checkpoint: a directory with ``model.safetensors.index.json``, a directory of
     ``*.safetensors`` files, or one ``.safetensors`` file. Shards open on first use.
+
+    ``use_index=False`` ignores the index and reads the headers of the ``*.safetensors`` files
+    present (e.g. only the official release's two Engram shards). ``allow_missing=True`` accepts
+    an index whose shards are not all present: their tensors go to ``missing`` (name -> shard
+    file name) instead of ``weight_map``, for the caller to judge.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, use_index: bool = True, allow_missing: bool = False):
         self.path = Path(path)
         self._open: dict[Path, SafetensorsFile] = {}
+        self.missing: dict[str, str] = {}
         if self.path.is_file():
             shard = self._shard(self.path)
             self.weight_map = {name: self.path for name in shard.names()}
-        elif (self.path / INDEX_NAME).is_file():
-            self.weight_map = self._read_index(self.path / INDEX_NAME)
+        elif use_index and (self.path / INDEX_NAME).is_file():
+            self.weight_map = self._read_index(self.path / INDEX_NAME, allow_missing)
         elif self.path.is_dir():
             self.weight_map = {}
             for file in sorted(self.path.glob("*.safetensors")):
@@ -263,7 +269,7 @@ class SafetensorsCheckpoint:
         else:
             raise SafetensorsError(f"{self.path}: no such file or directory")
 
-    def _read_index(self, index: Path) -> dict[str, Path]:
+    def _read_index(self, index: Path, allow_missing: bool = False) -> dict[str, Path]:
         try:
             data = json.loads(index.read_text(), object_pairs_hook=_reject_duplicate_keys)
         except (UnicodeDecodeError, ValueError) as e:
@@ -280,11 +286,14 @@ class SafetensorsCheckpoint:
             if Path(shard).name != shard or shard in (".", ".."):
                 raise SafetensorsError(f"{index}: shard {shard!r} is not a plain file name")
             if not (index.parent / shard).is_file():
+                if allow_missing:
+                    self.missing.update(dict.fromkeys(names, shard))
+                    continue
                 raise SafetensorsError(
                     f"{index.parent}: shard {shard} is missing ({len(names)} tensors, "
                     f"e.g. {names[0]!r}, are listed in it)"
                 )
-        return {name: index.parent / shard for name, shard in weight_map.items()}
+        return {name: index.parent / shard for name, shard in weight_map.items() if name not in self.missing}
 
     def _shard(self, file: Path) -> SafetensorsFile:
         if file not in self._open:

@@ -12,6 +12,10 @@ loader use:
 
 Each returns a module whose `parameters()` are what it reads at run time; the caller re-keys
 them under P (`module_tensors`). New formats are new branches of these three functions.
+
+Official FP8 linears become mxfp8 `QuantizedLinear`s and FP4 experts mxfp4 `MXExperts` (both exact
+re-layouts, `official.py`); a grouped linear (`wo_a`) stored as FP8 is dequantized to bf16 (spec
+§3). A converted checkpoint stores the MX re-layouts themselves (`P.weight` uint32 + `P.scales`).
 """
 
 from __future__ import annotations
@@ -22,14 +26,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from . import official
 from .dense import DenseExperts
 from .errors import FormatError
 from .experts import check_expert_range, swiglu
+from .mx_experts import MODES as MX_MODES
+from .mx_experts import MXExperts, MXProjection
 
 __all__ = [
-    "DenseExperts", "FormatError", "GroupSlices", "GroupedLinear", "check_expert_range",
-    "make_experts", "make_grouped_linear", "make_linear", "module_tensors", "stored_format",
-    "swiglu",
+    "DenseExperts", "FormatError", "GroupSlices", "GroupedLinear", "MXExperts", "check_expert_range",
+    "make_experts", "make_grouped_linear", "make_linear", "module_tensors", "mx_parts",
+    "stored_format", "swiglu",
 ]
 
 
@@ -93,16 +100,47 @@ def stored_format(tensors: Mapping[str, mx.array], prefix: str) -> str:
     raise FormatError(f"{prefix}.weight has dtype {weight.dtype} and no scales: not a known format")
 
 
-def _unsupported(prefix: str, fmt: str) -> FormatError:
-    # The official FP8/FP4 and converted mx-quantized branches arrive with the converter (issue 3).
-    return FormatError(f"{prefix}: stored format {fmt!r} is not supported yet")
-
-
 def _check_dense(tensors: Mapping[str, mx.array], key: str, shape: tuple[int, ...]) -> mx.array:
     w = tensors[key]
     if tuple(w.shape) != shape:
         raise FormatError(f"{key}: expected shape {list(shape)}, got {list(w.shape)}")
     return w
+
+
+def mx_mode(prefix: str, weight: mx.array, in_features: int) -> str:
+    """'mxfp4' or 'mxfp8' of a stored MLX MX weight (uint32 [..., in·bits/32]), from its width."""
+    bits = 32 * weight.shape[-1] // in_features if weight.ndim >= 2 else 0
+    if weight.dtype != mx.uint32 or 32 * weight.shape[-1] != bits * in_features or bits not in (4, 8):
+        raise FormatError(f"{prefix}.weight: expected uint32 [..., {in_features // 8}] (mxfp4) or "
+                          f"[..., {in_features // 4}] (mxfp8) for {in_features} inputs, got "
+                          f"{weight.dtype} {list(weight.shape)}")
+    return {4: "mxfp4", 8: "mxfp8"}[bits]
+
+
+def mx_parts(tensors: Mapping[str, mx.array], prefix: str, in_features: int,
+             out_features: int) -> tuple[mx.array, mx.array, str]:
+    """(weight uint32, scales uint8, mode) of the linear under `prefix` stored as official FP8
+    (32x32 tile scales, re-laid per row: exact), official FP4 (already mxfp4) or MLX mxfp4/mxfp8."""
+    fmt = stored_format(tensors, prefix)
+    weight = tensors[f"{prefix}.weight"]
+    if fmt == "fp8":
+        _check_dense(tensors, f"{prefix}.weight", official.fp8_shapes(out_features, in_features)[0])
+        return (*official.fp8_block_to_mxfp8(weight, tensors[f"{prefix}.scale"], f"{prefix}.weight"), "mxfp8")
+    if fmt == "fp4":
+        _check_dense(tensors, f"{prefix}.weight", official.fp4_shapes(out_features, in_features)[0])
+        return (*official.fp4_to_mxfp4(weight, tensors[f"{prefix}.scale"], f"{prefix}.weight"), "mxfp4")
+    if fmt != "mlx_quantized":
+        raise FormatError(f"{prefix}: stored as {fmt}, expected an MX format (official FP8/FP4 or mxfp4/mxfp8)")
+    if f"{prefix}.biases" in tensors:
+        raise FormatError(f"{prefix}: affine-quantized weights (.biases) are not supported; "
+                          "only mxfp4 / mxfp8")
+    mode = mx_mode(prefix, weight, in_features)
+    w_shape, s_shape = official.mx_shapes(out_features, in_features, MX_MODES[mode])
+    scales = tensors[f"{prefix}.scales"]
+    _check_dense(tensors, f"{prefix}.weight", w_shape)
+    if scales.dtype != mx.uint8 or tuple(scales.shape) != s_shape:
+        raise FormatError(f"{prefix}.scales: expected uint8 {list(s_shape)}, got {scales.dtype} {list(scales.shape)}")
+    return weight, scales, mode
 
 
 # ------------------------------------------------------------------------------- constructors
@@ -120,20 +158,29 @@ def make_linear(tensors: Mapping[str, mx.array], prefix: str, in_features: int,
         from mlx_dsv41 import exl3  # only checkpoints that hold EXL3 tensors need it
 
         return exl3.linear_from_stored(tensors, prefix, in_features, out_features)
-    raise _unsupported(prefix, fmt)
+    return official.mx_quantized_linear(*mx_parts(tensors, prefix, in_features, out_features))
 
 
 def make_grouped_linear(tensors: Mapping[str, mx.array], prefix: str, groups: int,
                         in_features: int, out_features: int) -> nn.Module:
-    """`P.weight [groups·out, in]` (dense) or `P.slice.{g}` linears of any format."""
-    if f"{prefix}.weight" in tensors and stored_format(tensors, prefix) == "dense":
-        lin = GroupedLinear(groups, in_features, out_features)
-        lin.weight = _check_dense(tensors, f"{prefix}.weight", (groups * out_features, in_features))
-        return lin
-    if any(k.startswith(f"{prefix}.slice.") for k in tensors):
+    """`P.weight [groups·out, in]` (dense, or official FP8 dequantized to bf16 with its scales:
+    spec §3 says `wo_a` runs unquantized) or `P.slice.{g}` linears of any format."""
+    if any(k.startswith(f"{prefix}.slice.") for k in tensors) and f"{prefix}.weight" not in tensors:
         return GroupSlices([make_linear(tensors, f"{prefix}.slice.{g}", in_features, out_features)
                             for g in range(groups)])
-    raise _unsupported(prefix, stored_format(tensors, prefix))
+    fmt = stored_format(tensors, prefix)
+    shape = (groups * out_features, in_features)
+    lin = GroupedLinear(groups, in_features, out_features)
+    if fmt == "dense":
+        lin.weight = _check_dense(tensors, f"{prefix}.weight", shape)
+    elif fmt == "fp8":
+        _check_dense(tensors, f"{prefix}.weight", shape)
+        lin.weight = official.dequantize_fp8_block(tensors[f"{prefix}.weight"], tensors[f"{prefix}.scale"],
+                                                   mx.bfloat16, f"{prefix}.weight")
+    else:
+        raise FormatError(f"{prefix}: a grouped linear is stored dense, as official FP8 or as "
+                          f"{prefix}.slice.{{g}} linears, not as {fmt}")
+    return lin
 
 
 def make_experts(tensors: Mapping[str, mx.array], prefix: str, n_experts: int, dim: int,
@@ -146,6 +193,8 @@ def make_experts(tensors: Mapping[str, mx.array], prefix: str, n_experts: int, d
     if f"{prefix}.w1" in tensors:  # already stacked: this module's own parameters, saved
         return DenseExperts.from_stacked(tensors, prefix, n_experts, dim, intermediate,
                                          swiglu_limit, (lo, hi))
+    if f"{prefix}.w1.scales" in tensors:  # MXExperts' own parameters, saved
+        return _stacked_mx_experts(tensors, prefix, n_experts, dim, intermediate, swiglu_limit, (lo, hi))
     fmt = stored_format(tensors, f"{prefix}.{lo}.w1")
     if fmt == "dense":
         return DenseExperts.from_tensors(tensors, prefix, n_experts, dim, intermediate,
@@ -155,7 +204,28 @@ def make_experts(tensors: Mapping[str, mx.array], prefix: str, n_experts: int, d
 
         return exl3.experts_from_stored(tensors, prefix, n_experts, dim, intermediate,
                                         swiglu_limit, (lo, hi))
-    raise _unsupported(f"{prefix}.{lo}.w1", fmt)
+    dims = {"w1": (dim, intermediate), "w3": (dim, intermediate), "w2": (intermediate, dim)}
+    parts = {proj: [mx_parts(tensors, f"{prefix}.{e}.{proj}", d_in, d_out) for e in range(lo, hi)]
+             for proj, (d_in, d_out) in dims.items()}
+    return MXExperts.from_parts(parts, n_experts, dim, intermediate, swiglu_limit, (lo, hi))
+
+
+def _stacked_mx_experts(tensors: Mapping[str, mx.array], prefix: str, n_experts: int, dim: int,
+                        intermediate: int, swiglu_limit: float, expert_range: tuple[int, int]) -> MXExperts:
+    """`P.{w1,w3,w2}.{weight,scales}` stacked over all experts or exactly the experts in range."""
+    lo, hi = expert_range
+    dims = {"w1": (dim, intermediate), "w3": (dim, intermediate), "w2": (intermediate, dim)}
+    projections = {}
+    for proj, (d_in, d_out) in dims.items():
+        p = f"{prefix}.{proj}"
+        if f"{p}.weight" not in tensors or f"{p}.scales" not in tensors:
+            raise FormatError(f"missing tensor {p}.weight or {p}.scales (stacked MX experts)")
+        weight, scales = tensors[f"{p}.weight"], tensors[f"{p}.scales"]
+        if weight.ndim == 3 and weight.shape[0] == n_experts and hi - lo != n_experts:
+            weight, scales = weight[lo:hi], scales[lo:hi]
+        projections[proj] = MXProjection(weight, scales, mx_mode(p, weight, d_in), d_in, d_out)
+    return MXExperts(projections["w1"], projections["w3"], projections["w2"], n_experts,
+                     swiglu_limit, expert_range)
 
 
 def module_tensors(module: nn.Module, prefix: str) -> dict[str, mx.array]:

@@ -17,11 +17,25 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .errors import FormatError
+
 GROUP = 32  # MX block: 32 inputs share one E8M0 scale
 
 
-class FormatError(ValueError):
-    """Stored tensors that do not form the format they claim to; the message names the tensor."""
+def fp8_shapes(out: int, inp: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(weight, scale) shapes of an official FP8 linear [out, in]: one scale per 32x32 tile."""
+    return (out, inp), (-(-out // GROUP), -(-inp // GROUP))
+
+
+def fp4_shapes(out: int, inp: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(weight, scale) shapes of an official FP4 linear [out, in]: two codes per byte, one scale
+    per 32 inputs."""
+    return (out, inp // 2), (out, inp // GROUP)
+
+
+def mx_shapes(out: int, inp: int, bits: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(weight uint32, scales uint8) shapes of an MLX mxfp4 / mxfp8 linear [out, in]."""
+    return (out, inp * bits // 32), (out, inp // GROUP)
 
 
 def _check_scales(scale: mx.array, name: str) -> None:
@@ -38,7 +52,7 @@ def fp8_block_to_mxfp8(weight: mx.array, scale: mx.array, name: str = "fp8 weigh
     out, inp = weight.shape
     if inp % GROUP:
         raise FormatError(f"{name}: input dim {inp} is not a multiple of {GROUP}")
-    want = (-(-out // GROUP), inp // GROUP)
+    want = fp8_shapes(out, inp)[1]
     if tuple(scale.shape) != want:
         raise FormatError(f"{name}: scale shape {tuple(scale.shape)} does not tile weight {weight.shape} by 32x32 (want {want})")
     _check_scales(scale, name)
@@ -54,8 +68,8 @@ def fp4_to_mxfp4(weight: mx.array, scale: mx.array, name: str = "fp4 weight"):
     inp = 2 * half
     if inp % GROUP:
         raise FormatError(f"{name}: input dim {inp} is not a multiple of {GROUP}")
-    if tuple(scale.shape) != (out, inp // GROUP):
-        raise FormatError(f"{name}: scale shape {tuple(scale.shape)} != {(out, inp // GROUP)} (one per 32 inputs)")
+    if tuple(scale.shape) != fp4_shapes(out, inp)[1]:
+        raise FormatError(f"{name}: scale shape {tuple(scale.shape)} != {fp4_shapes(out, inp)[1]} (one per 32 inputs)")
     _check_scales(scale, name)
     return weight.view(mx.uint8).view(mx.uint32), scale
 
