@@ -231,12 +231,26 @@ def _token_map(source: Source):
 
 
 def _write_tokenizer(source: Source, work: Path, token_map) -> None:
+    from mlx_dsv41.chat import TEMPLATE_TYPE
+
     for name in layout.TOKENIZER_FILES:
         file = source.tokenizer.parent / name
-        if file.is_file():
-            tmp = work / (name + ".tmp")
-            shutil.copyfile(file, tmp)
-            os.replace(tmp, work / name)
+        if not file.is_file():
+            continue
+        if name == "tokenizer_config.json":
+            # The release ships no usable chat template (spec §7): name ours, so that mlx-lm's
+            # `apply_chat_template` (and its server) render the official DeepSeek-V4.1 encoding.
+            try:
+                config = json.loads(file.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ConvertError(f"{file}: not valid JSON ({e})") from None
+            config.pop("chat_template", None)
+            config["chat_template_type"] = TEMPLATE_TYPE
+            _write_json(work / name, config)
+            continue
+        tmp = work / (name + ".tmp")
+        shutil.copyfile(file, tmp)
+        os.replace(tmp, work / name)
     if token_map is not None:
         _write_json(work / layout.TOKEN_MAP, {
             "format": layout.TOKEN_MAP_FORMAT, "size": token_map.size,

@@ -1,15 +1,30 @@
 """DeepSeek-V4.1-Flash for MLX.
 
 Importing the package is cheap; the names below load their modules on first use:
-`ModelArgs` (config), `Model` (model.deepseek_v41), `load_model` (loading).
+`ModelArgs` (config), `Model` (model.deepseek_v41), `load_model` and `load` (loading).
+
+    model, tokenizer = mlx_dsv41.load("path/to/converted")   # see `python -m mlx_dsv41.convert`
 """
 
+import os
 from importlib import import_module
+
+# fp32 matmuls (router logits, the fp32 head, compressor pooling) are fp32 model semantics (spec
+# §3). MLX otherwise runs them as TF32 on CUDA and M5-class GPUs; it reads this variable once, at
+# the first matmul of the process, so it must be set before any model code runs.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 __version__ = "0.1.0"
 
 _LAZY = {"ModelArgs": "mlx_dsv41.config", "Model": "mlx_dsv41.model.deepseek_v41",
-         "load_model": "mlx_dsv41.loading"}
+         "load_model": "mlx_dsv41.loading", "load": "mlx_dsv41.loading"}
+
+
+# mlx-lm's tokenizer loader imports `mlx_lm.chat_templates.<chat_template_type>`; a converted
+# tokenizer_config.json names "mlx_dsv41", which this makes resolve to mlx_dsv41.chat.
+from .chat import register_with_mlx_lm as _register_chat_template  # noqa: E402
+
+_register_chat_template()
 
 
 def __getattr__(name):

@@ -44,6 +44,17 @@ def test_load_returns_a_working_pair(converted):
     assert tokenizer.eos_token_ids == {1}
 
 
+def test_converted_tokenizer_renders_the_official_chat_encoding(converted):
+    from mlx_dsv41 import chat
+
+    _, tokenizer = mlx_dsv41.load(converted / "out", lazy=True)
+    messages = [{"role": "user", "content": "w3 w4"}]
+    for thinking in (True, False):
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 enable_thinking=thinking)
+        assert rendered == chat.render(messages, thinking=thinking)
+
+
 def test_kinds(converted, tmp_path):
     assert checkpoint_kind(converted / "out") == "converted" and checkpoint_kind(converted / "src") == "exl3"
     assert not is_converted(converted / "src") and not is_converted(tmp_path)

@@ -20,7 +20,7 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from .. import quant
-from ..cache import EngramHistory, LayerCache, make_layer_cache
+from ..cache import BatchCache, EngramHistory, LayerCache, batched_forward, make_layer_cache
 from ..config import ModelArgs
 from .attention import Attention
 from .engram import Engram, RowSource
@@ -108,16 +108,31 @@ class Model(nn.Module):
         self._engram_hash, self._engram_map = layout, token_map
         self._engram_rows = dict(row_sources)
 
-    def _engram_inputs(self, inputs: mx.array, history: EngramHistory):
-        """Host side of Engram: hash the n-grams ending at each position, read their rows."""
+    @property
+    def engram_sources(self) -> dict[int, RowSource]:
+        """Engram layer -> its row source (read statistics: `source.stats`)."""
+        return dict(self._engram_rows)
+
+    def engram_row_ids(self, ids) -> np.ndarray:
+        """int64 [B, S, Engram layers, columns]: the rows a sequence `ids` [B, S] starting at
+        position 0 reads (the n-grams ending at each position; for inspection)."""
+        history = EngramHistory(self.args.engram_max_ngram_size - 1)
+        return self._hash(np.asarray(ids, dtype=np.int64), history)[1]
+
+    def _hash(self, ids: np.ndarray, history: EngramHistory) -> tuple[np.ndarray, np.ndarray]:
+        """(compressed ids [B, S], row ids [B, S, layers, columns]); advances `history`."""
         if self._engram_hash is None:
             raise RuntimeError(
                 f"Engram layers {self._engram_layers} need a token map and row sources: call "
                 f"model.set_engram(token_map, {{layer: row_source}}) first"
             )
-        ids = np.array(inputs, dtype=np.int64)  # host-readable ids (this waits for them)
         compressed = self._engram_map.compress(ids, dead_token_id=self.args.image_token_id)
-        row_ids = self._engram_hash.row_ids(compressed, history.update(compressed))
+        return compressed, self._engram_hash.row_ids(compressed, history.update(compressed))
+
+    def _engram_inputs(self, inputs: mx.array, history: EngramHistory):
+        """Host side of Engram: hash the n-grams ending at each position, read their rows."""
+        ids = np.array(inputs, dtype=np.int64)  # host-readable ids (this waits for them)
+        compressed, row_ids = self._hash(ids, history)
         B, S = ids.shape
         rows = {}
         for li, layer in enumerate(self._engram_layers):
@@ -144,6 +159,8 @@ class Model(nn.Module):
         """
         if inputs.ndim != 2:
             raise ValueError(f"inputs must be token ids [B, S], got shape {inputs.shape}")
+        if cache and isinstance(cache[0], BatchCache):  # mlx-lm BatchGenerator: rows at own positions
+            return batched_forward(self, inputs, cache, input_embeddings)
         n = self.args.num_hidden_layers
         cache = self.make_cache() if cache is None else cache
         expected = n + (1 if self._engram_layers else 0)

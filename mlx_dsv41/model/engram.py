@@ -115,6 +115,13 @@ class Engram(nn.Module):
 
         `live` [B, S] bool: False at DEAD (image) positions, whose gate is 0.
         """
+        gate, value = self.gate_and_value(streams, rows, live)
+        h = streams.astype(mx.float32)
+        return (h + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)
+
+    def gate_and_value(self, streams: mx.array, rows: mx.array, live: mx.array | None = None
+                       ) -> tuple[mx.array, mx.array]:
+        """(gate [B, S, HC] fp32 per stream, value [B, S, D] fp32 shared by the streams)."""
         B, S = streams.shape[:2]
         e = decode_rows(rows, self.head_dim).reshape(B, S, -1)  # [B, S, columns·head_dim] bf16
         kv = self.wkv(e)  # [B, S, (HC+1)·D]
@@ -129,4 +136,4 @@ class Engram(nn.Module):
         gate = mx.sigmoid(mx.sign(dot) * mx.sqrt(mx.maximum(mx.abs(dot), _GATE_FLOOR)))  # [B, S, HC]
         if live is not None:
             gate = mx.where(live[..., None], gate, 0.0)
-        return (h + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)
+        return gate, value

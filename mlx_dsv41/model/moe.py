@@ -63,12 +63,18 @@ class MoE(nn.Module):
         self.experts = DenseExperts(args.n_routed_experts, args.hidden_size,
                                     args.moe_intermediate_size, args.swiglu_limit, expert_range)
         self.shared_experts = SharedExpert(args)
+        # Expert parallelism (mlx_dsv41.distributed.apply): computes this rank's routed slots and
+        # returns every rank's, [T, k, D] fp32. None in one process: no collective runs.
+        self.exchange = None
 
     def __call__(self, x: mx.array) -> mx.array:
         """x [B, S, D] bf16 (ffn_norm-ed) -> [B, S, D] in x.dtype."""
         flat = x.reshape(-1, self.dim)
         indices, weights = self.gate(flat)
-        slots = self.experts(flat, indices, weights)  # [T, k, D] fp32
+        if self.exchange is None:
+            slots = self.experts(flat, indices, weights)  # [T, k, D] fp32
+        else:
+            slots = self.exchange(self.experts, flat, indices, weights)
         # fp32 sum in slot order, then the shared expert (the reference's accumulation order).
         out = slots[:, 0]
         for s in range(1, slots.shape[1]):
