@@ -1,7 +1,6 @@
 // Sparse attention, serial: one SIMD group (32 threads) per (batch, row, head) scores a tile's
-// keys one after another and accumulates all DIM/32 output columns (sparse_attention.h).
-KX_SHARED(float, sa_scores, 2 * SA_TILE);
-KX_SHARED(float, sa_probs, 2 * SA_TILE);
-KX_SHARED(int, sa_rows, 2 * SA_TILE);
-sa_attend<DIM, 1>(q, window, pool, indices, sinks, scale, dims, out, sa_scores, sa_probs, sa_rows,
-                  KX_TGID_X, KX_LID_X, KX_LANE, KX_WARP);
+// keys eight at a time and accumulates every output dim itself (sparse_attention.h).
+constexpr int GROUPS = 1;
+KX_SHARED(sa_shared<GROUPS>, sa_memory, 1);
+sa_kernel<DIM, GROUPS, PREFETCH>(q, window, pool, indices, sinks, scale, dims, out, sa_memory,
+                                 KX_TGID_X, KX_LANE, KX_WARP);

@@ -68,6 +68,13 @@ def make_inputs(seed, B, S, H, D, W, T, N, q_dtype=mx.float32, kv_dtype=mx.float
     return q, window, pool, mx.array(idx.astype(np.int32)), sinks
 
 
+def misaligned(x: mx.array) -> mx.array:
+    """x's values in a row-contiguous view that starts one element past x's own start (so not
+    16-byte aligned): the kernels' element-load path (a view MLX passes on without a copy)."""
+    flat = mx.concatenate([mx.zeros((1,), x.dtype), x.reshape(-1)])
+    return flat[1:].reshape(x.shape)
+
+
 def as_f64(*arrays):
     return [np.array(a.astype(mx.float32)).astype(np.float64) if a.dtype != mx.int32 else np.array(a)
             for a in arrays]
@@ -212,6 +219,14 @@ def test_invalid_index_makes_its_row_nan():
     assert_matches_f64(out, expected, what="invalid indices")
 
 
+def test_misaligned_view_is_a_view_off_16_bytes():
+    x = mx.random.normal((1, 3, 256)).astype(mx.bfloat16)
+    v = misaligned(x)
+    mx.eval(v)
+    assert np.array_equal(np.array(v.astype(mx.float32)), np.array(x.astype(mx.float32)))
+    assert np.array(v.view(mx.uint16), copy=False).ctypes.data % 16 != 0
+
+
 # --------------------------------------------------------------------------------------------
 # input checks
 
@@ -307,7 +322,9 @@ def test_kernel_availability_reasons(monkeypatch):
     ok = mx.zeros((1, 1, 64, 512))
     assert sa._kernel_unavailable(ok) is None
     assert sa._kernel_unavailable(mx.zeros((1, 1, 2, 1024))) is None
+    assert sa._kernel_unavailable(mx.zeros((1, 1, 2, 256))) is None
     assert "head dim 64" in sa._kernel_unavailable(mx.zeros((1, 1, 2, 64)))
+    assert "head dim 768: the kernels take 256, 512, 1024" in sa._kernel_unavailable(mx.zeros((1, 1, 2, 768)))
     assert "head dim 2048" in sa._kernel_unavailable(mx.zeros((1, 1, 2, 2048)))
     assert sa._kernel_unavailable(mx.zeros((1, 0, 2, 512))) == "empty output"
 
@@ -318,6 +335,7 @@ def _fake_gpu(monkeypatch, refuse_with=None):
     monkeypatch.setattr(sa, "backend", lambda: "metal")
     monkeypatch.setattr(sa, "_parallel_refusals", {})
     monkeypatch.setattr(sa, "_auto_choices", {})
+    monkeypatch.setattr(sa, "_auto_timings", {})
     ran = []
 
     def run(variant, q, *rest):
@@ -355,16 +373,121 @@ def test_other_kernel_errors_are_not_taken_for_refusals(clean_selection, monkeyp
 
 def test_auto_times_each_shape_class_once(clean_selection, monkeypatch):
     ran = _fake_gpu(monkeypatch)
+    # Timed chains of exactly _AUTO_MAX_CALLS launches, however fast the fake kernels are.
+    monkeypatch.setattr(sa, "_AUTO_MAX_CALLS", 6)
+    monkeypatch.setattr(sa, "_AUTO_CHAIN_SECONDS", 1e6)
     for rows in (1, 1, 2, 3):  # classes: rows 1, then rows in (2] and (2, 4]
         sa.sparse_attention(*make_inputs(0, 1, rows, 4, 512, 4, 4, 70), 0.125)
-    assert len(sa.auto_choices()) == 3
-    timing_launches = 2 * (1 + sa._AUTO_ROUNDS * sa._AUTO_CALLS)  # both variants, warm-up + rounds
-    assert len(ran) == 1 + 3 * timing_launches + 4  # parallel probe, three classes, four calls
+    assert len(sa.auto_choices()) == 3 and sa.auto_timings().keys() == sa.auto_choices().keys()
+    per_variant = sa._AUTO_WARMUP_CALLS + sa._AUTO_PROBE_CALLS + (1 + sa._AUTO_ROUNDS) * 6
+    assert len(ran) == 1 + 3 * 2 * per_variant + 4  # parallel probe, three classes, four calls
     assert sum(sa.variant_counts().values()) == 4 and sa.variant_counts()["reference"] == 0
+
+
+def _fake_timing(monkeypatch, seconds):
+    """Chains that take seconds[variant] per call; records (variant, args, calls) per chain."""
+    chains = []
+
+    def chain(variant, args, calls):
+        chains.append((variant, args, calls))
+        return seconds[variant]
+
+    monkeypatch.setattr(sa, "_chain_seconds", chain)
+    return chains
+
+
+@pytest.mark.parametrize("serial_s,parallel_s,choice", [
+    (1.0, 2.0, "serial"),     # serial clearly faster
+    (1.0, 1.04, "parallel"),  # within the margin: parallel
+    (2.0, 1.0, "parallel"),
+])
+def test_auto_decision_rule(clean_selection, monkeypatch, serial_s, parallel_s, choice):
+    _fake_gpu(monkeypatch)
+    _fake_timing(monkeypatch, {"serial": serial_s, "parallel": parallel_s})
+    inputs = make_inputs(0, 1, 1, 4, 512, 4, 4, 70)
+    assert sa._auto_variant(inputs[0], inputs[1], inputs[2], inputs[3]) == choice
+    (timings,) = sa.auto_timings().values()
+    assert timings == {"serial": serial_s, "parallel": parallel_s}
+
+
+def test_auto_protocol(clean_selection, monkeypatch):
+    """Warm-up and probe chains for both variants before any timed chain; timed chains alternate
+    in order and come in equal numbers; the synthetic call has the shape class's own shape."""
+    _fake_gpu(monkeypatch)
+    chains = _fake_timing(monkeypatch, {"serial": 1e-4, "parallel": 2e-4})
+    q, window, pool, indices, _ = make_inputs(0, 2, 3, 4, 512, 5, 7, 70)  # rows 6 -> 8, 2 tiles
+    sa._auto_variant(q, window, pool, indices)
+    calls = [c for _, _, c in chains]
+    warm, probe = sa._AUTO_WARMUP_CALLS, sa._AUTO_PROBE_CALLS
+    assert calls[:4] == [warm, warm, probe, probe]
+    sized = math.ceil(sa._AUTO_CHAIN_SECONDS / 1e-4)
+    assert calls[4:] == [sized] * (2 + 2 * sa._AUTO_ROUNDS)
+    timed = [v for v, _, _ in chains[6:]]
+    assert timed == ["parallel", "serial", "serial", "parallel"] * (sa._AUTO_ROUNDS // 2) + (
+        ["parallel", "serial"] if sa._AUTO_ROUNDS % 2 else [])
+    sq, sw, sp, si, ss, scale = chains[0][1]
+    assert sq.shape == (1, 8, 4, 512) and sq.dtype == q.dtype and si.shape == (1, 8, 128)
+    assert sw.shape == (1, 5, 512) and sp.shape == (1, 7, 512) and ss.shape == (4,)
+    assert scale == 512**-0.5
+
+
+def test_auto_chain_feeds_each_output_to_the_next_call(monkeypatch):
+    """_chain_seconds launches dependent calls: call i + 1's q is call i's output (in q's dtype)."""
+    seen = []
+
+    def run(variant, q, *rest):
+        seen.append(q)
+        return (q.astype(mx.float32) + 1.0)
+
+    monkeypatch.setattr(sa, "_run", run)
+    q = mx.zeros((1, 1, 2, 8), mx.bfloat16)
+    assert sa._chain_seconds("serial", (q, None, None, None, None, 1.0), 3) >= 0
+    assert [a.dtype for a in seen] == [mx.bfloat16] * 3
+    assert [float(a[0, 0, 0, 0]) for a in seen] == [0.0, 1.0, 2.0]
+
+
+def test_tuning_constants(clean_selection, monkeypatch):
+    monkeypatch.setattr(sa, "_TUNING", {v: dict(c) for v, c in sa._TUNING.items()})
+    monkeypatch.setattr(sa, "_auto_choices", {("some", "class"): "serial"})
+    sa.set_tuning("serial", PREFETCH=1)
+    assert sa.tuning()["serial"] == {"PREFETCH": 1} and not sa.auto_choices()
+    args = sa._launch_args(*make_inputs(0, 1, 1, 1, 512, 1, 1, 1), 1.0, "serial")
+    assert args["template"] == [("DIM", 512), ("PREFETCH", 1)]
+    with pytest.raises(ValueError, match="tuning PREFETCH=2 is not one of"):
+        sa.set_tuning("parallel", PREFETCH=2)
+    with pytest.raises(ValueError, match="tuning UNROLL=1 is not one of"):
+        sa.set_tuning("parallel", UNROLL=1)
+    with pytest.raises(ValueError, match="tuning is per kernel, serial or parallel; got 'auto'"):
+        sa.set_tuning("auto", PREFETCH=0)
 
 
 def test_shape_class_buckets():
     assert [sa._bucket(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 640)] == [0, 1, 2, 4, 4, 8, 8, 16, 1024]
+
+
+def test_benchmark_clock_kernel_compiles(tmp_path):
+    """benchmarks/bench_sparse_attention.py times chains on the device with its own clock stamp
+    kernel (CUDA only): its source compiles the way MLX would build it."""
+    import importlib.util
+    import shutil
+    import subprocess
+
+    from mlx_dsv41.kernels import source_check
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    path = source_check.CI_DIR.parent.parent / "benchmarks" / "bench_sparse_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_sparse_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    source = ('#include "mlx/backend/cuda/device/utils.cuh"\nnamespace mlx::core::cu {\n'
+              "__global__ void bench_gpu_clock(const float* x, const int32_t* n, float* y, uint64_t* ns) {"
+              f"{bench.STAMP_SOURCE}}}\n}}\n")
+    (tmp_path / "k.cu").write_text(source)
+    r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-ptx", "-I", str(source_check.CI_DIR),
+                        "-o", str(tmp_path / "k.ptx"), str(tmp_path / "k.cu")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[:2000]
+    assert "%globaltimer" in (tmp_path / "k.ptx").read_text()
 
 
 # --------------------------------------------------------------------------------------------
@@ -377,7 +500,7 @@ def test_launch_geometry_and_limit(variant, threads):
     assert args["threadgroup"] == (threads, 1, 1)
     assert args["grid"] == (2 * 3 * 5 * threads, 1, 1)
     assert args["output_shapes"] == [(2, 3, 5, 512)] and args["output_dtypes"] == [mx.float32]
-    assert args["template"] == [("DIM", 512)]
+    assert args["template"] == [("DIM", 512), ("PREFETCH", sa.tuning()[variant]["PREFETCH"])]
     scale, dims = args["inputs"][5:]
     assert scale.tolist() == [0.5] and dims.tolist() == [4, 4, 7, 5, 3]
     kernel = sa._KERNELS[variant]
@@ -405,14 +528,14 @@ def test_launch_stand_ins_for_empty_inputs():
 
 
 def test_bodies_share_one_implementation():
-    """Both kernels are sa_attend from one header, differing only in the SIMD-group count."""
+    """Both kernels are sa_kernel from one header, differing only in the SIMD-group count."""
     import metal_ext
 
     serial = metal_ext.body("sparse_attention_serial")
     parallel = metal_ext.body("sparse_attention_parallel")
-    assert "sa_attend<DIM, 1>(" in serial and "sa_attend<DIM, 8>(" in parallel
+    assert "constexpr int GROUPS = 1;" in serial and "constexpr int GROUPS = 8;" in parallel
     strip = lambda body: [l for l in body.splitlines() if not l.startswith("//")]
-    assert [l.replace("<DIM, 8>", "<DIM, 1>") for l in strip(parallel)] == strip(serial)
+    assert [l.replace("GROUPS = 8", "GROUPS = 1") for l in strip(parallel)] == strip(serial)
     assert sa.SERIAL.includes == sa.PARALLEL.includes == ("sparse_attention.h",)
     launch = sa._launch_args(*make_inputs(0, 1, 1, 1, 512, 1, 1, 1), 1.0, "parallel")
     assert math.prod(launch["threadgroup"]) == sa.PARALLEL.max_threads == 256
@@ -420,75 +543,108 @@ def test_bodies_share_one_implementation():
 
 # --------------------------------------------------------------------------------------------
 # The kernels' shared header, executed on the CPU: the KX_* macros it uses are emulated with one
-# OS thread per GPU thread (std::barrier for threadgroup barriers, a per-SIMD-group buffer for the
-# xor shuffles), compiled by g++ without fp contraction. This runs the real sa_attend text for
-# both SIMD-group counts, before a GPU sees it; tests/gpu/ runs the real kernels.
+# OS thread per GPU thread (std::barrier for threadgroup and SIMD-group barriers, a per-SIMD-group
+# buffer for the shuffles), compiled by g++ without fp contraction. This runs the real sa_attend
+# text for both SIMD-group counts, both PREFETCH settings, vector and element loads, and bf16 and
+# fp32 keys, before a GPU sees it; tests/gpu/ runs the real kernels.
 
 _EMULATION = r"""
 #include <barrier>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <thread>
 #include <vector>
 typedef unsigned int u32;
+typedef unsigned short u16;
 typedef long long i64;
+struct uint4 { u32 x, y, z, w; };
+struct float4 { float x, y, z, w; };
+struct bf16 { u16 bits; };  // storage only: the header reads keys and q through their bits
 #define KX_INLINE inline
 #define KX_THREADGROUP
+#define KX_DEVICE
 #define KX_INF_F32 (std::numeric_limits<float>::infinity())
 #define KX_NAN_F32 (std::numeric_limits<float>::quiet_NaN())
 #define KX_FMA(a, b, c) std::fma((float)(a), (float)(b), (float)(c))
 #define KX_EXP(x) std::exp((float)(x))
 #define KX_FMAX(a, b) std::fmax((float)(a), (float)(b))
-#define KX_TO_F32(x) static_cast<float>(x)
+static float emulated_bits_f32(u32 u) { float f; std::memcpy(&f, &u, 4); return f; }
+#define KX_BITS_F32(u) emulated_bits_f32((u32)(u))
 namespace metal::precise { inline float divide(float a, float b) { return a / b; } }
-struct SimdGroup { std::barrier<> sync{32}; float lanes[32]; };
+struct SimdGroup { std::barrier<> sync{32}; u32 lanes[32]; };
 thread_local SimdGroup* tl_group;
 thread_local std::barrier<>* tl_block;
 thread_local u32 tl_lane;
-static float emulated_shuffle_xor(float v, u32 mask) {
-  tl_group->lanes[tl_lane] = v;
+template <typename V> static V emulated_shuffle(V v, u32 from) {
+  static_assert(sizeof(V) == 4, "32-bit shuffles only");
+  std::memcpy(&tl_group->lanes[tl_lane], &v, 4);
   tl_group->sync.arrive_and_wait();
-  const float r = tl_group->lanes[tl_lane ^ mask];
+  V r;
+  std::memcpy(&r, &tl_group->lanes[from % 32], 4);
   tl_group->sync.arrive_and_wait();
   return r;
 }
-#define KX_SHUFFLE_XOR(v, m) emulated_shuffle_xor((v), (m))
+#define KX_SHUFFLE_XOR(v, m) emulated_shuffle((v), tl_lane ^ (u32)(m))
+#define KX_SHUFFLE(v, l) emulated_shuffle((v), (u32)(l))
 #define KX_BARRIER() tl_block->arrive_and_wait()
+#define KX_SIMD_BARRIER() tl_group->sync.arrive_and_wait()
 @HEADER@
-template <int GROUPS>
-static void run(const float* q, const float* window, const float* pool, const int* indices,
+template <int GROUPS, int PREFETCH, bool VEC, typename K>
+static void run(const float* q, const K* window, const K* pool, const int* indices,
                 const float* sinks, const float* scale, const int* dims, float* out, int blocks) {
   for (int block = 0; block < blocks; ++block) {
     std::barrier<> sync(GROUPS * 32);
     std::unique_ptr<SimdGroup[]> groups(new SimdGroup[GROUPS]);
-    float scores[2 * SA_TILE], probs[2 * SA_TILE];
-    int rows[2 * SA_TILE];
+    sa_shared<GROUPS> memory;
     std::vector<std::thread> threads;
     for (u32 t = 0; t < GROUPS * 32; ++t)
       threads.emplace_back([&, t] {
         tl_group = &groups[t / 32];
         tl_block = &sync;
         tl_lane = t % 32;
-        sa_attend<EMULATED_DIM, GROUPS>(q, window, pool, indices, sinks, scale, dims, out,
-                                        scores, probs, rows, (u32)block, t, t % 32, t / 32);
+        sa_attend<EMULATED_DIM, GROUPS, PREFETCH, VEC>(q, window, pool, indices, sinks, scale, dims,
+                                                       out, &memory, (u32)block, t % 32, t / 32);
       });
     for (auto& th : threads) th.join();
   }
 }
-extern "C" void sa_emulated(int groups, const float* q, const float* window, const float* pool,
-                            const int* indices, const float* sinks, const float* scale,
-                            const int* dims, float* out, int blocks) {
-  if (groups == 1) run<1>(q, window, pool, indices, sinks, scale, dims, out, blocks);
-  else run<8>(q, window, pool, indices, sinks, scale, dims, out, blocks);
+template <typename K>
+static void dispatch(int groups, int prefetch, int vec, const float* q, const void* window,
+                     const void* pool, const int* indices, const float* sinks, const float* scale,
+                     const int* dims, float* out, int blocks) {
+  const K* w = (const K*)window;
+  const K* p = (const K*)pool;
+#define SA_RUN(G, P, V) if (groups == G && prefetch == P && vec == V) \
+    return run<G, P, V, K>(q, w, p, indices, sinks, scale, dims, out, blocks);
+  SA_RUN(1, 0, 1) SA_RUN(1, 1, 1) SA_RUN(8, 0, 1) SA_RUN(8, 1, 1)
+  SA_RUN(1, 0, 0) SA_RUN(1, 1, 0) SA_RUN(8, 0, 0) SA_RUN(8, 1, 0)
+}
+extern "C" void sa_emulated(int groups, int prefetch, int vec, int kv_bf16, const float* q,
+                            const void* window, const void* pool, const int* indices,
+                            const float* sinks, const float* scale, const int* dims, float* out,
+                            int blocks) {
+  if (kv_bf16) dispatch<bf16>(groups, prefetch, vec, q, window, pool, indices, sinks, scale, dims, out, blocks);
+  else dispatch<float>(groups, prefetch, vec, q, window, pool, indices, sinks, scale, dims, out, blocks);
 }
 """
-EMULATED_DIM = 256
+EMULATED_DIMS = (256, 512, 1024)  # every head dim the kernels take (512 is the model's)
+# (SIMD groups, PREFETCH, vector loads): every configuration must give the same bytes.
+EMULATED_CONFIGS = ((1, 0, 1), (8, 1, 1), (1, 1, 0), (8, 0, 0))
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float values that are bf16 numbers -> their bf16 bit patterns (uint16)."""
+    bits = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    assert not np.any(bits & 0xFFFF), "values must be bf16 numbers"
+    return (bits >> 16).astype(np.uint16)
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    """variant, numpy inputs, scale -> output of sa_attend run on the CPU."""
+    """(groups, prefetch, vec), numpy inputs, scale, kv_bf16 -> output of sa_attend on the CPU
+    (D from q's shape; one library per D, built on first use)."""
     import ctypes
     import shutil
     import subprocess
@@ -500,66 +656,95 @@ def emulated(tmp_path_factory):
         pytest.skip("g++ not installed")
     tmp = tmp_path_factory.mktemp("sa_emulated")
     (tmp / "sa.cpp").write_text(_EMULATION.replace("@HEADER@", metal_ext.read("sparse_attention.h")))
-    r = subprocess.run([cxx, "-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared",
-                        "-fPIC", "-pthread", f"-DEMULATED_DIM={EMULATED_DIM}", "-o", str(tmp / "sa.so"),
-                        str(tmp / "sa.cpp")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[:4000]
-    lib = ctypes.CDLL(str(tmp / "sa.so"))
+    libs = {}
 
-    def run(variant, q, window, pool, indices, sinks, scale):
+    def lib_for(D):
+        if D not in libs:
+            so = tmp / f"sa{D}.so"
+            r = subprocess.run([cxx, "-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared",
+                                "-fPIC", "-pthread", f"-DEMULATED_DIM={D}", "-o", str(so), str(tmp / "sa.cpp")],
+                               capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr[:4000]
+            libs[D] = ctypes.CDLL(str(so))
+        return libs[D]
+
+    def run(config, q, window, pool, indices, sinks, scale, kv_bf16=True):
+        groups, prefetch, vec = config
         B, S, H, D = q.shape
-        assert D == EMULATED_DIM
         W, T, N = window.shape[1], pool.shape[1], indices.shape[2]
-        bufs = [np.ascontiguousarray(a, np.float32) for a in (q, window, pool)]
+        keys = (_bf16_bits if kv_bf16 else (lambda a: np.ascontiguousarray(a, np.float32)))
+        bufs = [np.ascontiguousarray(q, np.float32), keys(window), keys(pool)]
         bufs += [np.ascontiguousarray(indices, np.int32).reshape(-1) if N else np.full(1, -1, np.int32),
                  np.ascontiguousarray(sinks, np.float32), np.array([scale], np.float32),
                  np.array([W, T, N, H, S], np.int32)]
         out = np.full((B, S, H, D), np.nan, np.float32)
         ptrs = [b.ctypes.data_as(ctypes.c_void_p) for b in bufs + [out]]
-        lib.sa_emulated(ctypes.c_int(sa._GROUPS[variant]), *ptrs, ctypes.c_int(B * S * H))
+        lib_for(D).sa_emulated(*(ctypes.c_int(v) for v in (groups, prefetch, vec, int(kv_bf16))),
+                               *ptrs, ctypes.c_int(B * S * H))
         return out
 
     return run
 
 
-def _emulate_both(emulated, inputs, scale, what):
-    serial, parallel = (emulated(v, *inputs, scale) for v in ("serial", "parallel"))
-    assert np.array_equal(serial.view(np.uint32), parallel.view(np.uint32)), f"{what}: bytes differ"
-    return serial
+def _same_bits_nan_as_nan(a, b) -> bool:
+    """Equal bits everywhere, except that any NaN equals any NaN: which NaN payload an operation
+    returns is not something C++ fixes (x86 passes an operand's payload on and g++ may commute
+    a + b), while CUDA returns one canonical NaN, so tests/gpu compares NaNs bit for bit too."""
+    nan_a, nan_b = np.isnan(a), np.isnan(b)
+    return np.array_equal(nan_a, nan_b) and np.array_equal(a.view(np.uint32)[~nan_a],
+                                                           b.view(np.uint32)[~nan_b])
 
 
-# (name, B, S, H, W, T, N, skip fraction, duplicates): tile edges, empty parts, -1, duplicates.
+def _emulate_all(emulated, inputs, scale, what, kv_bf16=True, configs=EMULATED_CONFIGS):
+    """Each configuration's output, asserted identical (_same_bits_nan_as_nan); returns it."""
+    outs = [emulated(c, *inputs, scale, kv_bf16) for c in configs]
+    for config, out in zip(configs[1:], outs[1:]):
+        assert _same_bits_nan_as_nan(outs[0], out), (
+            f"{what}: (groups, prefetch, vec) {config} differs from {configs[0]}")
+    return outs[0]
+
+
+# (name, D, B, S, H, W, T, N, skip fraction, duplicates, kv dtype): tile edges, empty parts, -1,
+# duplicates, fp32 keys, every head dim.
 EMULATED_CASES = [
-    ("one_key", 1, 2, 2, 4, 4, 1, 0.0, False),
-    ("tile_edge_64", 1, 1, 3, 40, 40, 64, 0.0, False),
-    ("three_tiles", 1, 2, 1, 70, 90, 130, 0.1, True),
-    ("no_keys", 2, 1, 2, 4, 4, 0, 0.0, False),
-    ("all_skipped", 1, 2, 2, 4, 4, 9, 1.0, False),
-    ("window_only", 1, 1, 2, 20, 0, 70, 0.3, False),
-    ("pool_only", 2, 1, 1, 0, 30, 65, 0.3, False),
+    ("one_key", 512, 1, 2, 2, 4, 4, 1, 0.0, False, mx.bfloat16),
+    ("tile_edge_64", 512, 1, 1, 3, 40, 40, 64, 0.0, False, mx.bfloat16),
+    ("three_tiles", 512, 1, 2, 1, 70, 90, 130, 0.1, True, mx.bfloat16),
+    ("no_keys", 512, 2, 1, 2, 4, 4, 0, 0.0, False, mx.bfloat16),
+    ("all_skipped", 512, 1, 2, 2, 4, 4, 9, 1.0, False, mx.bfloat16),
+    ("window_only", 512, 1, 1, 2, 20, 0, 70, 0.3, False, mx.bfloat16),
+    ("pool_only", 512, 2, 1, 1, 0, 30, 65, 0.3, False, mx.bfloat16),
+    ("fp32_keys", 512, 1, 2, 1, 50, 60, 100, 0.2, False, mx.float32),
+    ("dim_256", 256, 1, 2, 2, 70, 90, 130, 0.1, True, mx.bfloat16),
+    ("dim_256_fp32_keys", 256, 1, 1, 2, 30, 30, 40, 0.2, False, mx.float32),
+    ("dim_1024", 1024, 1, 2, 1, 70, 90, 130, 0.1, True, mx.bfloat16),
+    ("dim_1024_fp32_keys", 1024, 1, 1, 1, 30, 30, 70, 0.2, False, mx.float32),
 ]
 
 
 @pytest.mark.parametrize("case", EMULATED_CASES, ids=[c[0] for c in EMULATED_CASES])
 def test_emulated_kernels_match_float64_and_each_other(emulated, case):
-    name, B, S, H, W, T, N, skip, dup = case
-    inputs = as_f64(*make_inputs(50 + EMULATED_CASES.index(case), B, S, H, EMULATED_DIM, W, T, N,
-                                 mx.float32, mx.bfloat16, skip, dup))
-    out = _emulate_both(emulated, inputs, EMULATED_DIM**-0.5, name)
-    assert_matches_f64(out, attention_f64(*inputs, EMULATED_DIM**-0.5), what=name)
+    name, D, B, S, H, W, T, N, skip, dup, kv_dtype = case
+    inputs = as_f64(*make_inputs(50 + EMULATED_CASES.index(case), B, S, H, D, W, T, N,
+                                 mx.float32, kv_dtype, skip, dup))
+    out = _emulate_all(emulated, inputs, D**-0.5, name, kv_dtype == mx.bfloat16)
+    assert_matches_f64(out, attention_f64(*inputs, D**-0.5), what=name)
 
 
 @pytest.mark.parametrize("name,mutate", NONFINITE, ids=[n for n, _ in NONFINITE])
 def test_emulated_kernels_nonfinite(emulated, name, mutate):
-    inputs = _nonfinite_inputs(mutate, EMULATED_DIM)
-    out = _emulate_both(emulated, inputs, 0.0625, name)
+    q, window, pool, indices, sinks = _nonfinite_inputs(mutate, 512)
+    window, pool = (np.array(mx.array(a).astype(mx.bfloat16).astype(mx.float32)) for a in (window, pool))
+    inputs = (q, window, pool, indices, sinks)
+    out = _emulate_all(emulated, inputs, 0.0625, name, configs=EMULATED_CONFIGS[:2])
     assert_matches_f64(out, attention_f64(*inputs, 0.0625), what=name)
 
 
 def test_emulated_kernels_across_tiles_and_invalid_indices(emulated):
     """-inf sink while tile 0 is all skipped (row 0) or all -inf logits (row 1), finite keys
     after; an invalid index (row 2) makes its row NaN; no keys with a -inf sink: NaN (head 1)."""
-    q, window, pool, indices, sinks = as_f64(*make_inputs(60, 1, 4, 2, EMULATED_DIM, 64, 64, 100))
+    q, window, pool, indices, sinks = as_f64(*make_inputs(60, 1, 4, 2, 512, 64, 64, 100,
+                                                          mx.float32, mx.bfloat16))
     q = np.abs(q) + 0.25
     sinks[:] = [-np.inf, 0.5]
     indices[0, 0, :64] = -1
@@ -567,7 +752,7 @@ def test_emulated_kernels_across_tiles_and_invalid_indices(emulated):
     indices[0, 1] = np.concatenate([np.arange(64), 64 + np.arange(36)])
     indices[0, 2, 70] = 128
     indices[0, 3] = -1
-    out = _emulate_both(emulated, (q, window, pool, indices, sinks), 0.0625, "across tiles")
+    out = _emulate_all(emulated, (q, window, pool, indices, sinks), 0.0625, "across tiles")
     expected = attention_f64(q, window, pool, indices, sinks, 0.0625)
     assert np.isnan(expected[0, 1, :, 3]).all() and np.isfinite(np.delete(expected[0, 1], 3, -1)).all()
     assert np.isnan(expected[0, 2]).all() and np.isnan(expected[0, 3, 0]).all()

@@ -11,9 +11,11 @@ denominator only. Nonfinite inputs give what the formula gives in float64.
 On a GPU two kernels compute this (metal_ext/sparse_attention.h): ``serial`` (one SIMD group per
 (b, s, h)) and ``parallel`` (eight SIMD groups). Their output bytes are identical by construction,
 so the choice is only about speed: ``variant=`` per call, else :func:`set_default_variant`, else
-``MLX_DSV41_ATTENTION``, else ``auto``, which times both once per shape class and keeps the faster.
-On the CPU every variant runs :func:`sparse_attention_reference`. :func:`variant_counts` says
-which ran (for generation statistics). Under ``mx.compile`` the choice and the count happen once,
+``MLX_DSV41_ATTENTION``, else ``auto``, which times both once per shape class (see
+:func:`_auto_variant`) and keeps the faster.
+Compile-time tuning constants of the kernels (:func:`set_tuning`, ``TUNABLE``) change speed,
+never bytes. On the CPU every variant runs :func:`sparse_attention_reference`.
+:func:`variant_counts` says which ran (for generation statistics). Under ``mx.compile`` the choice and the count happen once,
 when the function is traced.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from collections import Counter
 
@@ -33,15 +36,26 @@ ENV_VAR = "MLX_DSV41_ATTENTION"
 
 _LANES = 32  # SIMD width the kernels are written for
 _GROUPS = {"serial": 1, "parallel": 8}  # SIMD groups per (b, s, h)
-_MAX_DIM = 1024  # register budget: a serial lane keeps several DIM/32-float arrays live
+_DIMS = (256, 512, 1024)  # head dims the kernels are written for (sparse_attention.h)
+# Compile-time tuning per variant: template constants of sparse_attention.h that change speed,
+# never bytes. PREFETCH: request the next tile's key rows while this tile's value sums run.
+TUNABLE = {"PREFETCH": (0, 1)}
+_TUNING = {"serial": {"PREFETCH": 0}, "parallel": {"PREFETCH": 1}}
 # Query rows per gather in the reference path: bounds its [rows, N, D] temporary.
 _REFERENCE_ROW_CHUNK = 64
 # Messages with which a backend refuses a 256-thread pipeline (Metal raises at evaluation).
 _LAUNCH_LIMIT_ERRORS = ("maximum allowed threads per threadgroup", "too many resources requested")
-# Auto timing: synthetic inputs capped at these sizes (speed depends on rows x keys, not on T).
+# Auto timing (see _auto_variant): synthetic inputs capped at these sizes (speed depends on rows x
+# keys, not on T); chains of dependent launches, each about _AUTO_CHAIN_SECONDS long.
 _AUTO_MAX_ROWS = 512
 _AUTO_MAX_POOL = 4096
-_AUTO_CALLS, _AUTO_ROUNDS = 8, 3
+_AUTO_WARMUP_CALLS = 2  # per variant: JIT compile, allocator, caches
+_AUTO_PROBE_CALLS = 2  # per variant: a first estimate that sizes the timed chains
+_AUTO_MIN_CALLS, _AUTO_MAX_CALLS = 2, 64
+_AUTO_CHAIN_SECONDS = 2e-3
+_AUTO_ROUNDS = 5  # timed chains per variant, the variants alternating
+# serial is chosen only when its median is below parallel's by more than this factor (noise).
+_AUTO_MARGIN = 1.05
 
 
 def _check(q, window, pool, indices, sinks, scale):
@@ -134,17 +148,18 @@ def _launch_args(q, window, pool, indices, sinks, scale: float, variant: str) ->
         output_dtypes=[mx.float32],
         grid=(B * S * H * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        template=[("DIM", D)],
+        template=[("DIM", D), *sorted(_TUNING[variant].items())],
     )
 
 
 def _examples(variant: str) -> list[dict]:
-    """Small launches for the CI compile checks: both q dtypes, bf16 and fp32 keys."""
+    """Small launches for the CI compile checks: both q dtypes, bf16 and fp32 keys, every D."""
     key = mx.random.key(7)
     calls = []
-    for q_dtype, kv_dtype, H in ((mx.float32, mx.bfloat16, 3), (mx.bfloat16, mx.bfloat16, 8),
-                                 (mx.float32, mx.float32, 2)):
-        B, S, D, W, T, N = 1, 2, 512, 4, 5, 6
+    for q_dtype, kv_dtype, H, D in ((mx.float32, mx.bfloat16, 3, 512), (mx.bfloat16, mx.bfloat16, 8, 512),
+                                    (mx.float32, mx.float32, 2, 512), (mx.bfloat16, mx.bfloat16, 2, 256),
+                                    (mx.bfloat16, mx.bfloat16, 2, 1024)):
+        B, S, W, T, N = 1, 2, 4, 5, 6
         q = mx.random.normal((B, S, H, D), key=key).astype(q_dtype)
         window = mx.random.normal((B, W, D), key=key).astype(kv_dtype)
         pool = mx.random.normal((B, T, D), key=key).astype(kv_dtype)
@@ -176,6 +191,7 @@ _default_variant: str | None = None
 _counts: Counter = Counter()  # variant that ran -> calls ("reference" on the CPU path)
 _reference_reasons: Counter = Counter()
 _auto_choices: dict[tuple, str] = {}
+_auto_timings: dict[tuple, dict[str, float]] = {}  # shape class -> variant -> median s per call
 _parallel_refusals: dict[tuple, str] = {}  # kernel instance -> why the backend refused it
 
 
@@ -192,6 +208,25 @@ def set_default_variant(name: str | None) -> None:
     """Default for calls without ``variant=`` (the CLI ``--attention``); None: back to the env."""
     global _default_variant
     _default_variant = None if name is None else parse_variant(name)
+
+
+def set_tuning(variant: str, **constants: int) -> None:
+    """Set compile-time tuning constants of one kernel (TUNABLE names and values); they change
+    speed, never bytes. Earlier ``auto`` choices are forgotten (they were timed without them)."""
+    if variant not in _TUNING:
+        raise ValueError(f"sparse_attention: tuning is per kernel, serial or parallel; got {variant!r}")
+    for name, value in constants.items():
+        if name not in TUNABLE or value not in TUNABLE[name]:
+            raise ValueError(f"sparse_attention: tuning {name}={value!r} is not one of "
+                             f"{ {k: list(v) for k, v in TUNABLE.items()} }")
+    _TUNING[variant].update(constants)
+    _auto_choices.clear()
+    _auto_timings.clear()
+
+
+def tuning() -> dict[str, dict[str, int]]:
+    """The compile-time tuning constants of each kernel."""
+    return {v: dict(c) for v, c in _TUNING.items()}
 
 
 def default_variant() -> str:
@@ -222,6 +257,11 @@ def auto_choices() -> dict[tuple, str]:
     return dict(_auto_choices)
 
 
+def auto_timings() -> dict[tuple, dict[str, float]]:
+    """Shape class -> the medians (seconds per call) that ``auto`` decided on."""
+    return {k: dict(v) for k, v in _auto_timings.items()}
+
+
 def parallel_refusals() -> dict[tuple, str]:
     """Kernel instance (q dtype, kv dtype, D) -> why the backend refused the parallel kernel."""
     return dict(_parallel_refusals)
@@ -232,8 +272,8 @@ def _kernel_unavailable(q) -> str | None:
     if backend() == "cpu":
         return "cpu backend"
     B, S, H, D = q.shape
-    if D % (_GROUPS["parallel"] * _LANES) or not 0 < D <= _MAX_DIM:
-        return f"head dim {D}: the kernels need a multiple of 256 up to {_MAX_DIM}"
+    if D not in _DIMS:
+        return f"head dim {D}: the kernels take {', '.join(map(str, _DIMS))}"
     if B * S * H == 0:
         return "empty output"
     if B * S * H * _GROUPS["parallel"] * _LANES >= 2**31:
@@ -273,16 +313,18 @@ def _bucket(n: int) -> int:
     return 0 if n == 0 else 1 << (n - 1).bit_length()
 
 
-def _time_per_call(variant: str, args) -> float:
-    """Best seconds per launch over a few rounds of queued launches (graph building not timed)."""
-    mx.eval(_run(variant, *args))  # compile and warm up
-    best = math.inf
-    for _ in range(_AUTO_ROUNDS):
-        outs = [_run(variant, *args) for _ in range(_AUTO_CALLS)]
-        t0 = time.perf_counter()
-        mx.eval(outs)
-        best = min(best, (time.perf_counter() - t0) / _AUTO_CALLS)
-    return best
+def _chain_seconds(variant: str, args, calls: int) -> float:
+    """Seconds per launch of `calls` dependent launches: each call's output is the next call's q
+    (cast back to q's dtype if needed), as consecutive layers depend on each other; independent
+    launches could overlap on the GPU and measure throughput instead. The graph is built before
+    the clock starts."""
+    q, rest = args[0], args[1:]
+    out = q
+    for _ in range(calls):
+        out = _run(variant, out if out.dtype == q.dtype else out.astype(q.dtype), *rest)
+    t0 = time.perf_counter()
+    mx.eval(out)
+    return (time.perf_counter() - t0) / calls
 
 
 def _shape_class(q, window, indices) -> tuple:
@@ -293,21 +335,42 @@ def _shape_class(q, window, indices) -> tuple:
 
 
 def _auto_variant(q, window, pool, indices) -> str:
-    """The faster variant for this call's shape class, timed once on synthetic inputs shaped
-    like this call (same bytes either way, so only speed decides)."""
-    B, S, H, D = q.shape
-    W, T, N = window.shape[1], pool.shape[1], indices.shape[2]
+    """The faster variant for this call's shape class (same bytes either way, so only speed
+    decides), measured once per class on synthetic inputs of the class's own shape: its rows and
+    key count at the top of their power-of-two buckets (rows capped at _AUTO_MAX_ROWS), this
+    call's window and pool sizes (pool capped). Both variants are warmed up (compiled, caches
+    filled), then timed as alternating chains of dependent launches, _AUTO_ROUNDS each, sized to
+    about _AUTO_CHAIN_SECONDS; the medians decide. parallel is kept unless serial is faster by
+    more than _AUTO_MARGIN: when the launch cost of the host dominates, both measure alike while
+    the GPU time of the parallel kernel is the shorter one for few rows."""
+    H, D = q.shape[2:]
+    W, T = window.shape[1], pool.shape[1]
     shape_class = _shape_class(q, window, indices)
-    if shape_class not in _auto_choices:
-        candidates = ["serial"]
-        if _parallel_refusal(q.dtype, window.dtype, D) is None:
-            candidates.append("parallel")
-        rows = min(B * S, _AUTO_MAX_ROWS)
-        args = (*_synthetic(1, rows, H, D, W, min(T, _AUTO_MAX_POOL), N, q.dtype, window.dtype),
-                D**-0.5)
-        times = {v: _time_per_call(v, args) for v in candidates}
-        _auto_choices[shape_class] = min(times, key=times.get)
-    return _auto_choices[shape_class]
+    if shape_class in _auto_choices:
+        return _auto_choices[shape_class]
+    if _parallel_refusal(q.dtype, window.dtype, D) is not None:
+        _auto_choices[shape_class] = "serial"
+        return "serial"
+    *_, rows, key_tiles = shape_class
+    args = (*_synthetic(1, min(rows, _AUTO_MAX_ROWS), H, D, W, min(T, _AUTO_MAX_POOL), 64 * key_tiles,
+                        q.dtype, window.dtype), D**-0.5)
+    variants = ("parallel", "serial")
+    for v in variants:
+        _chain_seconds(v, args, _AUTO_WARMUP_CALLS)
+    probe = min(_chain_seconds(v, args, _AUTO_PROBE_CALLS) for v in variants)
+    calls = int(min(max(math.ceil(_AUTO_CHAIN_SECONDS / max(probe, 1e-9)), _AUTO_MIN_CALLS),
+                    _AUTO_MAX_CALLS))
+    for v in variants:  # the timed chains' own graph shapes, once untimed
+        _chain_seconds(v, args, calls)
+    samples = {v: [] for v in variants}
+    for r in range(_AUTO_ROUNDS):
+        for v in variants if r % 2 == 0 else variants[::-1]:
+            samples[v].append(_chain_seconds(v, args, calls))
+    median = {v: statistics.median(t) for v, t in samples.items()}
+    choice = "serial" if median["serial"] * _AUTO_MARGIN < median["parallel"] else "parallel"
+    _auto_choices[shape_class] = choice
+    _auto_timings[shape_class] = {v: median[v] for v in variants}
+    return choice
 
 
 def sparse_attention(q, window, pool, indices, sinks, scale: float, variant: str | None = None):

@@ -6,6 +6,8 @@
   float64 NaN for NaN, with the two variants still byte-identical;
 - outputs poisoned before launch: the kernel writes exactly its region, the guard stays intact;
 - five repeats identical; exact sums at 640 keys where every step is exact;
+- inputs that start off a 16-byte boundary (the element-load path) give the same bytes, and so
+  does every tuning constant;
 - dispatch: auto / serial / parallel through sparse_attention, counters, no refused pipeline.
 """
 
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 
 from mlx_dsv41.kernels import sparse_attention as sa
-from test_sparse_attention import as_f64, assert_matches_f64, attention_f64, make_inputs
+from test_sparse_attention import as_f64, assert_matches_f64, attention_f64, make_inputs, misaligned
 
 pytestmark = pytest.mark.gpu
 F32, BF16 = mx.float32, mx.bfloat16
@@ -201,6 +203,32 @@ def test_five_repeats_identical(variant):
         assert_same_bytes(kernel_out(variant, inputs, 512**-0.5), first, f"{variant} repeat")
 
 
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["q", "window", "pool"])
+def test_misaligned_inputs_same_bytes(which):
+    """A view that starts one element past a 16-byte boundary takes the element-load path: the
+    same bytes as the aligned array, in both variants."""
+    inputs = list(make_inputs(18, 1, 3, 8, 512, 37, 90, 130, BF16, BF16, 0.1))
+    moved = list(inputs)
+    moved[which] = misaligned(inputs[which])
+    scale = 512**-0.5
+    serial = kernel_out("serial", moved, scale)
+    assert_same_bytes(serial, kernel_out("serial", inputs, scale), "serial, misaligned input")
+    assert_same_bytes(kernel_out("parallel", moved, scale), serial, "parallel, misaligned input")
+    assert_matches_f64(serial, attention_f64(*as_f64(*inputs), scale), RTOL, ATOL, "misaligned")
+
+
+def test_tuning_never_changes_bytes(monkeypatch):
+    monkeypatch.setattr(sa, "_TUNING", {v: dict(c) for v, c in sa._TUNING.items()})
+    inputs = make_inputs(19, 1, 5, 16, 512, 128, 300, 640, BF16, BF16, 0.1)
+    scale = 512**-0.5
+    reference = kernel_out("serial", inputs, scale)
+    for variant in ("serial", "parallel"):
+        for name, values in sa.TUNABLE.items():
+            for value in values:
+                sa.set_tuning(variant, **{name: value})
+                assert_same_bytes(kernel_out(variant, inputs, scale), reference, f"{variant} {name}={value}")
+
+
 # --------------------------------------------------------------------------------------------
 # exact arithmetic at 640 keys
 
@@ -268,6 +296,7 @@ def test_dispatch_counts_and_auto(clean_selection, monkeypatch):
     assert min(counts["serial"], counts["parallel"]) >= 1
     choices = sa.auto_choices()
     assert choices and set(choices.values()) <= {"serial", "parallel"}
+    assert all(t["serial"] > 0 and t["parallel"] > 0 for t in sa.auto_timings().values())
     assert not any(sa.parallel_refusals().values()), sa.parallel_refusals()
     monkeypatch.setenv(sa.ENV_VAR, "serial")  # read at call time
     before = sa.variant_counts()["serial"]
