@@ -337,7 +337,7 @@ def main() -> int:
     ap.add_argument("--partition", choices=distributed.PARTITIONS, default="experts")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--bits", type=int, default=3)
-    ap.add_argument("--codebook", default="mcg")
+    ap.add_argument("--codebook", default="mul1")  # the real 2.9 bpw packs are mul1
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--warmup", type=int, default=3)

@@ -142,3 +142,14 @@ def test_bad_tensors_are_named():
     with pytest.raises(FormatError, match="w1 mixes modes"):
         MXExperts.from_parts({"w1": [(w4, s4, "mxfp4"), (*fp8_block_to_mxfp8(*(_fp8(INTER, D)[0][k] for k in ("weight", "scale"))), "mxfp8")],
                               "w3": [], "w2": []}, 2, D, INTER, 10.0)
+
+
+def test_dense_fp16_linear_keeps_the_activation_dtype():
+    # exllamav3 stores unquantized linears (e.g. Engram wkv, a 16-bit head) in fp16.
+    w = mx.random.normal((6, 8)).astype(mx.float16)
+    lin = make_linear({"p.weight": w}, "p", 8, 6)
+    x = mx.random.normal((3, 8))
+    assert lin(x.astype(mx.bfloat16)).dtype == mx.bfloat16
+    y = lin(x)
+    assert y.dtype == mx.float32
+    assert mx.allclose(y, x @ w.astype(mx.float32).T, rtol=1e-5, atol=1e-5)

@@ -34,7 +34,7 @@ from .mx_experts import MODES as MX_MODES
 from .mx_experts import MXExperts, MXProjection
 
 __all__ = [
-    "DenseExperts", "FormatError", "GroupSlices", "GroupedLinear", "MXExperts", "check_expert_range",
+    "DenseExperts", "DenseLinear", "FormatError", "GroupSlices", "GroupedLinear", "MXExperts", "check_expert_range",
     "make_experts", "make_grouped_linear", "make_linear", "module_tensors", "mx_parts",
     "stored_format", "swiglu",
 ]
@@ -58,6 +58,15 @@ class GroupedLinear(nn.Module):
         w = self.weight.reshape(self.groups, self.out_features, self.in_features)
         y = mx.einsum("...gi,goi->...go", x, w.astype(x.dtype))
         return y
+
+
+class DenseLinear(nn.Linear):
+    """`nn.Linear` (no bias) that returns x.dtype, like every other format: a stored fp16 weight
+    (exllamav3 keeps unquantized linears in fp16) would otherwise promote bf16 inputs to fp32."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = super().__call__(x)
+        return y if y.dtype == x.dtype else y.astype(x.dtype)
 
 
 class GroupSlices(nn.Module):
@@ -151,7 +160,7 @@ def make_linear(tensors: Mapping[str, mx.array], prefix: str, in_features: int,
     """The linear stored under `prefix` (no bias); W has [out, in] semantics."""
     fmt = stored_format(tensors, prefix)
     if fmt == "dense":
-        lin = nn.Linear(in_features, out_features, bias=False)
+        lin = DenseLinear(in_features, out_features, bias=False)
         lin.weight = _check_dense(tensors, f"{prefix}.weight", (out_features, in_features))
         return lin
     if fmt == "exl3":
