@@ -5,23 +5,36 @@ shapes (in x out); then one token through 6 of 384 experts (gate+up 5120x2304, d
 K = 2..5. Method (the anchor's): every case rotates over enough random weight sets (> --rotate-mib
 in total) that weights stream from device memory rather than the 60 MB L2; --calls launches are
 queued and evaluated together (graph building excluded); after a warm-up round (JIT compiles
-included there), the median over --repeats rounds of time/calls is reported in microseconds. Packed
-bytes are the trellis bytes a call must read; the roofline is this device's read bandwidth measured
-here (a large float32 reduction and a large copy, the faster). MLX baselines on the same shapes:
-bf16 matmul, affine 4-bit (group 64) and mxfp4 quantized_matmul; for the MoE block, gather_qmm.
-Results: a markdown table on stdout and bench_exl3.json in --out.
+included there), the median over --repeats rounds of time/calls is reported in microseconds.
 
-    python3 benchmarks/bench_exl3.py --out /tmp/bench_out          (on the GPU machine)
+Two timings per case:
+- "chained" (the decode-relevant latency): call i+1 depends on call i's output (a linear takes it
+  as its bias, an MoE block as its input), so no two calls overlap on the GPU;
+- "independent" (as in the first GPU run): the calls have no data dependencies, and MLX's CUDA
+  graphs may run them concurrently (a throughput, not a latency).
+Packed bytes are the trellis bytes a call must read; the roofline is this device's read bandwidth
+measured here (a large float32 reduction and a large copy, the faster). MLX baselines on the same
+shapes: bf16 matmul, affine 4-bit (group 64) and mxfp4 quantized_matmul; for the MoE block,
+gather_qmm. Results: markdown tables on stdout and bench_exl3.json in --out.
+
+--quick: m = 1, K = 3 and 4, every shape, the MoE block, no MLX baselines; then --sweep: every
+launch shape of SWEEP (mlx_dsv41.kernels.exl3.Tuning) on every shape at m = 1, K = 3, and the MoE
+block at K = 3, chained; a table of µs per shape and tuning with the best marked. (~3 minutes.)
+
+    python3 benchmarks/bench_exl3.py --out /tmp/bench_out                  (on the GPU machine)
+    python3 benchmarks/bench_exl3.py --quick --out /tmp/bench_out
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import mlx.core as mx
@@ -49,12 +62,48 @@ MOE_ANCHOR = {2: 132.1, 3: 137.2, 4: 131.4, 5: 150.8}  # µs, one token, 6 of 38
 MOE_TARGET_US = 60.0  # K = 3
 N_EXPERTS, TOP_K, HIDDEN, INTER = 384, 6, 5120, 2304
 
+T = ops.Tuning
+# Launch shapes measured by --sweep: the default and one change at a time.
+SWEEP = {
+    "default": T(),
+    "4 groups x 4 columns": T(warps=4, gate_up_warps=4),
+    "16 groups x 2 columns": T(warps=16, gate_up_warps=16, down_warps=16, nc=2),
+    "8 groups x 8 columns": T(nc=8),
+    "down: 16 groups": T(down_warps=16),
+    "down: 4 groups": T(down_warps=4),
+    "ring of 2 blocks": T(ring_words=3072),
+    "2x SIMD groups (splits)": T(dense_split_warps=4224, gate_up_split_warps=12672),
+    "1/2 SIMD groups (splits)": T(dense_split_warps=1056, gate_up_split_warps=3168),
+    "one launch from 32 col blocks": T(dense_single_blocks=32),
+    "one launch from 512 col blocks": T(dense_single_blocks=512),
+}
 
-def per_call_us(launch, calls: int, repeats: int) -> float:
-    mx.eval([launch(i) for i in range(calls)])  # warm-up: JIT, allocator, caches
+
+@contextlib.contextmanager
+def tuning(t: ops.Tuning):
+    saved = ops.TUNING
+    ops.TUNING = t
+    try:
+        yield
+    finally:
+        ops.TUNING = saved
+
+
+def per_call_us(launch, calls: int, repeats: int, chained: bool) -> float:
+    """Median over rounds of the time per call; launch(i, prev) -> output (prev: the previous
+    call's output when chained, else None)."""
+
+    def round_():
+        outs, prev = [], None
+        for i in range(calls):
+            prev = launch(i, prev if chained else None)
+            outs.append(prev)
+        return outs
+
+    mx.eval(round_())  # warm-up: JIT, allocator, caches
     samples = []
     for _ in range(repeats):
-        outs = [launch(i) for i in range(calls)]
+        outs = round_()
         t0 = time.perf_counter()
         mx.eval(outs)
         samples.append((time.perf_counter() - t0) / calls * 1e6)
@@ -73,8 +122,8 @@ def calls_for(sets: int, minimum: int) -> int:
 def device_read_bandwidth(repeats: int) -> dict:
     a = mx.random.uniform(shape=(1 << 30,))  # 4 GiB float32
     mx.eval(a)
-    sum_us = per_call_us(lambda i: mx.sum(a), 4, repeats)
-    copy_us = per_call_us(lambda i: a * 1.0, 4, repeats)
+    sum_us = per_call_us(lambda i, p: mx.sum(a), 4, repeats, False)
+    copy_us = per_call_us(lambda i, p: a * 1.0, 4, repeats, False)
     read_sum = a.nbytes / sum_us / 1e3  # GB/s
     read_copy = a.nbytes / copy_us / 1e3  # the read half of a copy that moves 2x the bytes
     del a
@@ -92,24 +141,36 @@ def random_words(shape) -> mx.array:
     return mx.random.randint(-(1 << 31), (1 << 31) - 1, shape, dtype=mx.int32).view(mx.uint32)
 
 
-def exl3_case(name, k, n, bits, m, args, roofline) -> dict:
-    tk, tn = k // 16, n // 16
+def linear_sets(k, n, bits, rotate_mib):
     set_bytes = k * n * bits // 8 + 2 * (k + n)
     sets = []
-    for _ in range(n_sets(set_bytes, args.rotate_mib)):
-        sets.append((random_trellis((tk, tn), bits), (mx.random.normal((k,)) * 0.02).astype(mx.float16),
+    for _ in range(n_sets(set_bytes, rotate_mib)):
+        sets.append((random_trellis((k // 16, n // 16), bits), (mx.random.normal((k,)) * 0.02).astype(mx.float16),
                      mx.random.normal((n,)).astype(mx.float16)))
     mx.eval(sets)
+    return sets
+
+
+def exl3_time(sets, m, args, chained: bool) -> tuple[float, int]:
+    k, n = sets[0][1].shape[0], sets[0][2].shape[0]
     x = mx.random.normal((m, k)).astype(mx.bfloat16)
+    first_bias = mx.zeros((n,), mx.bfloat16) if chained else None  # one kernel variant for every call
     calls = calls_for(len(sets), args.calls)
-    us = per_call_us(lambda i: ops.linear(x, *sets[i % len(sets)], "mul1"), calls, args.repeats)
-    splits, per_split, wpc = ops._split_plan(k // 128, n // 128)
+
+    def launch(i, prev):
+        # Chained: the previous output (as the bias) is an input of both launches of this call.
+        return ops.linear(x, *sets[i % len(sets)], "mul1", bias=first_bias if prev is None else prev[0])
+
+    return per_call_us(launch, calls, args.repeats, chained), calls
+
+
+def exl3_row(name, k, n, bits, m, us, calls, roofline, chained, label="default") -> dict:
+    splits, _ = ops.dense_plan(k // 128, n // 128)
     packed = k * n * bits // 8
     anchor = ANCHOR.get((name, bits), (None, None))[0 if m == 1 else 1]
-    del sets
-    return {"kind": "exl3", "shape": name, "k": k, "n": n, "K": bits, "m": m, "us": us,
-            "packed_GBps": packed / us / 1e3, "roofline_frac": packed / us / 1e3 / roofline,
-            "anchor_us": anchor, "calls": calls, "splits": splits, "wpc": wpc,
+    return {"kind": "exl3", "shape": name, "k": k, "n": n, "K": bits, "m": m, "us": us, "chained": chained,
+            "tuning": label, "tuning_fields": asdict(ops.TUNING), "packed_GBps": packed / us / 1e3,
+            "roofline_frac": packed / us / 1e3 / roofline, "anchor_us": anchor, "calls": calls, "splits": splits,
             "launches": 1 if (m <= ops.GEMV_MAX_ROWS and splits == 1) else 2}
 
 
@@ -128,7 +189,7 @@ def mlx_case(name, k, n, fmt, m, args, roofline) -> dict:
     mx.eval(sets)
     x = mx.random.normal((m, k)).astype(mx.bfloat16)
 
-    def launch(i):
+    def launch(i, prev):
         w = sets[i % len(sets)]
         if fmt == "bf16":
             return x @ w[0].T
@@ -137,9 +198,9 @@ def mlx_case(name, k, n, fmt, m, args, roofline) -> dict:
         return mx.quantized_matmul(x, *w, transpose=True, mode="mxfp4")
 
     calls = calls_for(len(sets), args.calls)
-    us = per_call_us(launch, calls, args.repeats)
+    us = per_call_us(launch, calls, args.repeats, False)
     del sets
-    return {"kind": "mlx", "shape": name, "k": k, "n": n, "format": fmt, "m": m, "us": us,
+    return {"kind": "mlx", "shape": name, "k": k, "n": n, "format": fmt, "m": m, "us": us, "chained": False,
             "packed_GBps": set_bytes / us / 1e3, "roofline_frac": set_bytes / us / 1e3 / roofline, "calls": calls}
 
 
@@ -155,7 +216,7 @@ def routing(calls: int, seed: int):
     return picks
 
 
-def moe_case(bits, args, roofline) -> dict:
+def moe_experts(bits) -> EXL3Experts:
     def projection(k, n):
         trellis = random_trellis((N_EXPERTS, k // 16, n // 16), bits)
         suh = (mx.random.normal((N_EXPERTS, k)) * 0.02).astype(mx.float16)
@@ -164,14 +225,26 @@ def moe_case(bits, args, roofline) -> dict:
 
     experts = EXL3Experts(projection(HIDDEN, INTER), projection(HIDDEN, INTER), projection(INTER, HIDDEN), N_EXPERTS)
     mx.eval(experts.parameters())
-    x = mx.random.normal((1, HIDDEN)).astype(mx.bfloat16)
+    return experts
+
+
+def moe_time(experts, bits, args, chained: bool) -> float:
+    x = mx.random.normal((1, HIDDEN))  # float32, as the chained calls' inputs (one kernel variant)
     picks = routing(args.moe_calls, seed=bits)
-    us = per_call_us(lambda i: experts(x, *picks[i]), args.moe_calls, args.repeats)
+
+    def launch(i, prev):
+        # Chained: the previous block's first slot is this block's input.
+        return experts(x if prev is None else prev.reshape(TOP_K, HIDDEN)[:1], *picks[i])
+
+    return per_call_us(launch, args.moe_calls, args.repeats, chained)
+
+
+def moe_row(bits, us, roofline, chained, label="default") -> dict:
     packed = TOP_K * 3 * HIDDEN * INTER * bits // 8
-    del experts
-    return {"kind": "exl3_moe", "K": bits, "us": us, "packed_GBps": packed / us / 1e3,
+    return {"kind": "exl3_moe", "K": bits, "us": us, "chained": chained, "tuning": label,
+            "tuning_fields": asdict(ops.TUNING), "packed_GBps": packed / us / 1e3,
             "roofline_frac": packed / us / 1e3 / roofline, "anchor_us": MOE_ANCHOR[bits],
-            "target_us": MOE_TARGET_US if bits == 3 else None, "calls": args.moe_calls}
+            "target_us": MOE_TARGET_US if bits == 3 else None}
 
 
 def moe_mlx_case(fmt, args, roofline) -> dict:
@@ -190,7 +263,7 @@ def moe_mlx_case(fmt, args, roofline) -> dict:
     x = mx.random.normal((1, 1, 1, HIDDEN)).astype(mx.bfloat16)
     picks = routing(args.moe_calls, seed=99)
 
-    def launch(i):
+    def launch(i, prev):
         idx, w = picks[i]
         g = mx.gather_qmm(x, *gate, rhs_indices=idx, **kw)
         u = mx.gather_qmm(x, *up, rhs_indices=idx, **kw)
@@ -198,10 +271,10 @@ def moe_mlx_case(fmt, args, roofline) -> dict:
         y = mx.gather_qmm(h, *down, rhs_indices=idx, **kw)
         return (y.squeeze(-2) * w[..., None]).sum(axis=-2)
 
-    us = per_call_us(launch, args.moe_calls, args.repeats)
+    us = per_call_us(launch, args.moe_calls, args.repeats, False)
     packed = sum(a.nbytes for a in (*gate, *up, *down)) * TOP_K // N_EXPERTS
     del gate, up, down
-    return {"kind": "mlx_moe", "format": fmt, "us": us, "packed_GBps": packed / us / 1e3,
+    return {"kind": "mlx_moe", "format": fmt, "us": us, "chained": False, "packed_GBps": packed / us / 1e3,
             "roofline_frac": packed / us / 1e3 / roofline, "calls": args.moe_calls}
 
 
@@ -212,14 +285,20 @@ def fmt_us(v):
 def print_tables(bw, rows):
     print(f"\nDevice read bandwidth: {bw['roofline_GBps']:.0f} GB/s (sum {bw['sum_read_GBps']:.0f}, "
           f"copy {bw['copy_total_GBps']:.0f} GB/s read+write)\n")
-    print("| shape (in x out) | K | m | EXL3 µs | packed GB/s | of roofline | launches | exllamav3 µs | vs exllamav3 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        if r["kind"] != "exl3":
-            continue
-        ratio = "–" if r["anchor_us"] is None else f"{r['anchor_us'] / r['us']:.2f}x"
-        print(f"| {r['shape']} {r['k']}x{r['n']} | {r['K']} | {r['m']} | {r['us']:.1f} | {r['packed_GBps']:.0f} | "
-              f"{100 * r['roofline_frac']:.0f}% | {r['launches']} | {fmt_us(r['anchor_us'])} | {ratio} |")
+    main = [r for r in rows if r["kind"] == "exl3" and not r.get("sweep")]
+    print("| shape (in x out) | K | m | chained µs | independent µs | packed GB/s (chained) | of roofline | "
+          "launches | exllamav3 µs | vs exllamav3 (chained) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    order = [s[0] for s in SHAPES]
+    keys = sorted({(r["shape"], r["K"], r["m"]) for r in main}, key=lambda t: (order.index(t[0]), t[1], t[2]))
+    for key in keys:
+        got = {r["chained"]: r for r in main if (r["shape"], r["K"], r["m"]) == key}
+        c, ind = got.get(True), got.get(False)
+        r = c or ind
+        ratio = "–" if r["anchor_us"] is None or c is None else f"{r['anchor_us'] / c['us']:.2f}x"
+        print(f"| {r['shape']} {r['k']}x{r['n']} | {r['K']} | {r['m']} | {fmt_us(c and c['us'])} | "
+              f"{fmt_us(ind and ind['us'])} | {(c or r)['packed_GBps']:.0f} | {100 * (c or r)['roofline_frac']:.0f}% | "
+              f"{r['launches']} | {fmt_us(r['anchor_us'])} | {ratio} |")
     mlx_rows = [r for r in rows if r["kind"] == "mlx"]
     if mlx_rows:
         print("\n| shape (in x out) | m | MLX bf16 µs | MLX affine4 µs | MLX mxfp4 µs |")
@@ -230,14 +309,51 @@ def print_tables(bw, rows):
                 if got:
                     print(f"| {name} {k}x{n} | {m} | {fmt_us(got.get('bf16'))} | {fmt_us(got.get('affine4'))} | "
                           f"{fmt_us(got.get('mxfp4'))} |")
-    moe = [r for r in rows if r["kind"] in ("exl3_moe", "mlx_moe")]
+    moe = [r for r in rows if r["kind"] in ("exl3_moe", "mlx_moe") and not r.get("sweep")]
     if moe:
-        print("\n| MoE block, 1 token, 6 of 384 experts | µs | packed GB/s | of roofline | exllamav3 µs | target µs |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("\n| MoE block, 1 token, 6 of 384 experts | µs | timing | packed GB/s | of roofline | exllamav3 µs "
+              "| target µs |")
+        print("|---|---:|---|---:|---:|---:|---:|")
         for r in moe:
             label = f"EXL3 K={r['K']}" if r["kind"] == "exl3_moe" else f"MLX gather_qmm {r['format']}"
-            print(f"| {label} | {r['us']:.1f} | {r['packed_GBps']:.0f} | {100 * r['roofline_frac']:.0f}% | "
-                  f"{fmt_us(r.get('anchor_us'))} | {fmt_us(r.get('target_us'))} |")
+            print(f"| {label} | {r['us']:.1f} | {'chained' if r['chained'] else 'independent'} | "
+                  f"{r['packed_GBps']:.0f} | {100 * r['roofline_frac']:.0f}% | {fmt_us(r.get('anchor_us'))} | "
+                  f"{fmt_us(r.get('target_us'))} |")
+    sweep = [r for r in rows if r["kind"] in ("exl3", "exl3_moe") and r.get("sweep")]
+    if sweep:
+        cols = [(s[0], s[1], s[2]) for s in SHAPES if any(r.get("shape") == s[0] for r in sweep)]
+        print("\nSweep (chained µs, m = 1, K = 3; * = best per column):\n")
+        print("| tuning | " + " | ".join(c[0] for c in cols) + " | MoE block |")
+        print("|---|" + "---:|" * (len(cols) + 1))
+        best = {}
+        for r in sweep:
+            col = r.get("shape", "MoE")
+            best[col] = min(best.get(col, math.inf), r["us"])
+        for label in SWEEP:
+            cells = []
+            for col in [c[0] for c in cols] + ["MoE"]:
+                got = [r["us"] for r in sweep if r["tuning"] == label and r.get("shape", "MoE") == col]
+                cells.append("–" if not got else f"{got[0]:.1f}{'*' if got[0] == best[col] else ''}")
+            print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def run_sweep(args, roofline, rows, t_start):
+    bits = 3
+    for name, k, n in [s for s in SHAPES if s[0] in args.shapes]:
+        sets = linear_sets(k, n, bits, args.rotate_mib)
+        for label, t in SWEEP.items():
+            with tuning(t):
+                us, calls = exl3_time(sets, 1, args, chained=True)
+                rows.append(dict(exl3_row(name, k, n, bits, 1, us, calls, roofline, True, label), sweep=True))
+        del sets
+        print(f"  sweep {name}: done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+    if not args.skip_moe:
+        experts = moe_experts(bits)
+        for label, t in SWEEP.items():
+            with tuning(t):
+                rows.append(dict(moe_row(bits, moe_time(experts, bits, args, True), roofline, True, label), sweep=True))
+        del experts
+        print(f"  sweep MoE: done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
 
 
 def main() -> int:
@@ -252,7 +368,11 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES])
     ap.add_argument("--skip-mlx", action="store_true", help="no MLX baselines")
     ap.add_argument("--skip-moe", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time every launch shape of SWEEP (m = 1, K = 3)")
+    ap.add_argument("--quick", action="store_true", help="m = 1, K = 3 and 4, no MLX baselines, --sweep")
     args = ap.parse_args()
+    if args.quick:
+        args.bits, args.rows, args.skip_mlx, args.sweep = [3, 4], [1], True, True
     if backend() == "cpu":
         print("bench_exl3: needs an MLX GPU backend (Metal or CUDA); nothing measured")
         return 2
@@ -264,10 +384,14 @@ def main() -> int:
     shapes = [s for s in SHAPES if s[0] in args.shapes]
     for name, k, n in shapes:
         for bits in args.bits:
+            sets = linear_sets(k, n, bits, args.rotate_mib)
             for m in args.rows:
-                rows.append(exl3_case(name, k, n, bits, m, args, roofline))
-                print(f"  {name} K={bits} m={m}: {rows[-1]['us']:.1f} µs "
+                for chained in (True, False):
+                    us, calls = exl3_time(sets, m, args, chained)
+                    rows.append(exl3_row(name, k, n, bits, m, us, calls, roofline, chained))
+                print(f"  {name} K={bits} m={m}: {rows[-2]['us']:.1f} µs chained, {rows[-1]['us']:.1f} independent "
                       f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+            del sets
     if not args.skip_mlx:
         for name, k, n in shapes:
             for fmt in ("bf16", "affine4", "mxfp4"):
@@ -276,12 +400,17 @@ def main() -> int:
         print(f"  MLX baselines done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
     if not args.skip_moe:
         for bits in args.bits:
-            rows.append(moe_case(bits, args, roofline))
-            print(f"  MoE K={bits}: {rows[-1]['us']:.1f} µs ({time.perf_counter() - t_start:.0f} s)",
-                  file=sys.stderr, flush=True)
+            experts = moe_experts(bits)
+            for chained in (True, False):
+                rows.append(moe_row(bits, moe_time(experts, bits, args, chained), roofline, chained))
+            del experts
+            print(f"  MoE K={bits}: {rows[-2]['us']:.1f} µs chained, {rows[-1]['us']:.1f} independent "
+                  f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
         if not args.skip_mlx:
             for fmt in ("affine4", "mxfp4"):
                 rows.append(moe_mlx_case(fmt, args, roofline))
+    if args.sweep:
+        run_sweep(args, roofline, rows, t_start)
     print_tables(bw, rows)
     total = time.perf_counter() - t_start
     print(f"\nbench_exl3: {total:.0f} s")

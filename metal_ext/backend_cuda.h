@@ -66,6 +66,30 @@ KX_INLINE u32 kx_hadd2_bits(u32 a, u32 b) {
 #define KX_HADD2_BITS(a, b) kx_hadd2_bits((a), (b))
 // c + the sum of the four bytes of u32 x.
 #define KX_BYTE_SUM(x, c) __dp4a((u32)(x), 0x01010101u, (u32)(c))
+// Fully unroll the loop that follows (constant trip count).
+#define KX_UNROLL _Pragma("unroll")
+// Funnel shifts of the 64-bit value hi:lo by s in [0, 31]: the high word after a left shift, the
+// low word after a right shift (one SHF each).
+#define KX_FUNNEL_L(lo, hi, s) __funnelshift_l((u32)(lo), (u32)(hi), (u32)(s))
+#define KX_FUNNEL_R(lo, hi, s) __funnelshift_r((u32)(lo), (u32)(hi), (u32)(s))
+// The low 16 bits of lo and of hi in one u32 (lo in the low half; one PRMT).
+#define KX_PACK_LO16(lo, hi) __byte_perm((u32)(lo), (u32)(hi), 0x5410u)
+
+// Threadgroup memory that 16-byte asynchronous copies may target.
+#define KX_HAS_ASYNC_COPY 1
+#define KX_SHARED16(T, name, n) __shared__ __align__(16) T name[n]
+// Asynchronous 16-byte copies global -> threadgroup memory (cp.async.cg: through L2 only, no
+// registers held while in flight): KX_ASYNC_COPY16(base, i, src) copies 16 bytes at src to words
+// i..i+3 of the threadgroup array base (16-byte aligned). KX_ASYNC_COMMIT closes the thread's
+// current group of copies; KX_ASYNC_WAIT(n) (n a constant) returns once at most n of its groups
+// are still in flight; a barrier after it makes every thread's completed copies visible.
+KX_INLINE void kx_async_copy16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+#define KX_ASYNC_COPY16(base, i, src) \
+  kx_async_copy16((u32)__cvta_generic_to_shared(base) + 4u * (u32)(i), (const void*)(src))
+#define KX_ASYNC_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
+#define KX_ASYNC_WAIT(n) asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory")
 
 // Tensor-core tile product. KX_HAS_MMA_F16 says whether KX_MMA_F16_F32 exists (Metal: 0, bodies
 // then use per-lane FMAs). KX_MMA_F16_F32(c, a0..a3, b0, b1): c[0..3] += A·B for one

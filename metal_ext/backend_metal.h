@@ -75,6 +75,22 @@ KX_INLINE u32 kx_byte_sum(u32 x, u32 c) {
   return (pairs & 0xFFFFu) + (pairs >> 16) + c;
 }
 #define KX_BYTE_SUM(x, c) kx_byte_sum((u32)(x), (u32)(c))
+// Fully unroll the loop that follows (constant trip count).
+#define KX_UNROLL _Pragma("clang loop unroll(full)")
+// Funnel shifts of the 64-bit value hi:lo by s in [0, 31]: the high word after a left shift, the
+// low word after a right shift.
+KX_INLINE u32 kx_funnel_l(u32 lo, u32 hi, u32 s) { return (u32)(((((u64)hi) << 32) | (u64)lo) << s >> 32); }
+KX_INLINE u32 kx_funnel_r(u32 lo, u32 hi, u32 s) { return (u32)(((((u64)hi) << 32) | (u64)lo) >> s); }
+#define KX_FUNNEL_L(lo, hi, s) kx_funnel_l((u32)(lo), (u32)(hi), (u32)(s))
+#define KX_FUNNEL_R(lo, hi, s) kx_funnel_r((u32)(lo), (u32)(hi), (u32)(s))
+// The low 16 bits of lo and of hi in one u32 (lo in the low half).
+#define KX_PACK_LO16(lo, hi) ((((u32)(lo)) & 0xFFFFu) | (((u32)(hi)) << 16))
+
+// No asynchronous global -> threadgroup copies here (see backend_cuda.h): bodies read device
+// memory directly where KX_HAS_ASYNC_COPY is 0 (Apple GPUs also have 32 KiB of threadgroup memory,
+// too little for a trellis ring).
+#define KX_HAS_ASYNC_COPY 0
+#define KX_SHARED16(T, name, n) threadgroup T name[n]
 
 // Tensor-core tile product: Apple GPUs have 8x8 simdgroup matrices with another fragment layout,
 // so KX_MMA_F16_F32 does not exist here and bodies use per-lane FMAs (see backend_cuda.h).

@@ -7,7 +7,7 @@
 // Inputs: x [T, in], indices [T, top_k] int32, suh1/suh3 [E, k], t1/t3 [G, k/16, n/16, 16K] int16
 // (this group's stacks), p1/p3 [E] int32 (local expert -> index in the stack, -1 if elsewhere),
 // prev [slots, 2, splits, n] float32, params [3] = (first held expert, 128-blocks per split, splits).
-// Output: out [slots, 2, splits, n] float32. Template: K2, CB, WPC, HAS_PREV.
+// Output: out [slots, 2, splits, n] float32. Template: K2, CB, NC, NW, STAGES, XSW, HAS_PREV.
 const u32 lane = KX_LANE, warp = KX_WARP;
 const u32 col_block = KX_TGID_X, split = KX_TGID_Y;
 const u32 slot = KX_TGID_Z >> 1, mat = KX_TGID_Z & 1u;
@@ -21,32 +21,23 @@ const int pos = (e >= 0 && e < (int)n_local) ? (mat ? p3[e] : p1[e]) : -2;
 const u64 base = (((u64)slot * 2 + mat) * splits + split) * n + col_block * 128;
 if (pos < 0) {
   // Uniform over the threadgroup: nothing below is reached.
-  for (u32 i = KX_LID_X; i < 128; i += 256 * WPC) out[base + i] = (HAS_PREV && pos == -1) ? prev[base + i] : 0.0f;
+  for (u32 i = KX_LID_X; i < 128; i += NW * 32) out[base + i] = (HAS_PREV && pos == -1) ? prev[base + i] : 0.0f;
   return;
 }
 const u32 kb_begin = split * per_split;
-const u32 kb_end = min(kb_begin + per_split, tiles_k / 8);
-KX_SHARED(u32, xs, EXL3_XS_WORDS);
-KX_SHARED(float, ys, WPC * 128);
+const u32 nb = min(per_split, tiles_k / 8 - kb_begin);
+KX_SHARED16(u32, ring, EXL3_RING_WORDS(K2, STAGES, NW, NC, 1));
+KX_SHARED(u32, xs, XSW);
 
-const Exl3Lane l = exl3_lane<K2>(lane);
-const u32 kgroup = warp / 8, col0 = (warp % 8) * 16;
-const KX_DEVICE u32* column = (const KX_DEVICE u32*)(mat ? t3 : t1) +
-                              (u64)pos * tiles_k * row_words + (u64)(col_block * 8 + warp % 8) * (4 * K2);
-const u64 suh_offset = (u64)e * tiles_k * 16;
-Exl3Acc<1> acc = exl3_acc_zero<1>();
-for (u32 kb = kb_begin; kb < kb_end; kb += EXL3_CHUNK_BLOCKS(1)) {
-  const u32 nb = min((u32)EXL3_CHUNK_BLOCKS(1), kb_end - kb);
-  KX_BARRIER();
-  exl3_stage_input<1>(xs, x + (u64)(slot / top_k) * in_features, (mat ? suh3 : suh1) + suh_offset, 1u,
-                      in_features, kb, nb, warp, 8 * WPC, lane);
-  KX_BARRIER();
-  acc = exl3_tile_column<K2, CB, 1, WPC>(acc, column + (u64)kb * 8 * row_words, row_words, xs, nb * 8, kgroup, l, lane);
-}
-exl3_store_acc<1>(ys, exl3_acc_finish<1>(acc, lane), kgroup, col0, lane);
+const KX_DEVICE u32* src = (const KX_DEVICE u32*)(mat ? t3 : t1) + ((u64)pos * tiles_k + (u64)kb_begin * 8) * row_words +
+                           col_block * 32 * K2;
+const Exl3Acc<1, NC> acc = exl3_product<K2, CB, 1, NC, NW, STAGES, XSW>(
+    src, row_words, nb,
+    exl3_input_stager<1, XSW>(x + (u64)(slot / top_k) * in_features, (mat ? suh3 : suh1) + (u64)e * tiles_k * 16, 1u,
+                         in_features, kb_begin),
+    ring, xs, warp, lane);
+KX_BARRIER();  // ys reuses the trellis ring
+KX_THREADGROUP float* ys = (KX_THREADGROUP float*)ring;
+exl3_store_acc<1, NC, NW>(ys, acc, warp, lane);
 KX_BARRIER();
-for (u32 j = KX_LID_X; j < 128; j += 256 * WPC) {
-  float s = ys[j];
-  for (int g = 1; g < WPC; g++) s += ys[g * 128 + j];
-  out[base + j] = s;
-}
+for (u32 j = KX_LID_X; j < 128; j += NW * 32) out[base + j] = exl3_ys_sum<1, EXL3_KG(NW, NC)>(ys, 0, j);

@@ -11,7 +11,7 @@ KX_THREADGROUP u16* stage16 = (KX_THREADGROUP u16*)stage;
 
 const Exl3Lane l = exl3_lane<K2>(lane);
 const KX_DEVICE u32* tile = (const KX_DEVICE u32*)trellis + ((u64)tk * tiles_n + col_block * 8 + warp) * (4 * K2);
-const Exl3Frag f = exl3_decode<K2, CB>(exl3_load<K2>(tile, l), l);
+const Exl3Frag f = exl3_decode<K2, CB>(exl3_load<K2>(tile, l), l.shift);
 const u32 r0 = 2 * (lane & 3u), col = warp * 16 + (lane >> 2);
 for (int h = 0; h < 2; h++) {  // columns c0 and c0 + 8
   stage16[r0 * 128 + col + 8 * h] = (u16)(f.h[2 * h] & 0xFFFFu);

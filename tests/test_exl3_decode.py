@@ -76,6 +76,25 @@ def test_mul1_two_fp16_roundings_would_be_wrong():
     assert int(np.sum(twice.view(np.uint16) != codebook_table("mul1").view(np.uint16))) == 60326
 
 
+def test_mul1_packed_fp16_fma_is_exact_for_every_byte_sum():
+    # The kernels form h = 1024 + bytesum as the fp16 bits 0x6400 + bytesum (dp4a) and then
+    # value = fma(h, 0x1EEE, 0xC931) on fp16 operands with ONE rounding (a packed half2 fma): model
+    # that fma exactly (float64 holds the product and sum exactly) and round once to fp16, for all
+    # 1021 byte sums, against the spec's definition (float32, then one rounding) and the table.
+    bs = np.arange(1021)
+    h = (0x6400 + bs).astype(np.uint16).view(np.float16)
+    assert np.array_equal(h.astype(np.float64), 1024.0 + bs)  # exact: fp16 integers up to 2048
+    k_inv = np.array([0x1EEE], np.uint16).view(np.float16).astype(np.float64)[0]
+    k_bias = np.array([0xC931], np.uint16).view(np.float16).astype(np.float64)[0]
+    assert (k_inv, k_bias) == (1774 / 2**18, -1329 / 128)
+    fma_once = (h.astype(np.float64) * k_inv + k_bias).astype(np.float16)
+    spec = ((1024 + bs).astype(np.float32) * np.float32(1774 / 2**18) + np.float32(-1329 / 128)).astype(np.float16)
+    assert np.array_equal(fma_once.view(np.uint16), spec.view(np.uint16))
+    x = (np.arange(65536, dtype=np.uint64) * 0x83DCD12D) % (1 << 32)
+    state_bs = sum((x >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4)).astype(np.int64)
+    assert np.array_equal(fma_once[state_bs].view(np.uint16), codebook_table("mul1").view(np.uint16))
+
+
 def test_known_answer_states():
     # Spec §2.3: two tiles with known states[0..7] and state[255].
     k4 = ((np.arange(64) * 0x0F0F + 0x1234) & 0xFFFF).astype(np.uint16).view(np.int16)

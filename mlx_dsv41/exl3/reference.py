@@ -56,8 +56,10 @@ def experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit, line
         s = mx.array(slots.astype(np.int32))
         xe = x[mx.array((slots // top_k).astype(np.int32))]
         local = int(e) - lo
-        g = linear_fn(xe, *w1.expert(local), out_features=w1.out_features, out_dtype=mx.float32)
-        u = linear_fn(xe, *w3.expert(local), out_features=w3.out_features, out_dtype=mx.float32)
+        # The reference's expert linears return bf16: g, u and y are bf16-valued (spec §4.5).
+        g = linear_fn(xe, *w1.expert(local), out_features=w1.out_features, out_dtype=mx.bfloat16)
+        u = linear_fn(xe, *w3.expert(local), out_features=w3.out_features, out_dtype=mx.bfloat16)
         h = swiglu(g, u, limit, w_flat[s][:, None])  # bf16(w * (silu(min(g, L)) * clamp(u)))
-        out[s] = linear_fn(h, *w2.expert(local), out_features=w2.out_features, out_dtype=mx.float32)
+        y = linear_fn(h, *w2.expert(local), out_features=w2.out_features, out_dtype=mx.bfloat16)
+        out[s] = y.astype(mx.float32)
     return out.reshape(T, top_k, w2.out_features)

@@ -6,18 +6,23 @@
 
 On the CPU every op runs the plain-MLX reference (mlx_dsv41.exl3.reference). On a GPU:
 - ``reconstruct``: exl3_reconstruct (one tile per SIMD group);
-- ``linear`` with m <= 8 rows: exl3_gemv decodes the trellis on the fly; with one k split it also
-  applies the output transform (one launch), otherwise exl3_gemv_out finishes it (two launches).
-  With more rows: reconstruct, then an fp16 matmul between the two transforms (as exllamav3 does
-  above its GEMV sizes);
+- ``linear`` with m <= 8 rows: exl3_gemv decodes the trellis on the fly (metal_ext/exl3_matmul.h:
+  a threadgroup per 128 output columns and k range). A wide output (``dense_single_blocks`` or
+  more 128-column blocks) is one launch that also applies the output transform; a narrow one
+  splits k over enough threadgroups to fill the GPU (``dense_split_warps``) and exl3_gemv_out
+  finishes it (two launches). With more rows: reconstruct, then an fp16 matmul between the two
+  transforms (as exllamav3 does above its GEMV sizes);
 - ``experts`` with at most FUSED_MAX_SLOTS slots: exl3_expert_gate_up (w1 and w3 of each selected
-  expert) and exl3_expert_down (SwiGLU + w2), one launch of each per (K, codebook) group present;
-  with more slots: one expert at a time through ``linear``.
+  expert, k split to reach ``gate_up_split_warps``) and exl3_expert_down (finishes g and u,
+  SwiGLU, w2), one launch of each per (K, codebook) group present; with more slots: one expert at
+  a time through ``linear``.
+Launch shapes come from ``TUNING`` (a Tuning); benchmarks/bench_exl3.py --sweep measures others.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import cache
 
 import mlx.core as mx
@@ -31,10 +36,71 @@ from mlx_dsv41.kernels import Kernel, backend, register
 
 GEMV_MAX_ROWS = 8  # rows served by exl3_gemv (the M template: 1, 2, 4 or 8)
 FUSED_MAX_SLOTS = 64  # (token, slot) pairs served by the fused expert kernels
-_TARGET_THREADGROUPS = 512  # enough threadgroups to keep every core of a large GPU streaming
 _LANES = 32
 _X_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _OUT_KIND = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # the kernels' OUT template value
+_XS_WORDS = 4096  # largest xh staging (XSW template in exl3_matmul.h): 16 KiB
+# Threadgroup memory a kernel may declare statically, in words: 48 KiB on CUDA, 32 KiB on Metal.
+_SHARED_WORDS = {"cuda": 12288, "metal": 8192}
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Launch shapes of the EXL3 product kernels (exl3_gemv and the expert kernels).
+
+    A threadgroup has ``warps`` SIMD groups in exl3_gemv, ``gate_up_warps`` in
+    exl3_expert_gate_up and ``down_warps`` in exl3_expert_down (whose threadgroup count is fixed
+    at slots x 128-column blocks); each SIMD group decodes ``nc`` adjacent tile columns of the
+    threadgroup's 8, so warps * nc / 8 k groups share each tile column. ``ring_words`` of
+    threadgroup memory hold the trellis ring: as many 128-blocks in flight as fit (2 to 4). A
+    dense launch with fewer than ``dense_single_blocks`` 128-column output blocks splits k until
+    it has ``dense_split_warps`` SIMD groups (then exl3_gemv_out finishes it); exl3_expert_gate_up
+    splits k until it has ``gate_up_split_warps`` for ``gate_up_plan_slots`` slots, whatever the
+    call's slot count (see expert_plan).
+    """
+
+    warps: int = 8
+    gate_up_warps: int = 8
+    down_warps: int = 8
+    nc: int = 4
+    ring_words: int = 6144
+    dense_split_warps: int = 2112  # 132 SMs x 16
+    dense_single_blocks: int = 128
+    gate_up_split_warps: int = 6336  # 132 SMs x 48
+    gate_up_plan_slots: int = 6  # slots the gate/up k split is planned for (Flash top-k)
+
+    def __post_init__(self):
+        for warps in (self.warps, self.gate_up_warps, self.down_warps):
+            if warps not in (4, 8, 16) or self.nc not in (2, 4, 8) or warps * self.nc > 64:
+                raise ValueError(f"exl3 tuning: warps {warps} x nc {self.nc} is not one of (4, 8) x (2, 4, 8), "
+                                 f"16 x (2, 4)")
+        if min(self.ring_words, self.dense_split_warps, self.dense_single_blocks, self.gate_up_split_warps,
+               self.gate_up_plan_slots) < 1:
+            raise ValueError(f"exl3 tuning: sizes must be positive, got {self}")
+
+    def stages(self, k2: int) -> int:
+        """Trellis blocks in the ring for bitrate k2 (2 to 4): with xh, within the 48 KiB of static
+        threadgroup memory a CUDA kernel may declare (ys, at most 8 k groups x 8 rows x 128 floats,
+        reuses the ring and fits as well)."""
+        block = 256 * k2
+        return max(2, min(4, self.ring_words // block, (_SHARED_WORDS["cuda"] - _XS_WORDS) // block))
+
+    def template(self, warps: int, k2: int, rows: int, blocks: int, backend_name: str = "cuda") -> list:
+        """Launch-shape template values for ``warps`` SIMD groups, bitrate k2, ``rows`` rows (the M
+        template) and a threadgroup k range of ``blocks`` 128-blocks (xh staging is sized to it, at
+        most 16 KiB; 8 KiB on Metal, whose kernels have no trellis ring and 32 KiB in all)."""
+        need = rows * blocks * 64
+        cap = _XS_WORDS if backend_name != "metal" else _XS_WORDS // 2
+        xs_words = next(w for w in (1024, 2048, cap) if need <= w or w == cap)
+        ys_words = warps * self.nc // 8 * rows * 128
+        ring_words = ys_words if backend_name == "metal" else max(self.stages(k2) * 256 * k2, ys_words)
+        if ring_words + xs_words > _SHARED_WORDS.get(backend_name, _SHARED_WORDS["cuda"]):
+            raise ValueError(f"exl3 tuning {self}: {warps} SIMD groups x {rows} rows need "
+                             f"{4 * (ring_words + xs_words)} bytes of threadgroup memory on {backend_name}")
+        return [("NC", self.nc), ("NW", warps), ("STAGES", self.stages(k2)), ("XSW", xs_words)]
+
+
+TUNING = Tuning()
 
 _HEADERS = ("exl3_decode.h", "exl3_matmul.h")
 
@@ -52,7 +118,7 @@ GEMV = register(Kernel(
     max_threads=512, examples=_examples("exl3_gemv"),
 ))
 GEMV_OUT = register(Kernel(
-    "exl3_gemv_out", ("partial", "svh", "bias"), ("out",), includes=_HEADERS, max_threads=32,
+    "exl3_gemv_out", ("partial", "svh", "bias"), ("out",), includes=_HEADERS, max_threads=256,
     examples=_examples("exl3_gemv_out"),
 ))
 EXPERT_GATE_UP = register(Kernel(
@@ -119,15 +185,19 @@ def _no_positions(n_local: int) -> mx.array:
     return mx.full((n_local,), -1, mx.int32)
 
 
-def _split_plan(k_blocks: int, n_blocks: int) -> tuple[int, int, int]:
-    """(splits, 128-blocks per split, SIMD groups per tile column) for n_blocks column blocks."""
-    if n_blocks >= _TARGET_THREADGROUPS // 2:
-        return 1, k_blocks, 1
-    splits = min(k_blocks, -(-_TARGET_THREADGROUPS // n_blocks))
+def _k_splits(k_blocks: int, units: int, target: int) -> tuple[int, int]:
+    """(splits, 128-blocks per split): k split until units * splits reaches target threadgroups."""
+    splits = max(1, min(k_blocks, -(-target // units)))
     per_split = -(-k_blocks // splits)
-    splits = -(-k_blocks // per_split)
-    wpc = 2 if n_blocks * splits < _TARGET_THREADGROUPS // 2 else 1
-    return splits, per_split, wpc
+    return -(-k_blocks // per_split), per_split
+
+
+def dense_plan(k_blocks: int, n_blocks: int, tuning: Tuning | None = None) -> tuple[int, int]:
+    """(splits, 128-blocks per split) of exl3_gemv for a k x n trellis in 128-blocks."""
+    t = tuning or TUNING
+    if n_blocks >= t.dense_single_blocks:
+        return 1, k_blocks
+    return _k_splits(k_blocks, n_blocks, -(-t.dense_split_warps // t.warps))
 
 
 def _rows_template(m: int) -> int:
@@ -152,31 +222,33 @@ def reconstruct_args(trellis, codebook: str, guard_rows: int = 0, init_value=Non
     )
 
 
-def gemv_args(x, trellis, suh, svh, codebook: str, bias=None, out_dtype=None, splits=None, wpc=None,
+def gemv_args(x, trellis, suh, svh, codebook: str, bias=None, out_dtype=None, splits=None, tuning=None,
               guard_rows: int = 0, init_value=None) -> list[dict]:
     """Call kwargs of exl3_gemv (and exl3_gemv_out when k is split); the second call's partial
-    input is filled in by the caller. Tests: ``splits`` / ``wpc`` override the plan; ``guard_rows``
-    adds never-written rows to y (splits to the partial sums)."""
+    input is filled in by the caller. Tests: ``splits`` / ``tuning`` override the plan;
+    ``guard_rows`` adds never-written rows to y (splits to the partial sums)."""
+    t = tuning or TUNING
     k2 = k2_from_trellis_shape(trellis.shape)
-    m = x.shape[0]
+    m, rows_t = x.shape[0], _rows_template(x.shape[0])
     k_blocks, n_blocks = trellis.shape[0] // 8, trellis.shape[1] // 8
     n = n_blocks * BLOCK
-    plan_splits, per_split, plan_wpc = _split_plan(k_blocks, n_blocks)
-    wpc = plan_wpc if wpc is None else wpc
-    if splits is not None:
+    if splits is None:
+        splits, per_split = dense_plan(k_blocks, n_blocks, t)
+    else:
         per_split = -(-k_blocks // splits)
-        plan_splits = -(-k_blocks // per_split)
+        splits = -(-k_blocks // per_split)
     out_dtype = out_dtype or x.dtype
-    fused = plan_splits == 1
+    fused = splits == 1
     has_bias = bias is not None
     bias_in = bias if has_bias else svh
     gemv = dict(
         inputs=[x, suh, trellis, svh, bias_in, _params(per_split)],
-        output_shapes=[(m + guard_rows, n) if fused else (plan_splits + guard_rows, m, n)],
+        output_shapes=[(m + guard_rows, n) if fused else (splits + guard_rows, m, n)],
         output_dtypes=[out_dtype if fused else mx.float32],
-        grid=(n_blocks * 256 * wpc, plan_splits, 1),
-        threadgroup=(256 * wpc, 1, 1),
-        template=[("K2", k2), ("CB", CODEBOOK_IDS[codebook]), ("M", _rows_template(m)), ("WPC", wpc),
+        grid=(n_blocks * _LANES * t.warps, splits, 1),
+        threadgroup=(_LANES * t.warps, 1, 1),
+        template=[("K2", k2), ("CB", CODEBOOK_IDS[codebook]), ("M", rows_t),
+                  *t.template(t.warps, k2, rows_t, per_split, backend()),
                   ("FUSED", fused), ("HAS_BIAS", has_bias), ("OUT", _OUT_KIND[out_dtype] if fused else 0)],
         init_value=init_value,
     )
@@ -186,25 +258,30 @@ def gemv_args(x, trellis, suh, svh, codebook: str, bias=None, out_dtype=None, sp
         inputs=[None, svh, bias_in],
         output_shapes=[(m + guard_rows, n)],
         output_dtypes=[out_dtype],
-        grid=(n_blocks * _LANES, m, 1),
-        threadgroup=(_LANES, 1, 1),
+        grid=(n_blocks * 8 * _LANES, m, 1),
+        threadgroup=(8 * _LANES, 1, 1),
         template=[("HAS_BIAS", has_bias), ("OUT", _OUT_KIND[out_dtype])],
         init_value=init_value,
     )
     return [gemv, finish]
 
 
-def expert_plan(w1, slots: int) -> tuple[int, int, int]:
-    """(splits, 128-blocks per split, SIMD groups per column) of exl3_expert_gate_up."""
-    return _split_plan(w1.k // BLOCK, 2 * slots * (w1.n // BLOCK))
+def expert_plan(w1, tuning: Tuning | None = None) -> tuple[int, int]:
+    """(splits, 128-blocks per split) of exl3_expert_gate_up. Decided from the projection's shape
+    for ``gate_up_plan_slots`` slots, never from the slots of the call: a slot's bytes must not
+    depend on what else is in the batch (batched == solo; the expert-parallel slot split == one
+    process)."""
+    t = tuning or TUNING
+    units = 2 * t.gate_up_plan_slots * (w1.n // BLOCK)
+    return _k_splits(w1.k // BLOCK, units, -(-t.gate_up_split_warps // t.gate_up_warps))
 
 
-def gate_up_args(x, indices, w1, w3, key, lo: int, prev=None, wpc=None, guard: int = 0, init_value=None) -> dict:
+def gate_up_args(x, indices, w1, w3, key, lo: int, prev=None, tuning=None, guard: int = 0, init_value=None) -> dict:
     """exl3_expert_gate_up call kwargs for the (k2, codebook) group ``key`` of w1 and w3 (tests:
-    ``wpc`` overrides the plan, ``guard`` adds never-written slots)."""
+    ``tuning`` overrides the launch shape, ``guard`` adds never-written slots)."""
+    t = tuning or TUNING
     slots = indices.size
-    splits, per_split, plan_wpc = expert_plan(w1, slots)
-    wpc = plan_wpc if wpc is None else wpc
+    splits, per_split = expert_plan(w1, t)
     g1, g3 = _group(w1, key), _group(w3, key)
     t1 = (g1 or g3).trellis
     t3 = (g3 or g1).trellis
@@ -215,28 +292,29 @@ def gate_up_args(x, indices, w1, w3, key, lo: int, prev=None, wpc=None, guard: i
                 _params(lo, per_split, splits)],
         output_shapes=[(slots + guard, 2, splits, w1.n)],
         output_dtypes=[mx.float32],
-        grid=(w1.n // BLOCK * 256 * wpc, splits, 2 * slots),
-        threadgroup=(256 * wpc, 1, 1),
-        template=[("K2", key[0]), ("CB", CODEBOOK_IDS[key[1]]), ("WPC", wpc), ("HAS_PREV", prev is not None)],
+        grid=(w1.n // BLOCK * _LANES * t.gate_up_warps, splits, 2 * slots),
+        threadgroup=(_LANES * t.gate_up_warps, 1, 1),
+        template=[("K2", key[0]), ("CB", CODEBOOK_IDS[key[1]]),
+                  *t.template(t.gate_up_warps, key[0], 1, per_split, backend()),
+                  ("HAS_PREV", prev is not None)],
         init_value=init_value,
     )
 
 
-def down_args(gu, weights, indices, w1, w3, w2, group, lo: int, limit: float, prev=None, wpc=None,
+def down_args(gu, weights, indices, w1, w3, w2, group, lo: int, limit: float, prev=None, tuning=None,
               guard: int = 0, init_value=None) -> dict:
     """exl3_expert_down call kwargs for one (k2, codebook) group of w2 (tests: as gate_up_args)."""
+    t = tuning or TUNING
     slots = indices.size
-    n_blocks = w2.n // BLOCK
-    if wpc is None:
-        wpc = 2 if slots * n_blocks < _TARGET_THREADGROUPS // 2 else 1
     return dict(
         inputs=[gu, weights, indices, w1.svh, w3.svh, w2.suh, group.trellis, group.position, w2.svh,
                 _limit(limit), weights if prev is None else prev, _params(lo, w1.out_features)],
         output_shapes=[(slots + guard, w2.n)],
         output_dtypes=[mx.float32],
-        grid=(n_blocks * 256 * wpc, slots, 1),
-        threadgroup=(256 * wpc, 1, 1),
-        template=[("K2", group.k2), ("CB", CODEBOOK_IDS[group.codebook]), ("WPC", wpc),
+        grid=(w2.n // BLOCK * _LANES * t.down_warps, slots, 1),
+        threadgroup=(_LANES * t.down_warps, 1, 1),
+        template=[("K2", group.k2), ("CB", CODEBOOK_IDS[group.codebook]),
+                  *t.template(t.down_warps, group.k2, 1, w2.k // BLOCK, backend()),
                   ("HAS_PREV", prev is not None)],
         init_value=init_value,
     )
@@ -356,12 +434,18 @@ def _example_reconstruct():
 
 
 def _example_gemv():
+    # Every backend-visible variant: M, split or fused, each launch shape, the largest
+    # threadgroup memory (K = 8 with M = 8 and 8 k groups).
     calls = []
-    for m, bits, codebook, dtype, splits in ((1, 3, "mul1", mx.bfloat16, 1), (8, 6, "mcg", mx.float16, 2),
-                                             (3, 1.5, "mul1", mx.float32, None), (2, 7, "3inst", mx.bfloat16, 1)):
+    for m, bits, codebook, dtype, splits, tuning in (
+        (1, 3, "mul1", mx.bfloat16, 1, None),
+        (8, 8, "mcg", mx.float16, 2, Tuning(nc=8)),
+        (3, 1.5, "mul1", mx.float32, None, Tuning(warps=16, nc=2)),
+        (2, 7, "3inst", mx.bfloat16, 1, Tuning(warps=16, nc=4)),
+    ):
         trellis, suh, svh, bias = _example_linear(256, 256, bits, codebook, 2)
         x = mx.random.normal((m, 250), key=mx.random.key(3)).astype(dtype)
-        calls.append(gemv_args(x, trellis, suh, svh, codebook, bias, splits=splits)[0])
+        calls.append(gemv_args(x, trellis, suh, svh, codebook, bias, splits=splits, tuning=tuning)[0])
     return calls
 
 
@@ -391,16 +475,19 @@ def _example_gate_up():
     first = gate_up_args(x, indices, ex.w1, ex.w3, key, 1)
     splits = first["output_shapes"][0][2]
     prev = mx.zeros((indices.size, 2, splits, ex.w1.n), mx.float32)
-    return [first, gate_up_args(x, indices, ex.w1, ex.w3, key, 1, prev=prev)]
+    return [first, gate_up_args(x, indices, ex.w1, ex.w3, key, 1, prev=prev),
+            gate_up_args(x, indices, ex.w1, ex.w3, key, 1, tuning=Tuning(gate_up_warps=4, nc=8))]
 
 
 def _example_down():
     ex, x, indices, weights = _example_experts()
-    splits = expert_plan(ex.w1, indices.size)[0]
+    splits = expert_plan(ex.w1)[0]
     gu = mx.zeros((indices.size, 2, splits, ex.w1.n), mx.float32)
     calls = [down_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, g, 1, 10.0) for g in ex.w2.groups]
     calls.append(down_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, ex.w2.groups[0], 1, 10.0,
                            prev=mx.zeros((indices.size, ex.w2.n), mx.float32)))
+    calls.append(down_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, ex.w2.groups[0], 1, 10.0,
+                           tuning=Tuning(nc=2, down_warps=16)))
     return calls
 
 

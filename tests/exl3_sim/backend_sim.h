@@ -3,8 +3,9 @@
 // a fiber (ucontext), threadgroup barriers and SIMD exchanges are cooperative switches, threadgroup
 // memory is one arena per threadgroup. It checks the bodies' logic (indexing, fragment layouts,
 // synchronisation, exact integer/fp16 arithmetic), not GPU timing or memory models.
-//   KX_HAS_MMA_F16 is set by the build (-D): 1 simulates the CUDA mma.m16n8k16 path (PTX fragment
-//   layouts, float64 accumulation rounded once), 0 the per-lane FMA path that Metal uses.
+//   KX_HAS_MMA_F16 is set by the build (-D): 1 simulates the CUDA configuration (mma.m16n8k16 with
+//   the PTX fragment layouts, float64 accumulation rounded once; asynchronous global->threadgroup
+//   copies that land only when waited for), 0 the Metal one (per-lane FMAs, no asynchronous copies).
 // Not exact where a GPU is not: KX_HFMA2_BITS/KX_HADD2_BITS round through double/float first
 // (exact for the EXL3 codebooks, whose sums fit in 21 bits) and the MMA accumulates in double.
 #pragma once
@@ -34,12 +35,19 @@ using Shape = std::array<int32_t, 10>;
 #define KX_INLINE inline
 
 // ---- simulated machine state (one threadgroup at a time) ---------------------------------------
+struct SimCopy {
+  unsigned char* dst;
+  unsigned char data[16];
+  int group;  // -1 until committed
+};
 struct SimFiber {
   ucontext_t ctx;
   u32 lid;
   int wait;  // 0 runnable, 1 threadgroup barrier, 2 SIMD-group sync
   bool done;
   size_t shared_offset;
+  std::vector<SimCopy> copies;  // asynchronous copies issued and not yet landed
+  int groups;                   // groups committed so far
 };
 inline std::vector<SimFiber> sim_fibers;
 inline SimFiber* sim_cur = nullptr;
@@ -172,6 +180,53 @@ inline u32 sim_hadd2_bits(u32 a, u32 b) {
 #define KX_HFMA2_BITS(a, b, c) sim_hfma2_bits((a), (b), (c))
 #define KX_HADD2_BITS(a, b) sim_hadd2_bits((a), (b))
 #define KX_BYTE_SUM(x, c) ((u32)(((x) & 0xFFu) + (((x) >> 8) & 0xFFu) + (((x) >> 16) & 0xFFu) + ((u32)(x) >> 24) + (c)))
+inline u32 sim_funnel_l(u32 lo, u32 hi, u32 s) {
+  if (s > 31) sim_fail("funnel shift by more than 31");
+  return (u32)(((((u64)hi) << 32) | (u64)lo) << s >> 32);
+}
+inline u32 sim_funnel_r(u32 lo, u32 hi, u32 s) {
+  if (s > 31) sim_fail("funnel shift by more than 31");
+  return (u32)(((((u64)hi) << 32) | (u64)lo) >> s);
+}
+// Fully unroll the loop that follows (constant trip count).
+#define KX_UNROLL
+#define KX_FUNNEL_L(lo, hi, s) sim_funnel_l((u32)(lo), (u32)(hi), (u32)(s))
+#define KX_FUNNEL_R(lo, hi, s) sim_funnel_r((u32)(lo), (u32)(hi), (u32)(s))
+#define KX_PACK_LO16(lo, hi) ((((u32)(lo)) & 0xFFFFu) | (((u32)(hi)) << 16))
+
+// ---- asynchronous copies ------------------------------------------------------------------------
+// Modelled as on CUDA (cp.async): the source is read when the copy is issued, the destination is
+// poisoned (0xFF) until the copy lands, and copies land only when KX_ASYNC_WAIT lets their group
+// complete. A body that reads copied data without wait + barrier reads the poison.
+#define KX_SHARED16(T, name, n) KX_SHARED(T, name, n)
+// The CUDA configuration (MMA) has asynchronous copies, the Metal one (per-lane FMAs) has not.
+#define KX_HAS_ASYNC_COPY KX_HAS_MMA_F16
+inline void sim_async_copy16(void* dst, const void* src) {
+  auto* d = (unsigned char*)dst;
+  if ((d - sim_arena.data()) % 16 || d < sim_arena.data() || d + 16 > sim_arena.data() + sim_arena.size())
+    sim_fail("asynchronous copy to an unaligned or non-threadgroup address");
+  if ((uintptr_t)src % 16) sim_fail("asynchronous copy from an unaligned source");
+  SimCopy c{d, {}, -1};
+  std::memcpy(c.data, src, 16);
+  std::memset(d, 0xFF, 16);
+  sim_cur->copies.push_back(c);
+}
+inline void sim_async_commit() {
+  for (auto& c : sim_cur->copies)
+    if (c.group < 0) c.group = sim_cur->groups;
+  sim_cur->groups++;
+}
+inline void sim_async_wait(int pending) {
+  std::vector<SimCopy> keep;
+  for (auto& c : sim_cur->copies) {
+    if (c.group >= 0 && c.group < sim_cur->groups - pending) std::memcpy(c.dst, c.data, 16);
+    else keep.push_back(c);
+  }
+  sim_cur->copies = keep;
+}
+#define KX_ASYNC_COPY16(base, i, src) sim_async_copy16((void*)((u32*)(base) + (i)), (const void*)(src))
+#define KX_ASYNC_COMMIT() sim_async_commit()
+#define KX_ASYNC_WAIT(n) sim_async_wait(n)
 
 // mma.sync.m16n8k16.row.col.f32.f16.f16.f32 over the SIMD group, from the PTX fragment layouts:
 // lane (g = lane/4, c = lane%4) holds A[g][2c..2c+1], A[g+8][2c..], A[g][2c+8..], A[g+8][2c+8..]
@@ -217,6 +272,7 @@ inline void (*sim_thread_fn)() = nullptr;
 
 inline void sim_fiber_entry() {
   sim_thread_fn();
+  if (!sim_cur->copies.empty()) sim_fail("a thread finished with asynchronous copies still in flight");
   sim_cur->done = true;
 }
 
