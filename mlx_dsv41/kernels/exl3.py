@@ -12,10 +12,13 @@ On the CPU every op runs the plain-MLX reference (mlx_dsv41.exl3.reference). On 
   splits k over enough threadgroups to fill the GPU (``dense_split_warps``) and exl3_gemv_out
   finishes it (two launches). With more rows: reconstruct, then an fp16 matmul between the two
   transforms (as exllamav3 does above its GEMV sizes);
-- ``experts`` with at most FUSED_MAX_SLOTS slots: exl3_expert_gate_up (w1 and w3 of each selected
+- ``experts`` for at most FUSED_MAX_TOKENS tokens: exl3_expert_gate_up (w1 and w3 of each selected
   expert, k split to reach ``gate_up_split_warps``) and exl3_expert_down (finishes g and u,
-  SwiGLU, w2), one launch of each per (K, codebook) group present; with more slots: one expert at
-  a time through ``linear``.
+  SwiGLU, w2), one launch of each per (K, codebook) group present; for more tokens: one expert at
+  a time through exl3_gemv in chunks of GEMV_MAX_ROWS rows (``linear_row_invariant``).
+  A slot's bytes never depend on the rest of the call: the path is chosen from the token count
+  (which the expert-parallel slot split shares with one process), the k splits from the weight
+  shapes, and the GEMV's arithmetic for a row does not depend on the other rows.
 Launch shapes come from ``TUNING`` (a Tuning); benchmarks/bench_exl3.py --sweep measures others.
 """
 
@@ -35,7 +38,7 @@ from mlx_dsv41.exl3.trellis import reconstruct as reconstruct_reference
 from mlx_dsv41.kernels import Kernel, backend, register
 
 GEMV_MAX_ROWS = 8  # rows served by exl3_gemv (the M template: 1, 2, 4 or 8)
-FUSED_MAX_SLOTS = 64  # (token, slot) pairs served by the fused expert kernels
+FUSED_MAX_TOKENS = 10  # tokens served by the fused expert kernels (60 slots at Flash top-6)
 _LANES = 32
 _X_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _OUT_KIND = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # the kernels' OUT template value
@@ -397,9 +400,19 @@ def experts(x, indices, weights, w1, w3, w2, expert_range, limit: float):
         return mx.zeros((*indices.shape, w2.out_features), mx.float32)
     if backend() == "cpu":
         return reference.experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit, reference.linear)
-    if indices.size > FUSED_MAX_SLOTS:
-        return reference.experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit, linear)
+    if x.shape[0] > FUSED_MAX_TOKENS:
+        return reference.experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit,
+                                           linear_row_invariant)
     return _experts_fused(x, indices, weights, w1, w3, w2, expert_range[0], limit)
+
+
+def linear_row_invariant(x, trellis, suh, svh, codebook: str, **kw):
+    """``linear`` through exl3_gemv only, GEMV_MAX_ROWS rows at a time: every row's bytes are
+    those it gets alone (the prefill GEMM path's would depend on the row count)."""
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return linear(x, trellis, suh, svh, codebook, **kw)
+    return mx.concatenate([linear(x[i : i + GEMV_MAX_ROWS], trellis, suh, svh, codebook, **kw)
+                           for i in range(0, x.shape[0], GEMV_MAX_ROWS)], axis=0)
 
 
 def _experts_fused(x, indices, weights, w1, w3, w2, lo, limit):
