@@ -6,15 +6,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 kexpr=${2:-}
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-SP=$(python3 -c 'import site; print(site.getsitepackages()[0])')
-if ! python3 -c 'import mlx.core' 2>/dev/null; then
-  tar -xJf .gpu/mlx-cuda13-sm90.tar.xz -C "$SP" || exit 1
-fi
-export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1
+# shellcheck source=benchmarks/gpu_env.sh
+. benchmarks/gpu_env.sh
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device(), "cuda", mx.cuda.is_available())'
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
 rc=0

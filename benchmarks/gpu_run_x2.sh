@@ -10,15 +10,8 @@
 #   bash benchmarks/gpu_run_x2.sh --smoke --layers 4 --prompt 16 --steps 4 --repeats 3 --chain 8
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-SP=$(python3 -c 'import site; print(site.getsitepackages()[0])')
-if ! python3 -c 'import mlx.core' 2>/dev/null; then
-  tar -xJf .gpu/mlx-cuda13-sm90.tar.xz -C "$SP" || exit 1
-fi
-export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1
+# shellcheck source=benchmarks/gpu_env.sh
+. benchmarks/gpu_env.sh
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device(), "cuda", mx.cuda.is_available(), "nccl", mx.distributed.is_available("nccl"))'
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader || true
 LOG="$OUT/bench_distributed.log"

@@ -19,3 +19,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
         if on_cpu and "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def clean_selection(monkeypatch):
+    """The sparse-attention variant selection and counters reset around a test."""
+    from mlx_dsv41.kernels import sparse_attention as sa
+
+    monkeypatch.delenv(sa.ENV_VAR, raising=False)
+    sa.set_default_variant(None)
+    sa.reset_variant_counts()
+    yield
+    sa.set_default_variant(None)
+    sa.reset_variant_counts()

@@ -263,16 +263,6 @@ def test_input_checks(over, message):
 # --------------------------------------------------------------------------------------------
 # variant selection and statistics
 
-@pytest.fixture
-def clean_selection(monkeypatch):
-    monkeypatch.delenv(sa.ENV_VAR, raising=False)
-    sa.set_default_variant(None)
-    sa.reset_variant_counts()
-    yield
-    sa.set_default_variant(None)
-    sa.reset_variant_counts()
-
-
 def test_parse_variant():
     parsed = [sa.parse_variant(v) for v in ("serial", " Parallel ", "AUTO")]
     assert parsed == ["serial", "parallel", "auto"]

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import FormatError
-from .experts import check_expert_range, check_routing, swiglu
+from .experts import check_expert_range, check_routing, held_slots, swiglu, zero_unheld
 
 
 class DenseExperts(nn.Module):
@@ -75,12 +75,7 @@ class DenseExperts(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
         check_routing(x, indices, weights, self.dim)
-        lo, hi = self.expert_range
-        if (lo, hi) == (0, self.n_experts):
-            local, inside = indices, None
-        else:
-            inside = (indices >= lo) & (indices < hi)
-            local = mx.where(inside, indices - lo, 0)
+        local, inside = held_slots(indices, self.expert_range, self.n_experts)
         xs = x.astype(mx.float32)[:, None, None, :]  # [T, 1, 1, D]
         # Each projection's output is rounded to the activation dtype (bf16 in the model), as the
         # reference's linears return it; the math in between is fp32.
@@ -89,6 +84,4 @@ class DenseExperts(nn.Module):
         h = swiglu(g, u, self.swiglu_limit, weights[..., None, None], dtype=x.dtype)  # [T, k, 1, inter]
         y = mx.gather_mm(h.astype(mx.float32), self.w2.swapaxes(-1, -2), rhs_indices=local)
         y = y.squeeze(-2).astype(x.dtype).astype(mx.float32)  # [T, k, D]
-        if inside is not None:
-            y = mx.where(inside[..., None], y, 0.0)
-        return y
+        return zero_unheld(y, inside)

@@ -42,6 +42,21 @@ def check_expert_range(expert_range: tuple[int, int] | None, n_experts: int) -> 
     return lo, hi
 
 
+def held_slots(indices: mx.array, expert_range: tuple[int, int], n_experts: int):
+    """(indices local to the held experts, mask of the slots they hold or None when all are held);
+    slots routed elsewhere get local index 0, computed and then zeroed by `zero_unheld`."""
+    lo, hi = expert_range
+    if (lo, hi) == (0, n_experts):
+        return indices, None
+    inside = (indices >= lo) & (indices < hi)
+    return mx.where(inside, indices - lo, 0), inside
+
+
+def zero_unheld(y: mx.array, inside: mx.array | None) -> mx.array:
+    """Per-slot outputs y [T, k, D] with the slots routed outside the held range exactly 0."""
+    return y if inside is None else mx.where(inside[..., None], y, 0.0)
+
+
 def check_routing(x: mx.array, indices: mx.array, weights: mx.array, dim: int) -> None:
     """Shape/dtype checks of one experts call (no evaluation)."""
     if x.ndim != 2 or x.shape[1] != dim:

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import FormatError
-from .experts import check_expert_range, check_routing, swiglu
+from .experts import check_expert_range, check_routing, held_slots, swiglu, zero_unheld
 from .official import GROUP, mx_shapes
 
 MODES = {"mxfp4": 4, "mxfp8": 8}
@@ -87,16 +87,9 @@ class MXExperts(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
         check_routing(x, indices, weights, self.dim)
-        lo, hi = self.expert_range
-        if (lo, hi) == (0, self.n_experts):
-            local, inside = indices, None
-        else:
-            inside = (indices >= lo) & (indices < hi)
-            local = mx.where(inside, indices - lo, 0)
+        local, inside = held_slots(indices, self.expert_range, self.n_experts)
         xs = x[:, None, None, :]  # [T, 1, 1, D]
         g, u = self.w1(xs, local), self.w3(xs, local)  # [T, k, 1, inter] in x.dtype
         h = swiglu(g, u, self.swiglu_limit, weights[..., None, None], dtype=x.dtype)
         y = self.w2(h, local).squeeze(-2).astype(mx.float32)  # [T, k, D]
-        if inside is not None:
-            y = mx.where(inside[..., None], y, 0.0)
-        return y
+        return zero_unheld(y, inside)

@@ -274,16 +274,6 @@ def test_exact_sums_at_640_keys():
 # --------------------------------------------------------------------------------------------
 # dispatch through sparse_attention
 
-@pytest.fixture
-def clean_selection(monkeypatch):
-    monkeypatch.delenv(sa.ENV_VAR, raising=False)
-    sa.set_default_variant(None)
-    sa.reset_variant_counts()
-    yield
-    sa.set_default_variant(None)
-    sa.reset_variant_counts()
-
-
 def test_dispatch_counts_and_auto(clean_selection, monkeypatch):
     inputs = make_inputs(16, 1, 1, 64, 512, 128, 512, 640, BF16, BF16)
     scale = 512**-0.5

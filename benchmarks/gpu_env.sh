@@ -1,0 +1,12 @@
+# Sourced by gpu_run.sh and gpu_run_x2.sh (from the repository root): MLX with its CUDA backend
+# (unpacked from the bundle carried in .gpu/ when the machine has no MLX installed), the PTX
+# cache, this checkout on the path, and $OUT for logs and results.
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+if ! python3 -c 'import mlx.core' 2>/dev/null; then
+  SP=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+  tar -xJf .gpu/mlx-cuda13-sm90.tar.xz -C "$SP" || exit 1
+fi
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
