@@ -131,15 +131,20 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split("\n"))
 
 
+def _read_json(file: Path, missing: str):
+    """The parsed JSON file; LoadError(`missing`) if it does not exist, or if it is not JSON."""
+    try:
+        return json.loads(file.read_text())
+    except FileNotFoundError:
+        raise LoadError(missing) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoadError(f"{file}: not valid JSON ({_one_line(e)})") from None
+
+
 def read_config(path: str | Path) -> dict:
     """The directory's config.json as a dict (LoadError if absent or not JSON)."""
     file = Path(path) / layout.CONFIG
-    try:
-        config = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise LoadError(f"{Path(path)}: no {layout.CONFIG} (not a checkpoint directory)") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LoadError(f"{file}: not valid JSON ({_one_line(e)})") from None
+    config = _read_json(file, f"{Path(path)}: no {layout.CONFIG} (not a checkpoint directory)")
     if not isinstance(config, dict):
         raise LoadError(f"{file}: not a JSON object")
     return config
@@ -208,12 +213,7 @@ def _converted_block(path: Path) -> dict:
 def read_token_map(path: Path, args: ModelArgs, tokenizer_sha256: str) -> CompressedTokenMap:
     """The stored compressed-token map; it must be the one built from this directory's tokenizer."""
     file = path / layout.TOKEN_MAP
-    try:
-        data = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise LoadError(f"{file}: missing (the Engram token map); convert the source again") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LoadError(f"{file}: not valid JSON ({_one_line(e)})") from None
+    data = _read_json(file, f"{file}: missing (the Engram token map); convert the source again")
     if not isinstance(data, dict) or data.get("format") != layout.TOKEN_MAP_FORMAT:
         raise LoadError(f"{file}: not a token map of format {layout.TOKEN_MAP_FORMAT} (what this mlx_dsv41 reads); "
                         f"convert the source again")
