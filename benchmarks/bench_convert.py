@@ -74,12 +74,12 @@ def _random_rows(rng, dtype: str, shape: tuple[int, ...], rows: slice) -> np.nda
 
 def write_source(path: Path, args, seed: int = 3) -> dict:
     """The synthetic official checkpoint (skipped if already complete)."""
-    from convert.safetensors_writer import SafetensorsWriter
-    from mlx_dsv41.testing import official_shapes
     import mlx.core as mx
 
     from convert.safetensors_io import DTYPES
+    from convert.safetensors_writer import SafetensorsWriter
     from mlx_dsv41.quant.official import fp4_shapes, fp8_shapes
+    from mlx_dsv41.testing import official_shapes
     from mlx_dsv41.tiny_checkpoints import OFFICIAL_QUANTIZATION, official_format, write_config, write_tokenizer
 
     done = path / "done.json"

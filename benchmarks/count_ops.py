@@ -116,9 +116,15 @@ def count_step(model, cache, token: mx.array) -> tuple[list[tuple[str, Counter]]
     return parts, whole
 
 
-def _fmt(c: Counter) -> str:
+def _sizes(c: Counter) -> np.ndarray:
+    """[total, compute] primitive counts (compute = total - views)."""
     total = sum(c.values())
-    return f"{total} ({total - sum(v for k, v in c.items() if k in VIEWS)})"
+    return np.array([total, total - sum(v for k, v in c.items() if k in VIEWS)])
+
+
+def _fmt(c: Counter) -> str:
+    total, compute = _sizes(c)
+    return f"{total} ({compute})"
 
 
 ORDER = ["embedding", "Engram", "attention: window-only", "attention: Full r2", "attention: Reuse r2",
@@ -142,16 +148,13 @@ def flash_estimate(steps) -> tuple[float, float]:
     from mlx_dsv41.config import ModelArgs
 
     def mean(label):
-        cs = [c for _, parts, _ in steps for lab, c in parts if lab == label]
-        tot = [sum(c.values()) for c in cs]
-        comp = [sum(v for k, v in c.items() if k not in VIEWS) for c in cs]
-        return np.array([np.mean(tot), np.mean(comp)])
+        return np.mean([_sizes(c) for _, parts, _ in steps for lab, c in parts if lab == label], axis=0)
 
-    moe6 = _moe_counts(6)
+    moe6 = _sizes(_moe_counts(6))
     est = mean("embedding") + mean("head (collapse, norm, fp32 head)")
     for role in ModelArgs().roles:
         est = est + mean(f"attention: {_kind(role)}") + mean("mHC + norms (per block)")
-        est = est + np.array([sum(moe6.values()), sum(v for k, v in moe6.items() if k not in VIEWS)])
+        est = est + moe6
         if role.engram:
             est = est + mean("Engram")
     return tuple(est)

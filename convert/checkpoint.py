@@ -75,10 +75,10 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *,
         token_map = _token_map(source)
         with _Workdir(layout.partial_dir(out), fingerprint, report) as work:
             if not work.complete:
-                _write_tokenizer(source, work.path, token_map)
+                tokenizer_sha256 = _write_tokenizer(source, work.path, token_map)
                 weight_map = _write_shards(source, steps, work, report)
                 engram = _write_engram(source, work.path, report)
-                block = _block(source, steps, weight_map, engram, token_map, dtype, fingerprint, work.path)
+                block = _block(source, steps, weight_map, engram, tokenizer_sha256, dtype, fingerprint, work.path)
                 _write_meta(source, weight_map, block, work.path)
                 _verify(work.path, block)
             work.finish(out)
@@ -230,7 +230,8 @@ def _token_map(source: Source):
         raise ConvertError(f"{source.tokenizer}: {e}") from None
 
 
-def _write_tokenizer(source: Source, work: Path, token_map) -> None:
+def _write_tokenizer(source: Source, work: Path, token_map) -> str:
+    """Copy the tokenizer files and write the token map; returns the copied tokenizer.json's SHA-256."""
     from mlx_dsv41.chat import TEMPLATE_TYPE
 
     for name in layout.TOKENIZER_FILES:
@@ -251,11 +252,12 @@ def _write_tokenizer(source: Source, work: Path, token_map) -> None:
         tmp = work / (name + ".tmp")
         shutil.copyfile(file, tmp)
         os.replace(tmp, work / name)
+    tokenizer_sha256 = hashlib.sha256((work / "tokenizer.json").read_bytes()).hexdigest()
     if token_map is not None:
         _write_json(work / layout.TOKEN_MAP, {
-            "format": layout.TOKEN_MAP_FORMAT, "size": token_map.size,
-            "tokenizer_sha256": hashlib.sha256((work / "tokenizer.json").read_bytes()).hexdigest(),
+            "format": layout.TOKEN_MAP_FORMAT, "size": token_map.size, "tokenizer_sha256": tokenizer_sha256,
             "ids": token_map.ids.tolist()}, indent=None)
+    return tokenizer_sha256
 
 
 def _write_shards(source: Source, steps: list[Step], work: _Workdir, report: "_Reporter") -> dict[str, str]:
@@ -315,7 +317,7 @@ def _write_engram(source: Source, work: Path, report: "_Reporter") -> dict:
     return records
 
 
-def _block(source: Source, steps: list[Step], weight_map: dict[str, str], engram: dict, token_map,
+def _block(source: Source, steps: list[Step], weight_map: dict[str, str], engram: dict, tokenizer_sha256: str,
            dtype: str | None, fingerprint: str, work: Path) -> dict:
     formats: dict[str, set[str]] = {}
     for step in steps:
@@ -333,10 +335,8 @@ def _block(source: Source, steps: list[Step], weight_map: dict[str, str], engram
         "formats": {k: sorted(v) for k, v in sorted(formats.items())},
         "weights": {"shards": len(files), "total_size": sum((work / f).stat().st_size for f in files)},
     }
-    if token_map is not None:
-        block["engram"] = {
-            "token_map": layout.TOKEN_MAP, "layers": engram,
-            "tokenizer_sha256": hashlib.sha256((work / "tokenizer.json").read_bytes()).hexdigest()}
+    if engram:  # Engram layers: their row files and the token map
+        block["engram"] = {"token_map": layout.TOKEN_MAP, "layers": engram, "tokenizer_sha256": tokenizer_sha256}
     return block
 
 

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from convert.safetensors_io import SafetensorsCheckpoint, SafetensorsError
-from convert.safetensors_writer import sync_dir, sync_file
+from convert.safetensors_writer import PARTIAL_SUFFIX, sync_dir, sync_file
 from mlx_dsv41.engram_store import (
     DEFAULT_CHUNK_ROWS,
     SCALE_GROUP,
@@ -31,8 +31,6 @@ from mlx_dsv41.engram_store import (
     open_row_file,
     read_exact,
 )
-
-PARTIAL_SUFFIX = ".partial"
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ class TensorInfo:
     @property
     def row_nbytes(self) -> int:
         """Bytes of one index along the first dimension."""
-        return math.prod(self.shape[1:]) * DTYPES[self.dtype].itemsize
+        return math.prod(self.shape[1:]) * self.numpy_dtype.itemsize
 
 
 def pread_into(fd: int, buf: memoryview, offset: int, what: str) -> None:

@@ -72,7 +72,6 @@ class SafetensorsWriter:
         head = header_bytes(self.specs, metadata)
         self._fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._current, self._done = 0, 0  # index into specs; bytes of that tensor written
-        self.bytes_written = 0
         self._write(head)
 
     def _write(self, data) -> None:
@@ -110,7 +109,6 @@ class SafetensorsWriter:
         if data.nbytes:
             self._write(data)
         self._done += data.nbytes
-        self.bytes_written += data.nbytes
 
     def close(self) -> Path:
         """Check every tensor is complete, make the file durable and give it its final name."""

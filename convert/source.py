@@ -76,21 +76,21 @@ def _engram_tables(args: ModelArgs, ckpt: SafetensorsCheckpoint, src: Path,
                    engram_from: Path | None) -> tuple[dict[int, EngramTable], SafetensorsCheckpoint | None]:
     if not args.engram_layer_ids:
         return {}, None
+    # Every shard of `origin` is open and checked already: `ckpt` by open_source, and a
+    # checkpoint read without its index opens every file to list its tensors.
     if engram_from is not None:
         if not engram_from.exists():
             raise ConvertError(f"--engram-from {engram_from}: no such file or directory; {WHERE_TO_GET}")
-        origin = SafetensorsCheckpoint(engram_from, use_index=False)
+        origin, where = SafetensorsCheckpoint(engram_from, use_index=False), engram_from
     else:
-        origin = ckpt
+        origin, where = ckpt, src
         for layer in args.engram_layer_ids:
             name = _ENGRAM_TABLE.format(layer, "weight")
             if name in ckpt.missing:
                 raise ConvertError(f"{src}: shard {ckpt.missing[name]} holding {name} is missing; {WHERE_TO_GET}")
     tables = {}
     try:
-        _open_all(origin)
         for i, layer in enumerate(args.engram_layer_ids):
-            where = engram_from if engram_from is not None else src
             if _ENGRAM_TABLE.format(layer, "weight") not in origin.weight_map:
                 raise ConvertError(f"{where}: no Engram table {_ENGRAM_TABLE.format(layer, 'weight')} "
                                    f"(the source has none); {WHERE_TO_GET}")

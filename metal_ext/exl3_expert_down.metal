@@ -1,10 +1,11 @@
 // exl3_expert_down: per routed slot, y = w2_e(bf16(weight * silu(min(g, L)) * clamp(u, -L, L)))
-// rounded to bf16 (the reference's w2 linear returns bf16; held in float32) for the experts of one (K, codebook) group of w2. The input stage finishes g and u
-// from exl3_expert_gate_up's partials (split sum, H128, svh), applies the SwiGLU and the routing
-// weight (model spec §4.5), and forms w2's xh (Exl3SwigluStager); the output stage applies w2's
-// H128 and svh. Grid: x = 128-column blocks of the output, y = slot; threadgroups as in exl3_gemv
-// (M = 1, all of k). Slots whose expert's w2 is in another group keep prev (HAS_PREV) or get 0;
-// slots outside the held range get 0.
+// rounded to bf16 (the reference's w2 linear returns bf16; held in float32) for the experts of one
+// (K, codebook) group of w2. The input stage finishes g and u from exl3_expert_gate_up's partials
+// (split sum, H128, svh), applies the SwiGLU and the routing weight (model spec §4.5), and forms
+// w2's xh (Exl3SwigluStager); the output stage applies w2's H128 and svh. Grid: x = 128-column
+// blocks of the output, y = slot; threadgroups as in exl3_gemv (M = 1, all of k). Slots whose
+// expert's w2 is in another group keep prev (HAS_PREV) or get 0; slots outside the held range
+// get 0.
 // Inputs: gu [slots, 2, splits, I], weights [T, top_k] float32, indices [T, top_k] int32,
 // svh1/svh3 [E, I], suh2 [E, I], t2 [G, I/16, n/16, 16K] int16, p2 [E] int32, svh2 [E, n],
 // limit [1] float32 (<= 0: no clamp), prev [slots, n] float32, params [2] = (first held expert,

@@ -253,15 +253,9 @@ class LayerCache(_PositionalCache):
 
 def make_layer_cache(args: ModelArgs, layer_id: int, trim_slack: int = DEFAULT_TRIM_SLACK) -> LayerCache:
     """The cache of backbone layer `layer_id`, or of a DSpark stage (layer_id >= num_hidden_layers)."""
-    if not 0 <= layer_id < len(args.compress_ratios):
-        raise ValueError(f"make_layer_cache: layer {layer_id} is not in 0..{len(args.compress_ratios) - 1}")
-    if layer_id < args.num_hidden_layers:
-        role = args.role(layer_id)
-        ratio, owns = role.ratio, role.owns_kv
-    else:
-        ratio, owns = 0, False  # DSpark stages are window-only (spec §2.3)
+    role = args.role(layer_id)
     _register_once()
-    return LayerCache(args.sliding_window, ratio, owns, trim_slack)
+    return LayerCache(args.sliding_window, role.ratio, role.owns_kv, trim_slack)
 
 
 class EngramHistory(_PositionalCache):

@@ -151,14 +151,6 @@ class ModelArgs:
     # ---------------------------------------------------------------- derived
 
     @property
-    def n_layers(self) -> int:
-        return self.num_hidden_layers
-
-    @property
-    def rope_dim(self) -> int:
-        return self.qk_rope_head_dim
-
-    @property
     def engram_ngram_sizes(self) -> tuple[int, ...]:
         return tuple(range(2, self.engram_max_ngram_size + 1))
 
@@ -181,7 +173,13 @@ class ModelArgs:
         return _derive_roles(self)
 
     def role(self, layer: int) -> LayerRole:
-        return self.roles[layer]
+        """The role of a backbone layer, or of a DSpark stage (layers num_hidden_layers ..
+        len(compress_ratios) - 1), which is window-only (spec §2.3)."""
+        if 0 <= layer < self.num_hidden_layers:
+            return self.roles[layer]
+        if self.num_hidden_layers <= layer < len(self.compress_ratios):
+            return LayerRole(layer, 0, "window", None, None, False, False, False)
+        raise ValueError(f"layer {layer} is not in 0..{len(self.compress_ratios) - 1}")
 
     # ---------------------------------------------------------------- checks
 

@@ -24,7 +24,7 @@ collective sits in the one graph a forward builds (no host sync per layer).
 Ranks must agree: `init` checks the partition, `apply` the software versions, the config and the
 loaded tensors (names, shapes, dtypes); a mismatch is a one-line DistributedError on every rank.
 `init` also starts the peer watchdog (mlx_dsv41/watchdog.py): a dead, frozen or stalled peer ends
-every other rank with a one-line error within `timeout_s` (+ at most 1 s).
+every other rank with a one-line error within `timeout_s` (+ at most 2 s).
 """
 
 from __future__ import annotations

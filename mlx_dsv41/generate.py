@@ -68,13 +68,6 @@ def fetch_repo(repo_id: str) -> Path:
                        f"{reason}); if you are offline, pass a local directory to --model") from None
 
 
-def checkpoint_kind(path: Path) -> str:
-    """'converted' | 'exl3' | 'official' (mlx_dsv41.loading decides; it raises for anything else)."""
-    from .loading import checkpoint_kind as kind
-
-    return kind(path)
-
-
 def convert_source(src: Path, kind: str, convert_to: Path | None, engram_from: Path | None,
                    interactive: bool) -> Path:
     """An EXL3 / official checkpoint -> a converted directory (after the user agrees)."""
@@ -97,6 +90,8 @@ def convert_source(src: Path, kind: str, convert_to: Path | None, engram_from: P
 def resolve_model(model: str | None, demo: bool, convert_to: Path | None = None,
                   engram_from: Path | None = None, interactive: bool = False) -> Path:
     """The converted directory to load for these options."""
+    from .loading import checkpoint_kind
+
     if demo and model:
         raise CLIError("give either --model or --demo, not both")
     if demo:
@@ -133,35 +128,26 @@ def materialize(model, show: bool) -> None:
             mx.eval(part.parameters())
 
 
-def start_cluster(partition: str):
-    """(mlx_dsv41.distributed, its Cluster) when launched under mlx.launch with several ranks,
-    (module, None) in one process; (None, None) when the module is not installed."""
-    try:
-        from . import distributed
-    except ImportError:
-        launched = any(os.environ.get(k) for k in ("MLX_RANK", "MLX_HOSTFILE", "OMPI_COMM_WORLD_SIZE"))
-        if launched:
-            raise CLIError("launched with several ranks, but mlx_dsv41.distributed is not available")
-        return None, None
-    return distributed, distributed.init(partition)
-
-
 def load_for_generation(path: Path, *, partition: str = "experts", engram_mode: str | None = None,
                         show_progress: bool = True):
-    """(model, tokenizer, cluster): loads only this rank's experts when distributed."""
+    """(model, tokenizer, cluster): under mlx.launch with several ranks, only this rank's experts
+    are loaded (cluster None in one process). Any failure is one CLIError line."""
     import mlx_dsv41
+    from . import distributed
     from .config import ModelArgs
 
-    distributed, cluster = start_cluster(partition)
-    expert_range = None
-    if cluster is not None:
-        n_experts = ModelArgs.from_file(path / "config.json").n_routed_experts
-        expert_range = distributed.expert_range(cluster, n_experts)
-    model, tokenizer = mlx_dsv41.load(path, lazy=True, engram_mode=engram_mode, expert_range=expert_range)
-    materialize(model, show_progress and (cluster is None or cluster.rank == 0))
-    if cluster is not None:
+    try:
+        cluster = distributed.init(partition)
+        expert_range = None
+        if cluster is not None:
+            n_experts = ModelArgs.from_file(path / "config.json").n_routed_experts
+            expert_range = distributed.expert_range(cluster, n_experts)
+        model, tokenizer = mlx_dsv41.load(path, lazy=True, engram_mode=engram_mode, expert_range=expert_range)
+        materialize(model, show_progress and (cluster is None or cluster.rank == 0))
         distributed.apply(model, cluster)
-    tokenizer.add_eos_token(chat.EOS)  # stop at the end-of-sentence token whatever the files say
+        tokenizer.add_eos_token(chat.EOS)  # stop at the end-of-sentence token whatever the files say
+    except Exception as e:  # a broken checkpoint: one line, whatever raised it
+        raise CLIError(f"cannot load {path}: {' '.join(str(e).split())}") from None
     return model, tokenizer, cluster
 
 
@@ -281,13 +267,8 @@ def generate(
         effort_value = chat.parse_effort(effort)
         path = resolve_model(model, demo, convert_to, engram_from,
                              interactive=sys.stdin.isatty() and not from_stdin)
-        try:
-            model_obj, tokenizer, cluster = load_for_generation(path, partition=moe_partition.value,
-                                                                engram_mode=engram_mode)
-        except CLIError:
-            raise
-        except Exception as e:  # a broken checkpoint: one line, whatever raised it
-            raise CLIError(f"cannot load {path}: {' '.join(str(e).split())}") from None
+        model_obj, tokenizer, cluster = load_for_generation(path, partition=moe_partition.value,
+                                                            engram_mode=engram_mode)
         tokens = prompt_tokens(tokenizer, text, chat_mode=chat_mode, thinking=thinking,
                                effort=effort_value, system=system)
     except (CLIError, DemoError, ValueError) as e:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,7 +27,7 @@ from mlx.utils import tree_flatten
 from . import layout
 from .config import ConfigError, ModelArgs
 from .engram_store import EngramStore, EngramStoreError
-from .model.deepseek_v41 import Model
+from .model.deepseek_v41 import FP32_STORED, Model
 from .model.engram_hash import CompressedTokenMap
 
 
@@ -36,19 +35,15 @@ class LoadError(ValueError):
     """A checkpoint that does not fit the model: the message names the tensor and what was expected."""
 
 
-# Stored in fp32 in the release and computed from fp32 (spec §3): a lower-precision copy would
-# silently lose bits, so it is refused rather than cast.
-FP32_STORED = re.compile(r"\.(hc_(attn|ffn)_(fn|base|scale)|attn_sink|ffn\.gate\.bias)$")
-
-
 def checkpoint_tensors(path: str | Path) -> dict[str, mx.array]:
     """Every tensor of the directory's safetensors shards, lazily, by name.
 
     With `model.safetensors.index.json`, exactly the shards it lists (each must exist)."""
     path = Path(path)
-    index = path / "model.safetensors.index.json"
+    index = path / layout.INDEX
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        data = _read_json(index, f"{index}: missing")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict):
             raise LoadError(f"{index}: no weight_map object")
         shards = sorted(set(weight_map.values()))
@@ -75,7 +70,8 @@ def checkpoint_tensors(path: str | Path) -> dict[str, mx.array]:
 
 
 def check_stored(tensors: dict[str, mx.array]) -> None:
-    """Dtype rules on the stored tensors themselves (before any re-layout)."""
+    """Dtype rules on the stored tensors themselves (before any re-layout): a lower-precision copy of
+    an fp32 tensor would silently lose bits, so it is refused rather than cast."""
     for name, value in tensors.items():
         if FP32_STORED.search(name) and value.dtype != mx.float32:
             raise LoadError(f"{name}: stored as {value.dtype}, expected float32 "
@@ -109,7 +105,7 @@ def load_model(path: str | Path, *, lazy: bool = True,
     lazy=False reads every parameter now; otherwise on first use. `expert_range` keeps only those
     routed experts (the others' tensors are never read)."""
     path = Path(path)
-    args = ModelArgs.from_file(path / "config.json")
+    args = ModelArgs.from_file(path / layout.CONFIG)
     tensors = checkpoint_tensors(path)
     check_stored(tensors)
     model = Model(args, expert_range)

@@ -304,7 +304,7 @@ def server_args(**overrides) -> argparse.Namespace:
 
 
 def serve(model, tokenizer, name: str, cli_args: argparse.Namespace, host: str, port: int,
-          thinking: bool = True, effort: int = 75) -> None:
+          thinking: bool = True, effort: int = chat.EFFORT_ALIASES[chat.DEFAULT_EFFORT]) -> None:
     """Serve until interrupted (blocks)."""
     PromptCache, ModelProvider, ResponseGenerator, APIHandler, HTTPServer = _make_classes()
     server = _mlx_lm_server()
@@ -347,10 +347,7 @@ def main_command(
         if demo:
             print(f"NOTE: serving the demo checkpoint ({path}): SYNTHETIC RANDOM WEIGHTS, meaningless text.",
                   file=sys.stderr, flush=True)
-        try:
-            loaded, tokenizer, cluster = load_for_generation(path, engram_mode=engram_mode)
-        except Exception as e:  # a broken checkpoint: one line, whatever raised it
-            raise CLIError(f"cannot load {path}: {' '.join(str(e).split())}") from None
+        loaded, tokenizer, cluster = load_for_generation(path, engram_mode=engram_mode)
         if cluster is not None:
             raise CLIError("the server runs as one process; use mlx_dsv41.generate under mlx.launch")
     except (CLIError, DemoError, ValueError) as e:

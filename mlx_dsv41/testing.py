@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import struct
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+from convert.safetensors_writer import write_safetensors
 
 from .config import ModelArgs
 from .model.engram_hash import CompressedTokenMap, bucket_primes
@@ -165,25 +166,21 @@ def synthetic_token_map(args: ModelArgs) -> CompressedTokenMap:
 # ------------------------------------------------------------------------------ checkpoint
 
 
-def _write_raw_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
-    """Safetensors with explicit dtype labels (mx.save_safetensors cannot label F8_E4M3/F8_E8M0)."""
-    header, offset = {}, 0
-    for name, (dtype, arr) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for _, arr in tensors.values():
-            f.write(np.ascontiguousarray(arr).tobytes())
+def engram_table_tensors(args: ModelArgs, tables: dict[int, np.ndarray]) -> list[dict[str, tuple[str, np.ndarray]]]:
+    """The release's Engram tensors, one dict per layer: `layers.L.engram.embed.weight` F8_E4M3
+    [rows, hd] and `.scale` F8_E8M0 [rows, hd/32], as {name: (safetensors dtype, raw bytes)}
+    (mx.save_safetensors cannot label F8_E4M3 / F8_E8M0)."""
+    hd = args.engram_head_dim
+    return [{f"layers.{layer}.engram.embed.weight": ("F8_E4M3", rows[:, :hd]),
+             f"layers.{layer}.engram.embed.scale": ("F8_E8M0", rows[:, hd:])}
+            for layer, rows in tables.items()]
 
 
 def write_checkpoint(path: str | Path, args: ModelArgs, weights: dict[str, mx.array],
                      engram_tables: dict[int, np.ndarray] | None = None) -> Path:
     """config.json + model weights in official names; Engram tables, if given, go to their own
-    shard as `layers.L.engram.embed.weight` F8_E4M3 [rows, hd] and `.scale` F8_E8M0 [rows, hd/32],
-    with a model.safetensors.index.json mapping every tensor to its shard (as released)."""
+    shard (`engram_table_tensors`), with a model.safetensors.index.json mapping every tensor to its
+    shard (as released)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf_config(args), indent=1))
@@ -192,12 +189,8 @@ def write_checkpoint(path: str | Path, args: ModelArgs, weights: dict[str, mx.ar
         return path
     main, tables = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
     mx.save_safetensors(str(path / main), weights)
-    hd = args.engram_head_dim
-    raw = {}
-    for layer, rows in engram_tables.items():
-        raw[f"layers.{layer}.engram.embed.weight"] = ("F8_E4M3", rows[:, :hd])
-        raw[f"layers.{layer}.engram.embed.scale"] = ("F8_E8M0", rows[:, hd:])
-    _write_raw_safetensors(path / tables, raw)
+    raw = {k: v for layer in engram_table_tensors(args, engram_tables) for k, v in layer.items()}
+    write_safetensors(path / tables, raw)
     index = {"metadata": {}, "weight_map": {**{k: main for k in weights}, **{k: tables for k in raw}}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     return path

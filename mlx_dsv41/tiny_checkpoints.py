@@ -35,11 +35,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from convert.safetensors_writer import write_safetensors
+
 from .config import ModelArgs
 from .exl3.testing import random_experts_tensors, random_linear_tensors
 from .model.engram_hash import CompressedTokenMap
 from .quant.official import E2M1_VALUES, GROUP, e4m3_values
-from .testing import hf_config, random_engram_tables, random_weights, tiny_args
+from .testing import engram_table_tensors, hf_config, random_engram_tables, random_weights, tiny_args
 
 OFFICIAL_QUANTIZATION = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
                          "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
@@ -131,6 +133,11 @@ def _pow2_scale(amax: np.ndarray, qmax: float) -> np.ndarray:
     return (exponent + 127).astype(np.uint8)
 
 
+def _tile_exponents(scale: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """float64 exponent of the 32x32 tile scale of every weight [out, in]."""
+    return np.repeat(np.repeat(scale.astype(np.float64) - 127, GROUP, 0), GROUP, 1)[: shape[0], : shape[1]]
+
+
 def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float [out, in] -> (F8_E4M3 codes [out, in], F8_E8M0 scales [ceil(out/32), ceil(in/32)])."""
     out, inp = w.shape
@@ -138,16 +145,14 @@ def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     padded = np.zeros((rows * GROUP, cols * GROUP))
     padded[:out, :inp] = np.abs(w)
     scale = _pow2_scale(padded.reshape(rows, GROUP, cols, GROUP).max(axis=(1, 3)), _FP8_MAX)
-    tile = np.repeat(np.repeat(scale.astype(np.float64) - 127, GROUP, 0), GROUP, 1)[:out, :inp]
     grid = e4m3_values()[:0x7F]  # codes 0x00..0x7E: the non-negative finite values, ascending
-    codes = _nearest_code(w * np.exp2(-tile), grid).astype(np.uint8) | np.where(w < 0, 0x80, 0).astype(np.uint8)
+    scaled = w * np.exp2(-_tile_exponents(scale, w.shape))
+    codes = _nearest_code(scaled, grid).astype(np.uint8) | np.where(w < 0, 0x80, 0).astype(np.uint8)
     return codes, scale
 
 
 def decode_fp8(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    out, inp = codes.shape
-    tile = np.repeat(np.repeat(scale.astype(np.float64) - 127, GROUP, 0), GROUP, 1)[:out, :inp]
-    return e4m3_values()[codes] * np.exp2(tile)
+    return e4m3_values()[codes] * np.exp2(_tile_exponents(scale, codes.shape))
 
 
 def quantize_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -222,18 +227,8 @@ def _dropped_extras(args: ModelArgs, seed: int) -> dict[str, tuple[str, np.ndarr
     return out
 
 
-def _engram_raw(args: ModelArgs, tables: dict[int, np.ndarray]) -> list[dict[str, tuple[str, np.ndarray]]]:
-    """One official Engram shard's tensors per layer: weight F8_E4M3 [rows, hd], scale F8_E8M0."""
-    hd = args.engram_head_dim
-    return [{f"layers.{layer}.engram.embed.weight": ("F8_E4M3", np.ascontiguousarray(rows[:, :hd])),
-             f"layers.{layer}.engram.embed.scale": ("F8_E8M0", np.ascontiguousarray(rows[:, hd:]))}
-            for layer, rows in tables.items()]
-
-
 def _write_shards(path: Path, shards: list[dict[str, tuple[str, np.ndarray]]], total: int | None = None) -> None:
     """Shards named as the release names them (the last ones may stand for 47/48 of 48), + index."""
-    from convert.safetensors_writer import write_safetensors
-
     total = total or len(shards)
     first = total - len(shards) + 1
     weight_map = {}
@@ -254,11 +249,9 @@ def write_config(path: Path, args: ModelArgs, quantization: dict) -> None:
 def write_engram_shards(path: str | Path, args: ModelArgs, tables: dict[int, np.ndarray]) -> Path:
     """Only the official release's Engram shards (`model-00047/00048-of-00048` style), no index:
     what a user with an EXL3 pack downloads for `--engram-from`."""
-    from convert.safetensors_writer import write_safetensors
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    raw = _engram_raw(args, tables)
+    raw = engram_table_tensors(args, tables)
     for i, tensors in enumerate(raw):
         write_safetensors(path / f"model-{48 - len(raw) + 1 + i:05d}-of-00048.safetensors", tensors)
     return path
@@ -279,7 +272,7 @@ def write_official_checkpoint(path: str | Path, args: ModelArgs | None = None, s
     # A companion in another shard than its weight (the index allows it; the converter must cope).
     moved = f"layers.{half - 1}.attn.wq_b.scale"
     second[moved] = first.pop(moved)
-    _write_shards(path, [first, second, *_engram_raw(args, tables)])
+    _write_shards(path, [first, second, *engram_table_tensors(args, tables)])
     write_config(path, args, OFFICIAL_QUANTIZATION)
     write_tokenizer(path, args)
     return TinyCheckpoint(path, args, reference, tables)

@@ -57,7 +57,8 @@ def hub_host() -> str | None:
     hostfile = os.environ.get("MLX_HOSTFILE")
     if hostfile:
         try:
-            hosts = json.loads(open(hostfile).read())
+            with open(hostfile) as f:
+                hosts = json.load(f)
             first = hosts["hosts"][0]["ips"][0] if isinstance(hosts, dict) else hosts[0][0]
             return first.rsplit(":", 1)[0]
         except (OSError, ValueError, KeyError, IndexError, TypeError):

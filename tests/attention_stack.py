@@ -167,6 +167,11 @@ def ref_rms_norm(x, w, eps):
     return rb(x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w)
 
 
+# Flash's rope_scaling (spec §4.3), written out rather than read from ModelArgs' defaults.
+FLASH_YARN = {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+              "original_max_position_embeddings": 65536}
+
+
 def ref_frequencies(dims, theta, yarn):
     k = np.arange(dims // 2)
     f = theta ** (-2.0 * k / dims)

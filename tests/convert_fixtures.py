@@ -1,4 +1,5 @@
-"""Shared helpers of the converter / loader tests: run the CLI, edit a tiny checkpoint's tensors."""
+"""Shared helpers of the converter / loader tests: run the CLI, convert a tiny EXL3 checkpoint,
+edit a tiny checkpoint's tensors."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
+from convert import convert_checkpoint
 from convert.safetensors_io import SafetensorsFile
 from convert.safetensors_writer import write_safetensors
+from mlx_dsv41.tiny_checkpoints import write_engram_shards, write_exl3_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,19 +26,34 @@ def run_cli(*args, env: dict | None = None) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+def convert_tiny_exl3(root: Path):
+    """The tiny EXL3 checkpoint in root/src, its Engram tables as the official release's shards in
+    root/engram, and its conversion in root/out; returns the TinyCheckpoint."""
+    ck = write_exl3_checkpoint(root / "src")
+    write_engram_shards(root / "engram", ck.args, ck.tables)
+    convert_checkpoint(ck.path, root / "out", engram_from=root / "engram", progress=False)
+    return ck
+
+
+def _index(ckpt: Path) -> dict:
+    return json.loads((ckpt / "model.safetensors.index.json").read_text())
+
+
 def shard_of(ckpt: Path, name: str) -> Path:
-    weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-    return ckpt / weight_map[name]
+    return ckpt / _index(ckpt)["weight_map"][name]
+
+
+def _shard_tensors(shard: Path) -> dict[str, tuple[str, np.ndarray]]:
+    with SafetensorsFile(shard) as f:
+        return {n: (f.info(n).dtype, f.read(n)) for n in f.names()}
 
 
 def edit_tensors(ckpt: Path, changes: dict[str, tuple[str, np.ndarray] | None]) -> None:
     """Rewrite the shards holding the named tensors: replace each with (dtype, raw array), or drop
     it (None); the index follows."""
-    index_file = ckpt / "model.safetensors.index.json"
-    index = json.loads(index_file.read_text())
+    index = _index(ckpt)
     for shard in sorted({shard_of(ckpt, name) for name in changes}):
-        with SafetensorsFile(shard) as f:
-            tensors = {n: (f.info(n).dtype, f.read(n)) for n in f.names()}
+        tensors = _shard_tensors(shard)
         for name, new in changes.items():
             if name in tensors:
                 if new is None:
@@ -44,7 +62,7 @@ def edit_tensors(ckpt: Path, changes: dict[str, tuple[str, np.ndarray] | None]) 
                 else:
                     tensors[name] = new
         write_safetensors(shard, tensors)
-    index_file.write_text(json.dumps(index))
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 def read_tensor(ckpt: Path, name: str) -> tuple[str, np.ndarray]:
@@ -55,10 +73,7 @@ def read_tensor(ckpt: Path, name: str) -> tuple[str, np.ndarray]:
 def add_tensors(ckpt: Path, next_to: str, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
     """Add tensors {name: (dtype, raw array)} to the shard holding `next_to`; the index follows."""
     shard = shard_of(ckpt, next_to)
-    with SafetensorsFile(shard) as f:
-        stored = {n: (f.info(n).dtype, f.read(n)) for n in f.names()}
-    write_safetensors(shard, {**stored, **tensors})
-    index_file = ckpt / "model.safetensors.index.json"
-    index = json.loads(index_file.read_text())
+    write_safetensors(shard, {**_shard_tensors(shard), **tensors})
+    index = _index(ckpt)
     index["weight_map"].update(dict.fromkeys(tensors, shard.name))
-    index_file.write_text(json.dumps(index))
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))

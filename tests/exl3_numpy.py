@@ -92,3 +92,9 @@ def dequantize(trellis, suh, svh, codebook) -> np.ndarray:
     """W = diag(suh) · H · W̃ · H · diag(svh) in float64 (spec §3.2)."""
     w = hadamard_blocks(hadamard_blocks(reconstruct(np.asarray(trellis), codebook), 0), 1)
     return np.asarray(suh, np.float64)[:, None] * w * np.asarray(svh, np.float64)[None, :]
+
+
+def rel_err(a, b) -> float:
+    """Relative Frobenius error of a against the reference b, in float64 (the tests' metric)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))

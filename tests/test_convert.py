@@ -28,13 +28,13 @@ import pytest
 import mlx_dsv41
 from convert import ConvertError, convert_checkpoint
 from convert.safetensors_io import SafetensorsCheckpoint
-from convert_fixtures import add_tensors, edit_tensors, read_tensor, run_cli
+from convert_fixtures import add_tensors, convert_tiny_exl3, edit_tensors, read_tensor, run_cli
 from mlx_dsv41 import layout
 from mlx_dsv41.config import ModelArgs
 from mlx_dsv41.engram_store import EngramStore
 from mlx_dsv41.loading import checkpoint_kind, is_converted, load_converted
 from mlx_dsv41.quant import GroupedLinear
-from mlx_dsv41.tiny_checkpoints import write_engram_shards, write_exl3_checkpoint, write_official_checkpoint
+from mlx_dsv41.tiny_checkpoints import write_official_checkpoint
 
 IDS = mx.array(np.random.default_rng(5).integers(3, 159, (2, 16)))
 
@@ -51,10 +51,7 @@ def official(tmp_path_factory):
 @pytest.fixture(scope="module")
 def exl3(tmp_path_factory):
     root = tmp_path_factory.mktemp("exl3")
-    ck = write_exl3_checkpoint(root / "src")
-    write_engram_shards(root / "engram", ck.args, ck.tables)
-    convert_checkpoint(ck.path, root / "out", engram_from=root / "engram", progress=False)
-    return ck, root
+    return convert_tiny_exl3(root), root
 
 
 def _logits(model):

@@ -9,21 +9,12 @@ import safetensors
 import mlx.core as mx
 from convert.safetensors_io import DTYPES, SafetensorsError
 from convert.safetensors_writer import PARTIAL_SUFFIX, SafetensorsWriter, write_safetensors
-
-
-def _random(rng, dtype, shape):
-    np_dtype = DTYPES[dtype]
-    if np_dtype == np.bool_:
-        return rng.integers(0, 2, shape).astype(bool)
-    if np.issubdtype(np_dtype, np.integer):
-        info = np.iinfo(np_dtype)
-        return rng.integers(max(info.min, -1000) + 1, min(info.max, 1000), shape).astype(np_dtype)
-    return (rng.standard_normal(shape) + 2).astype(np_dtype)
+from test_safetensors_io import random_tensor, raw_bits
 
 
 def test_reference_reader_sees_every_tensor(tmp_path):
     rng = np.random.default_rng(1)
-    tensors = {f"t.{dt}": (dt, _random(rng, dt, (5, 3))) for dt in DTYPES}
+    tensors = {f"t.{dt}": (dt, raw_bits(random_tensor(rng, dt, (5, 3)))) for dt in DTYPES}
     tensors["scalar"] = ("I32", np.array(-7, np.int32))
     tensors["empty"] = ("F16", np.zeros((0, 4), np.float16))
     path = write_safetensors(tmp_path / "a.safetensors", tensors, {"format": "mlx"})

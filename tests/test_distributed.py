@@ -102,8 +102,9 @@ def _save_tables(path: Path, tables: dict[int, np.ndarray]) -> Path:
 def ckpt(tmp_path_factory) -> Path:
     """Plain bf16 checkpoint: dense experts (bf16-valued per-slot outputs)."""
     path = tmp_path_factory.mktemp("dist_ckpt")
-    write_checkpoint(path, ARGS, random_weights(ARGS, seed=3), random_engram_tables(ARGS, seed=3))
-    return _save_tables(path, random_engram_tables(ARGS, seed=3))
+    tables = random_engram_tables(ARGS, seed=3)
+    write_checkpoint(path, ARGS, random_weights(ARGS, seed=3), tables)
+    return _save_tables(path, tables)
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +272,6 @@ def demo_text(tmp_path_factory) -> tuple[dict[str, str], str]:
     return env, proc.stdout
 
 
-
 @pytest.mark.parametrize("partition", ["experts", "slots"])
 def test_cli_under_mlx_launch(demo_text, partition):
     """`mlx.launch --backend ring -n 2 python -m mlx_dsv41.generate ...` prints (on rank 0 only)
@@ -292,8 +292,9 @@ def test_cli_under_mlx_launch(demo_text, partition):
 def other_ckpt(tmp_path_factory) -> Path:
     args = tiny_args(rope_theta=20000.0)
     path = tmp_path_factory.mktemp("dist_ckpt_other")
-    write_checkpoint(path, args, random_weights(args, seed=3), random_engram_tables(args, seed=3))
-    return _save_tables(path, random_engram_tables(args, seed=3))
+    tables = random_engram_tables(args, seed=3)
+    write_checkpoint(path, args, random_weights(args, seed=3), tables)
+    return _save_tables(path, tables)
 
 
 def _all_fail_with(results, message: str) -> None:

@@ -90,14 +90,13 @@ def test_small_head_dim_and_single_chunk(tmp_path):
     assert out.read_bytes() == expected_file(values, scales, 14, chunk_rows=1000)
 
 
-def official_shard(tmp_path, layer, values, scales, extra=True):
+def official_shard(tmp_path, layer, values, scales):
     """An official-release-style shard: the table pair in real F8 dtypes, plus an unrelated tensor."""
     tensors = {
         f"layers.{layer}.engram.embed.weight": ("F8_E4M3", values.view(ml_dtypes.float8_e4m3fn)),
         f"layers.{layer}.engram.embed.scale": ("F8_E8M0", scales.view(ml_dtypes.float8_e8m0fnu)),
+        f"layers.{layer}.engram.q_weight": ("BF16", np.ones((4, 8), ml_dtypes.bfloat16)),
     }
-    if extra:
-        tensors[f"layers.{layer}.engram.q_weight"] = ("BF16", np.ones((4, 8), ml_dtypes.bfloat16))
     path = tmp_path / "model-00047-of-00048.safetensors"
     save_safetensors(path, tensors)
     return path

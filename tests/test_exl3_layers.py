@@ -12,6 +12,7 @@ from mlx.utils import tree_flatten
 from safetensors.numpy import load_file
 
 import exl3_numpy
+from exl3_numpy import rel_err
 from mlx_dsv41.exl3 import (EXL3Experts, EXL3Linear, codebook_from_markers, experts_from_stored,
                             linear_from_stored, linear_tensors)
 from mlx_dsv41.exl3.testing import random_experts_tensors, random_linear_tensors
@@ -20,13 +21,9 @@ FIXTURE = Path(__file__).parent / "fixtures" / "exl3_ref_fixture.safetensors"
 MUL1_MARKER, MCG_MARKER = -2082680531, -877912083
 
 
-def rel_err(a, b):
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
-
-
 def linear_f64(tensors, x, in_features, out_features, prefix="p"):
     t = {k[len(prefix) + 1:]: v for k, v in tensors.items()}
-    codebook = next((c for c in ("mul1", "mcg") if c in t), "3inst")
+    codebook = codebook_from_markers(tensors, prefix)
     w = exl3_numpy.dequantize(t["trellis"], t["suh"], t["svh"], codebook)[:in_features, :out_features]
     y = np.asarray(x, np.float64) @ w
     return y + t["bias"][:out_features].astype(np.float64) if "bias" in t else y
@@ -162,9 +159,9 @@ def experts_f64(tensors, prefix, x, indices, weights, hidden, inter, limit, lo, 
     def w(e, proj, d_in, d_out):
         if (e, proj) not in cache:
             p = f"{prefix}.{e}.{proj}"
-            cb = "mul1" if f"{p}.mul1" in tensors else "mcg" if f"{p}.mcg" in tensors else "3inst"
-            cache[e, proj] = exl3_numpy.dequantize(tensors[f"{p}.trellis"], tensors[f"{p}.suh"],
-                                                   tensors[f"{p}.svh"], cb)[:d_in, :d_out]
+            w = exl3_numpy.dequantize(tensors[f"{p}.trellis"], tensors[f"{p}.suh"], tensors[f"{p}.svh"],
+                                      codebook_from_markers(tensors, p))
+            cache[e, proj] = w[:d_in, :d_out]
         return cache[e, proj]
 
     for t in range(T):

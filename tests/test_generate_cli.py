@@ -8,9 +8,8 @@ import shutil
 import subprocess
 import sys
 
-import mlx.core as mx
 import pytest
-from demo_helpers import REPO, demo_checkpoint, demo_env
+from demo_helpers import REPO, demo_checkpoint, demo_env, detokenize, greedy
 
 import mlx_dsv41
 from mlx_dsv41 import chat
@@ -37,16 +36,7 @@ def cli(env, *args, stdin=None):
 def expected_text(loaded, ids: list[int]) -> str:
     """What our own greedy loop generates from `ids`, detokenized as mlx-lm streams it."""
     model, tokenizer = loaded
-    cache, out = model.make_cache(), tokenizer.detokenizer
-    logits = model(mx.array([ids]), cache)
-    for _ in range(TOKENS):
-        token = int(mx.argmax(logits[0, -1]))
-        if token in tokenizer.eos_token_ids:
-            break
-        out.add_token(token)
-        logits = model(mx.array([[token]]), cache)
-    out.finalize()
-    return out.text
+    return detokenize(tokenizer, greedy(model, tokenizer, ids, TOKENS))
 
 
 def ok(result):

@@ -2,15 +2,12 @@
 
 import mlx.core as mx
 import numpy as np
+from attention_stack import rb
 
 from mlx_dsv41.model.hyper_connections import collapse, expand, hc_mixes, initial_pre
 
 rng = np.random.default_rng(11)
 HC, D, ITERS, HC_EPS, NORM_EPS = 4, 48, 20, 1e-6, 1e-20
-
-
-def _bf16(a):
-    return np.array(mx.array(np.asarray(a, np.float32)).astype(mx.bfloat16).astype(mx.float32), np.float64)
 
 
 def _site(scale=1.0):
@@ -21,26 +18,26 @@ def _site(scale=1.0):
     return fn, base, sc
 
 
-def _mixes_f64(streams, fn, base, sc):
-    """Spec §4.2 line by line, one token at a time, float64."""
-    lead = streams.shape[:-2]
-    z = streams.reshape(*lead, HC * D).astype(np.float64)
-    m = (z @ fn.astype(np.float64).T) / np.sqrt(np.mean(z * z, axis=-1, keepdims=True) + NORM_EPS)
+def mixes_f64(streams, fn, base, sc, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS):
+    """Spec §4.2 line by line, float64: streams [..., HC, D] -> pre, post, comb (test_model uses it)."""
+    *lead, hc, dim = streams.shape
+    z = streams.reshape(*lead, hc * dim).astype(np.float64)
+    m = (z @ fn.astype(np.float64).T) / np.sqrt(np.mean(z * z, axis=-1, keepdims=True) + norm_eps)
     sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
-    pre = sig(m[..., :HC] * sc[0] + base[:HC]) + HC_EPS
-    post = 2 * sig(m[..., HC : 2 * HC] * sc[1] + base[HC : 2 * HC])
-    c = (m[..., 2 * HC :] * sc[2] + base[2 * HC :]).reshape(*lead, HC, HC)
+    pre = sig(m[..., :hc] * sc[0] + base[:hc]) + hc_eps
+    post = 2 * sig(m[..., hc : 2 * hc] * sc[1] + base[hc : 2 * hc])
+    c = (m[..., 2 * hc :] * sc[2] + base[2 * hc :]).reshape(*lead, hc, hc)
     c = np.exp(c - c.max(-1, keepdims=True))
-    c = c / c.sum(-1, keepdims=True) + HC_EPS
-    c = c / (c.sum(-2, keepdims=True) + HC_EPS)
-    for _ in range(ITERS - 1):
-        c = c / (c.sum(-1, keepdims=True) + HC_EPS)
-        c = c / (c.sum(-2, keepdims=True) + HC_EPS)
+    c = c / c.sum(-1, keepdims=True) + hc_eps
+    c = c / (c.sum(-2, keepdims=True) + hc_eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdims=True) + hc_eps)
+        c = c / (c.sum(-2, keepdims=True) + hc_eps)
     return pre, post, c
 
 
 def _streams(B=2, S=5):
-    return _bf16(rng.standard_normal((B, S, HC, D)))
+    return rb(rng.standard_normal((B, S, HC, D)))
 
 
 def test_mixes_match_float64():
@@ -48,7 +45,7 @@ def test_mixes_match_float64():
     fn, base, sc = _site()
     got = hc_mixes(mx.array(streams.astype(np.float32)).astype(mx.bfloat16), mx.array(fn),
                    mx.array(base), mx.array(sc), iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
-    for g, r, name in zip(got, _mixes_f64(streams, fn, base, sc), ("pre", "post", "comb")):
+    for g, r, name in zip(got, mixes_f64(streams, fn, base, sc), ("pre", "post", "comb")):
         assert g.dtype == mx.float32, name
         np.testing.assert_allclose(np.array(g), r, rtol=2e-5, atol=2e-6, err_msg=name)
 
@@ -72,7 +69,7 @@ def test_collapse_and_expand_match_float64_then_bf16():
     pre = rng.uniform(0.1, 1.0, (2, 5, HC))
     post = rng.uniform(0.0, 2.0, (2, 5, HC))
     comb = rng.uniform(0.0, 1.0, (2, 5, HC, HC))  # not symmetric: catches a transposed mix
-    y = _bf16(rng.standard_normal((2, 5, D)))
+    y = rb(rng.standard_normal((2, 5, D)))
     s_mx = mx.array(streams.astype(np.float32)).astype(mx.bfloat16)
 
     got = collapse(s_mx, mx.array(pre.astype(np.float32)))
@@ -91,7 +88,7 @@ def test_collapse_and_expand_match_float64_then_bf16():
     np.testing.assert_allclose(g, ref, rtol=2**-8, atol=1e-6)
     assert np.abs(g - wrong).max() > 0.1
     # bf16 streams: the result is the float64 value rounded once (up to fp32 summation order).
-    assert np.mean(g == _bf16(ref)) > 0.99
+    assert np.mean(g == rb(ref)) > 0.99
 
 
 def test_layer0_one_hot_pre_returns_the_embedding():

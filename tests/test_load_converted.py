@@ -9,18 +9,15 @@ import numpy as np
 import pytest
 
 import mlx_dsv41
-from convert import convert_checkpoint
+from convert_fixtures import convert_tiny_exl3
 from mlx_dsv41 import layout
 from mlx_dsv41.loading import LoadError, checkpoint_kind, is_converted
-from mlx_dsv41.tiny_checkpoints import write_engram_shards, write_exl3_checkpoint
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("conv")
-    ck = write_exl3_checkpoint(root / "src")
-    write_engram_shards(root / "engram", ck.args, ck.tables)
-    convert_checkpoint(ck.path, root / "out", engram_from=root / "engram", progress=False)
+    convert_tiny_exl3(root)
     return root
 
 

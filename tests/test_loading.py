@@ -2,6 +2,7 @@
 mismatch is a one-line error naming the tensor; dropped tensors are never read."""
 
 import json
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -123,7 +124,7 @@ def test_bad_checkpoints_give_one_line_errors(tmp_path, weights, change, message
     with pytest.raises((LoadError, ConfigError)) as err:
         load_model(path)
     assert "\n" not in str(err.value)
-    assert __import__("re").search(message, str(err.value)), str(err.value)
+    assert re.search(message, str(err.value)), str(err.value)
 
 
 def test_directory_errors(tmp_path, checkpoint):

@@ -8,7 +8,7 @@ import copy
 import mlx.core as mx
 import numpy as np
 import pytest
-from demo_helpers import demo_checkpoint
+from demo_helpers import demo_checkpoint, detokenize, greedy
 from mlx_lm import batch_generate, generate, stream_generate
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
@@ -26,35 +26,13 @@ def loaded(tmp_path_factory):
     return path, model, tokenizer
 
 
-def greedy(model, tokenizer, ids: list[int], n: int = N) -> list[int]:
-    """Our own loop: one prefill, then one token at a time, argmax, stop at EOS (not emitted)."""
-    cache = model.make_cache()
-    logits = model(mx.array([ids]), cache)
-    out = []
-    for _ in range(n):
-        token = int(mx.argmax(logits[0, -1]))
-        if token in tokenizer.eos_token_ids:
-            break
-        out.append(token)
-        logits = model(mx.array([[token]]), cache)
-    return out
-
-
-def detokenize(tokenizer, tokens: list[int]) -> str:
-    d = tokenizer.detokenizer
-    for t in tokens:
-        d.add_token(t)
-    d.finalize()
-    return d.text
-
-
 PROMPTS = ["The quick brown fox", "Hello! How are you today? I am fine, thank you."]
 
 
 def test_stream_generate_and_generate_give_our_greedy_tokens(loaded):
     _, model, tokenizer = loaded
     ids = tokenizer.encode(PROMPTS[1])
-    want = greedy(model, tokenizer, ids)
+    want = greedy(model, tokenizer, ids, N)
     got = [r.token for r in stream_generate(model, tokenizer, ids, max_tokens=N)]
     got = [t for t in got if t not in tokenizer.eos_token_ids]
     assert got == want
@@ -67,7 +45,7 @@ def test_batch_generate_equals_each_prompt_alone(loaded):
     assert len({len(p) for p in prompts}) == 2
     result = batch_generate(model, tokenizer, prompts, max_tokens=N, return_token_ids=True)
     for ids, got in zip(prompts, result.token_ids):
-        assert got == greedy(model, tokenizer, ids)
+        assert got == greedy(model, tokenizer, ids, N)
     assert result.texts == [tokenizer.decode(t) for t in result.token_ids]
 
 
@@ -85,7 +63,7 @@ def test_batch_generate_stacks_rows_at_the_same_position(loaded, monkeypatch):
     result = batch_generate(model, tokenizer, [a, b], max_tokens=N, return_token_ids=True)
     assert stacked and set(stacked) == {2}  # the rows really ran as one batch
     monkeypatch.undo()
-    assert result.token_ids == [greedy(model, tokenizer, a), greedy(model, tokenizer, b)]
+    assert result.token_ids == [greedy(model, tokenizer, a, N), greedy(model, tokenizer, b, N)]
 
 
 def test_prompt_cache_round_trip_continues_identically(loaded, tmp_path):

@@ -12,6 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from attention_stack import rb, ref_rms_norm
+from mlx.utils import tree_flatten
+from test_hyper_connections import mixes_f64
 
 from mlx_dsv41.model.deepseek_v41 import Model
 from mlx_dsv41.model.engram import MemoryRowSource
@@ -158,9 +161,32 @@ def test_engram_reads_every_row_once_per_position(ids):
         assert model._engram_rows[layer].stats.rows == 2 * L * cols
 
 
+class _RecordingRows:
+    """A row source that remembers the row ids it was asked for."""
+
+    def __init__(self, inner):
+        self.inner, self.asked = inner, []
+
+    def read(self, row_ids):
+        self.asked.append(np.array(row_ids))
+        return self.inner.read(row_ids)
+
+
+def test_engram_layers_listed_out_of_order_read_their_own_rows(ids):
+    """Tables, primes and multipliers follow engram_layer_ids' order, not the layer order."""
+    args = tiny_args(engram_layer_ids=(2, 1))
+    model = tiny_model(args)
+    sources = {layer: _RecordingRows(s) for layer, s in model.engram_sources.items()}
+    model.set_engram(synthetic_token_map(args), sources)
+    model(ids, model.make_cache())
+    want = model.engram_row_ids(np.array(ids))
+    for layer, source in sources.items():
+        assert np.array_equal(source.asked[0], want[:, :, args.engram_index(layer)].reshape(-1)), layer
+
+
 def test_engram_state_is_not_a_parameter_and_is_required():
     model = tiny_model(seed=0)
-    names = [k for k, _ in __import__("mlx.utils", fromlist=["x"]).tree_flatten(model.parameters())]
+    names = [k for k, _ in tree_flatten(model.parameters())]
     assert not any("engram_rows" in k or "token_map" in k or "_engram" in k for k in names)
     bare = Model(tiny_args())
     with pytest.raises(RuntimeError, match=r"Engram layers \[1, 2\] need a token map and row sources"):
@@ -213,10 +239,6 @@ def test_mlx_lm_generate_step_drives_the_model(model, ids):
 # ------------------------------------------------------------------ wiring vs float64 (§4.1, §4.2)
 
 
-def _rb(x):
-    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
-
-
 class _StubAttention(nn.Module):
     """Stands in for attention: bf16(tanh(x @ M)) (the wiring test needs no attention math)."""
 
@@ -237,24 +259,8 @@ class _StubFFN(nn.Module):
         return mx.sin(x.astype(mx.float32) @ self.m).astype(x.dtype)
 
 
-def _ref_mixes(streams, fn, base, sc, hc, iters=20, eps=1e-6):
-    z = streams.reshape(*streams.shape[:-2], -1)
-    m = (z @ fn.T) / np.sqrt(np.mean(z * z, -1, keepdims=True) + 1e-20)
-    sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
-    pre = sig(m[..., :hc] * sc[0] + base[:hc]) + eps
-    post = 2 * sig(m[..., hc : 2 * hc] * sc[1] + base[hc : 2 * hc])
-    c = (m[..., 2 * hc :] * sc[2] + base[2 * hc :]).reshape(*m.shape[:-1], hc, hc)
-    c = np.exp(c - c.max(-1, keepdims=True))
-    c = c / c.sum(-1, keepdims=True) + eps
-    c = c / (c.sum(-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        c = c / (c.sum(-1, keepdims=True) + eps)
-        c = c / (c.sum(-2, keepdims=True) + eps)
-    return pre, post, c
-
-
 def _ref_norm(x, w):
-    return _rb(x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-20) * w)
+    return ref_rms_norm(x, w, 1e-20)
 
 
 def _reference(args, w, tables, ids, stubs, lag=True):
@@ -277,24 +283,24 @@ def _reference(args, w, tables, ids, stubs, lag=True):
             raw = tables[i][row_ids[:, :, li]]  # [B, S, cols, row_bytes]
             hd = args.engram_head_dim
             vals = raw[..., :hd].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-            e = _rb(vals * np.repeat(np.exp2(raw[..., hd:].astype(np.float64) - 127), 32, -1))
-            kv = _rb(e.reshape(*ids.shape, -1) @ w[p + "engram.wkv.weight"].T)
+            e = rb(vals * np.repeat(np.exp2(raw[..., hd:].astype(np.float64) - 127), 32, -1))
+            kv = rb(e.reshape(*ids.shape, -1) @ w[p + "engram.wkv.weight"].T)
             key, value = kv[..., : hc * D].reshape(*ids.shape, hc, D), kv[..., hc * D :]
             dot = (streams * w[p + "engram.q_weight"] * w[p + "engram.k_weight"] * key).sum(-1)
             dot /= np.sqrt((streams**2).mean(-1) + 1e-20) * np.sqrt((key**2).mean(-1) + 1e-20) * np.sqrt(D)
             gate = 1 / (1 + np.exp(-np.sign(dot) * np.sqrt(np.maximum(np.abs(dot), 1e-6))))
             gate[comp < 0] = 0
-            streams = _rb(streams + gate[..., None] * value[:, :, None, :])
-        a_pre, a_post, a_c = _ref_mixes(streams, w[p + "hc_attn_fn"], w[p + "hc_attn_base"], w[p + "hc_attn_scale"], hc)
-        x = _ref_norm(_rb(np.einsum("bsi,bsid->bsd", pre if lag else a_pre, streams)), w[p + "attn_norm.weight"])
-        y = _rb(np.tanh(x @ stubs[i][0]))
-        streams = _rb(a_post[..., None] * y[:, :, None, :] + np.einsum("bsij,bsid->bsjd", a_c, streams))
-        f_pre, f_post, f_c = _ref_mixes(streams, w[p + "hc_ffn_fn"], w[p + "hc_ffn_base"], w[p + "hc_ffn_scale"], hc)
-        x = _ref_norm(_rb(np.einsum("bsi,bsid->bsd", a_pre if lag else f_pre, streams)), w[p + "ffn_norm.weight"])
-        y = _rb(np.sin(x @ stubs[i][1]))
-        streams = _rb(f_post[..., None] * y[:, :, None, :] + np.einsum("bsij,bsid->bsjd", f_c, streams))
+            streams = rb(streams + gate[..., None] * value[:, :, None, :])
+        a_pre, a_post, a_c = mixes_f64(streams, w[p + "hc_attn_fn"], w[p + "hc_attn_base"], w[p + "hc_attn_scale"])
+        x = _ref_norm(rb(np.einsum("bsi,bsid->bsd", pre if lag else a_pre, streams)), w[p + "attn_norm.weight"])
+        y = rb(np.tanh(x @ stubs[i][0]))
+        streams = rb(a_post[..., None] * y[:, :, None, :] + np.einsum("bsij,bsid->bsjd", a_c, streams))
+        f_pre, f_post, f_c = mixes_f64(streams, w[p + "hc_ffn_fn"], w[p + "hc_ffn_base"], w[p + "hc_ffn_scale"])
+        x = _ref_norm(rb(np.einsum("bsi,bsid->bsd", a_pre if lag else f_pre, streams)), w[p + "ffn_norm.weight"])
+        y = rb(np.sin(x @ stubs[i][1]))
+        streams = rb(f_post[..., None] * y[:, :, None, :] + np.einsum("bsij,bsid->bsjd", f_c, streams))
         pre = f_pre
-    x = _ref_norm(_rb(np.einsum("bsi,bsid->bsd", pre, streams)), w["norm.weight"])
+    x = _ref_norm(rb(np.einsum("bsi,bsid->bsd", pre, streams)), w["norm.weight"])
     return x @ w["head.weight"].T
 
 

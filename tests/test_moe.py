@@ -3,6 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
+from attention_stack import rb
 
 from mlx_dsv41.config import ModelArgs
 from mlx_dsv41.model.moe import MoE
@@ -21,28 +22,24 @@ def _args(**kw):
     return ModelArgs(**base)
 
 
-def _bf16(a):
-    return np.array(mx.array(np.asarray(a, np.float32)).astype(mx.bfloat16).astype(mx.float32), np.float64)
-
-
 def _silu(v):
     return v / (1 + np.exp(-v))
 
 
 def _slot_ref(x, w1, w3, w2, e, weight, weight_before_w2=True):
     """One slot, float64 with the reference's bf16 roundings (linear outputs, w2 input, w2 output)."""
-    g = _bf16(w1[e] @ x)
-    u = _bf16(w3[e] @ x)
+    g = rb(w1[e] @ x)
+    u = rb(w3[e] @ x)
     a = _silu(np.minimum(g, LIMIT)) * np.clip(u, -LIMIT, LIMIT)
     if weight_before_w2:
-        return _bf16(w2[e] @ _bf16(weight * a))
-    return _bf16(weight * _bf16(w2[e] @ _bf16(a)))  # rounded too, so only the order differs
+        return rb(w2[e] @ rb(weight * a))
+    return rb(weight * rb(w2[e] @ rb(a)))  # rounded too, so only the order differs
 
 
 def _experts(n=E, lo_hi=None):
-    w1 = _bf16(rng.standard_normal((n, I, D)) / np.sqrt(D))
-    w3 = _bf16(rng.standard_normal((n, I, D)) / np.sqrt(D))
-    w2 = _bf16(rng.standard_normal((n, D, I)) / np.sqrt(I))
+    w1 = rb(rng.standard_normal((n, I, D)) / np.sqrt(D))
+    w3 = rb(rng.standard_normal((n, I, D)) / np.sqrt(D))
+    w2 = rb(rng.standard_normal((n, D, I)) / np.sqrt(I))
     tensors = {}
     for e in range(n):
         for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
@@ -54,8 +51,8 @@ def test_router_matches_float64_and_bias_only_selects():
     args = _args()
     moe = MoE(args)
     T = 64
-    x = _bf16(rng.standard_normal((T, D)))
-    w = _bf16(rng.standard_normal((E, D)) / np.sqrt(D))
+    x = rb(rng.standard_normal((T, D)))
+    w = rb(rng.standard_normal((E, D)) / np.sqrt(D))
     bias = rng.standard_normal(E).astype(np.float32) * 0.5
     moe.gate.weight = mx.array(w.astype(np.float32)).astype(mx.bfloat16)
     moe.gate.bias = mx.array(bias)
@@ -79,7 +76,7 @@ def test_dense_experts_per_slot_weight_before_w2(x_scale):
     experts = make_experts(tensors, "ffn.experts", E, D, I, LIMIT)
     assert isinstance(experts, DenseExperts) and experts.w1.dtype == mx.float32
     T = 40
-    x = _bf16(rng.standard_normal((T, D)) * x_scale)
+    x = rb(rng.standard_normal((T, D)) * x_scale)
     idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
     wts = rng.uniform(0.05, 1.5, (T, K)).astype(np.float32)
     y = experts(mx.array(x.astype(np.float32)).astype(mx.bfloat16), mx.array(idx), mx.array(wts))
@@ -135,14 +132,14 @@ def test_moe_block_matches_float64():
     moe = MoE(args)
     tensors, (w1, w3, w2) = _experts()
     moe.experts = make_experts(tensors, "ffn.experts", E, D, I, LIMIT)
-    gw = _bf16(rng.standard_normal((E, D)) / np.sqrt(D))
+    gw = rb(rng.standard_normal((E, D)) / np.sqrt(D))
     bias = rng.standard_normal(E).astype(np.float32) * 0.3
     moe.gate.weight = mx.array(gw.astype(np.float32)).astype(mx.bfloat16)
     moe.gate.bias = mx.array(bias)
-    sw = {n: _bf16(rng.standard_normal(s) / np.sqrt(s[1])) for n, s in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I)))}
+    sw = {n: rb(rng.standard_normal(s) / np.sqrt(s[1])) for n, s in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I)))}
     for n, v in sw.items():
         getattr(moe.shared_experts, n).weight = mx.array(v.astype(np.float32)).astype(mx.bfloat16)
-    x = _bf16(rng.standard_normal((2, 7, D)))
+    x = rb(rng.standard_normal((2, 7, D)))
     out = moe(mx.array(x.astype(np.float32)).astype(mx.bfloat16))
     assert out.dtype == mx.bfloat16 and out.shape == (2, 7, D)
 
@@ -153,8 +150,8 @@ def test_moe_block_matches_float64():
         sel = np.sort(np.argsort(-(scores[t] + bias))[:K])
         wt = scores[t, sel] / (scores[t, sel].sum() + 1e-20) * 1.5
         routed = sum(_slot_ref(flat[t], w1, w3, w2, e, wt[s]) for s, e in enumerate(sel))
-        g, u = _bf16(sw["w1"] @ flat[t]), _bf16(sw["w3"] @ flat[t])
-        shared = _bf16(sw["w2"] @ _bf16(_silu(np.minimum(g, LIMIT)) * np.clip(u, -LIMIT, LIMIT)))
+        g, u = rb(sw["w1"] @ flat[t]), rb(sw["w3"] @ flat[t])
+        shared = rb(sw["w2"] @ rb(_silu(np.minimum(g, LIMIT)) * np.clip(u, -LIMIT, LIMIT)))
         ref.append(routed + shared)
     ref = np.stack(ref).reshape(x.shape)
     np.testing.assert_allclose(np.array(out.astype(mx.float32)), ref, rtol=2**-7, atol=2e-3)

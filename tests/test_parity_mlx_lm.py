@@ -10,10 +10,11 @@ stacks them itself). The differences between the two implementations, and how ea
 3. CPU only: mlx-lm's grouped `wo_a` and routed experts use `mx.gather_mm`, which runs only in
    fp32 on the CPU, so their weights are given to it in fp32 and those paths skip the bf16
    rounding of their outputs. (On GPU they would run in bf16.)                       [found]
-4. Top-k when fewer candidate entries than index_topk survive the candidate mask: mlx-lm (like the
-   reference pseudo-code, spec §4.3) keeps visible picks whose masked score is -inf; our indexer
-   drops every -inf pick. Impossible at Flash sizes (2048 blocks of 8 ≫ 512), so the parity
-   config keeps 3 blocks of 2 >= index_topk 4 + 1, where it cannot happen.          [found]
+4. Top-k when fewer candidate entries than index_topk survive the candidate mask: both keep
+   visible picks whose masked score is -inf (as the reference, spec §4.3), but among those tied
+   entries mlx-lm's argpartition picks in backend order and ours by lowest index. Impossible at
+   Flash sizes (2048 blocks of 8 ≫ 512), so the parity config keeps 3 blocks of 2 >= index_topk
+   4 + 1, where it cannot happen.                                                     [found]
 5. The head: mlx-lm computes logits in the head weight's dtype; given the fp32 head the spec
    asks for (spec §4.6), it matches.                                                  [neutralised]
 Everything else (mHC, attention with window / compressor / indexer / candidates, RoPE flavours,
@@ -26,6 +27,7 @@ import numpy as np
 import pytest
 
 from mlx_dsv41.model.hyper_connections import initial_pre
+from mlx_dsv41.model.moe import sum_slots
 from mlx_dsv41.testing import hf_config, random_weights, tiny_args, tiny_model
 
 ref = pytest.importorskip("mlx_lm.models.deepseek_v41")
@@ -78,11 +80,7 @@ class _SlotSum(nn.Module):
         self.experts = experts
 
     def __call__(self, x, indices, weights):
-        slots = self.experts(x, indices.astype(mx.int32), weights.astype(mx.float32))
-        out = slots[:, 0]
-        for s in range(1, slots.shape[1]):
-            out = out + slots[:, s]
-        return out
+        return sum_slots(self.experts(x, indices.astype(mx.int32), weights.astype(mx.float32)))
 
 
 class _GroupedBf16(nn.Module):

@@ -13,14 +13,10 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from attention_stack import ref_frequencies, ref_rope
+from attention_stack import FLASH_YARN, ref_frequencies, ref_rope
 
 from mlx_dsv41.config import ConfigError, ModelArgs
 from mlx_dsv41.model.rope import RoPE, make_rope, rope_frequencies, yarn_correction_range
-
-FLASH_YARN = {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
-              "original_max_position_embeddings": 65536}
-
 
 def test_flash_yarn_correction_dims_are_floored_and_ceiled():
     # spec §4.3: unfloored 15.45 and 24.71 -> low 15, high 25.

@@ -15,15 +15,15 @@ import mlx.nn as nn
 
 from mlx_dsv41.exl3.stored import check_linear, linear_tensors
 from mlx_dsv41.kernels import exl3 as exl3_ops
+from mlx_dsv41.quant.experts import check_expert_range
 
 
 class EXL3ExpertGroup(nn.Module):
     """The trellises [G, k/16, n/16, 16K] of a projection's experts that share (K, codebook)."""
 
-    def __init__(self, trellises: Sequence[mx.array], experts: Sequence[int], k2: int, codebook: str, n_local: int,
-                 stacked: mx.array | None = None):
+    def __init__(self, trellis: mx.array, experts: Sequence[int], k2: int, codebook: str, n_local: int):
         super().__init__()
-        self.trellis = mx.stack(list(trellises)) if stacked is None else stacked
+        self.trellis = trellis
         self.k2 = k2
         self.codebook = codebook
         self._experts = tuple(experts)
@@ -80,9 +80,10 @@ class EXL3ExpertProjection(nn.Module):
         groups = []
         for key in sorted(set(keys)):
             members = [i for i, kk in enumerate(keys) if kk == key]
-            groups.append(EXL3ExpertGroup([per_expert[e]["trellis"] for e in members], members, *key, len(per_expert)))
-        suh = mx.stack([t["suh"].astype(mx.float16) for t in per_expert])
-        svh = mx.stack([t["svh"].astype(mx.float16) for t in per_expert])
+            trellis = mx.stack([per_expert[e]["trellis"] for e in members])
+            groups.append(EXL3ExpertGroup(trellis, members, *key, len(per_expert)))
+        suh = mx.stack([t["suh"] for t in per_expert])
+        svh = mx.stack([t["svh"] for t in per_expert])
         return cls(suh, svh, groups, in_f, out_f)
 
     @classmethod
@@ -91,7 +92,7 @@ class EXL3ExpertProjection(nn.Module):
         """All experts at one K and codebook, already stacked: trellis [E, k/16, n/16, 16K]."""
         _, _, k2, in_f, out_f = check_linear(trellis[0], suh[0], svh[0], codebook, None, in_features, out_features)
         n_local = trellis.shape[0]
-        group = EXL3ExpertGroup([], range(n_local), k2, codebook, n_local, stacked=trellis)
+        group = EXL3ExpertGroup(trellis, range(n_local), k2, codebook, n_local)
         return cls(suh, svh, [group], in_f, out_f)
 
     @property
@@ -116,8 +117,8 @@ class EXL3Experts(nn.Module):
     def __init__(self, w1: EXL3ExpertProjection, w3: EXL3ExpertProjection, w2: EXL3ExpertProjection,
                  n_experts: int, expert_range=None, swiglu_limit: float = 10.0):
         super().__init__()
-        lo, hi = (0, n_experts) if expert_range is None else expert_range
-        if not (0 <= lo < hi <= n_experts) or any(p.n_local != hi - lo for p in (w1, w3, w2)):
+        lo, hi = check_expert_range(expert_range, n_experts)
+        if any(p.n_local != hi - lo for p in (w1, w3, w2)):
             raise ValueError(
                 f"expert_range {(lo, hi)} of {n_experts} experts does not match the "
                 f"{[p.n_local for p in (w1, w3, w2)]} experts held"
@@ -138,9 +139,7 @@ class EXL3Experts(nn.Module):
     def from_tensors(cls, tensors: Mapping, prefix: str, n_experts: int, expert_range=None,
                      hidden_size=None, intermediate_size=None, swiglu_limit: float = 10.0):
         """From per-expert stored tensors ``{prefix}.{e}.{w1,w3,w2}.*`` for e in expert_range."""
-        lo, hi = (0, n_experts) if expert_range is None else expert_range
-        if not (0 <= lo < hi <= n_experts):
-            raise ValueError(f"expert_range {(lo, hi)} is not a non-empty range of {n_experts} experts")
+        lo, hi = check_expert_range(expert_range, n_experts)
 
         def projection(name, in_f, out_f):
             per_expert = []

@@ -35,10 +35,6 @@ class EXL3Linear(nn.Module):
         self.bits = bits_per_weight(k2)
 
     @classmethod
-    def from_tensors(cls, trellis, suh, svh, codebook: str, bias=None, in_features=None, out_features=None):
-        return cls(trellis, suh, svh, codebook, bias, in_features, out_features)
-
-    @classmethod
     def from_stored(cls, tensors: Mapping, prefix: str, in_features=None, out_features=None):
         """From a checkpoint's tensors under ``prefix`` (codebook from the marker tensor)."""
         t = linear_tensors(tensors, prefix)

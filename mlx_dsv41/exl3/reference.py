@@ -29,11 +29,16 @@ def pad_features(x: mx.array, k: int) -> mx.array:
 
 def linear(x, trellis, suh, svh, codebook, bias=None, out_features=None, out_dtype=None):
     """y [m, out_features] = x [m, in] @ W (+ bias), spec §3.3 order, float32 accumulation."""
-    k, n = suh.shape[0], svh.shape[0]
-    out_features = n if out_features is None else out_features
-    xh = input_transform(pad_features(x, k), suh)
-    acc = xh.astype(mx.float32) @ reconstruct(trellis, codebook).astype(mx.float32)
-    y = output_transform(acc, svh)[:, :out_features]
+    w = reconstruct(trellis, codebook).astype(mx.float32)
+    return with_transforms(lambda xh: xh.astype(mx.float32) @ w, x, suh, svh, bias, out_features, out_dtype)
+
+
+def with_transforms(product, x, suh, svh, bias=None, out_features=None, out_dtype=None):
+    """y = H(product(xh)) ⊙ svh (+ bias) [m, out_features] in out_dtype (default x.dtype), with
+    xh = fp16(H(fp16(x ⊙ suh))) and product(xh) = xh @ W̃ in float32 (spec §3.3)."""
+    out_features = svh.shape[0] if out_features is None else out_features
+    xh = input_transform(pad_features(x, suh.shape[0]), suh)
+    y = output_transform(product(xh), svh)[:, :out_features]
     if bias is not None:
         y = y + bias[:out_features].astype(mx.float32)
     return y.astype(out_dtype or x.dtype)

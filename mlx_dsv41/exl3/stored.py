@@ -12,9 +12,9 @@ from typing import Mapping
 import mlx.core as mx
 import numpy as np
 
-from mlx_dsv41.exl3.codebook import CODEBOOKS, MARKER_VALUES
+from mlx_dsv41.exl3.codebook import MARKER_VALUES
 from mlx_dsv41.exl3.hadamard import BLOCK
-from mlx_dsv41.exl3.trellis import HALF_K2, TILE, k2_from_trellis_shape
+from mlx_dsv41.exl3.trellis import check_trellis
 
 
 def has_exl3(tensors: Mapping, prefix: str) -> bool:
@@ -77,16 +77,7 @@ def check_linear(trellis, suh, svh, codebook, bias=None, in_features=None, out_f
 
     in/out_features are the true dims (default: the padded k, n); padding is at most 127.
     """
-    if codebook not in CODEBOOKS:
-        raise ValueError(f"unknown EXL3 codebook {codebook!r}; expected one of {CODEBOOKS}")
-    if trellis.dtype not in (mx.int16, mx.uint16):
-        raise ValueError(f"EXL3 trellis must be int16, got {trellis.dtype}")
-    k2 = k2_from_trellis_shape(trellis.shape)
-    if k2 in HALF_K2 and codebook != "mul1":
-        raise ValueError(f"half-integer K={k2 / 2} needs the mul1 codebook, got {codebook!r}")
-    k, n = trellis.shape[0] * TILE, trellis.shape[1] * TILE
-    if k % BLOCK or n % BLOCK:
-        raise ValueError(f"EXL3 dims must be multiples of 128, trellis {trellis.shape} gives {k}x{n}")
+    k2, k, n = check_trellis(trellis, codebook, BLOCK)
     if suh.shape != (k,) or svh.shape != (n,):
         raise ValueError(
             f"EXL3 suh/svh must be ({k},)/({n},) for trellis {trellis.shape}, got {suh.shape}/{svh.shape}"

@@ -13,7 +13,7 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
-from mlx_dsv41.exl3.codebook import decode_states
+from mlx_dsv41.exl3.codebook import CODEBOOKS, decode_states
 
 TILE = 16  # a tile is 16x16 weights, 256 trellis positions
 HALF_K2 = (3, 5, 7)  # K = 1.5, 2.5, 3.5: MUL1 only
@@ -34,6 +34,22 @@ def k2_from_trellis_shape(shape) -> int:
     return last // 8
 
 
+def check_trellis(trellis: mx.array, codebook: str, block: int = TILE) -> tuple[int, int, int]:
+    """(K2, k, n) of a trellis (k/16, n/16, 16K) that ``codebook`` decodes, with k and n multiples
+    of ``block``; a clear error otherwise."""
+    if codebook not in CODEBOOKS:
+        raise ValueError(f"unknown EXL3 codebook {codebook!r}; expected one of {CODEBOOKS}")
+    if trellis.dtype not in (mx.int16, mx.uint16):
+        raise ValueError(f"EXL3 trellis must be int16 (or uint16), got {trellis.dtype}")
+    k2 = k2_from_trellis_shape(trellis.shape)
+    if k2 in HALF_K2 and codebook != "mul1":
+        raise ValueError(f"half-integer K={k2 / 2} needs the mul1 codebook, got {codebook!r}")
+    k, n = trellis.shape[0] * TILE, trellis.shape[1] * TILE
+    if k % block or n % block:
+        raise ValueError(f"EXL3 dims must be multiples of {block}, trellis {trellis.shape} gives {k}x{n}")
+    return k2, k, n
+
+
 def bits_per_weight(k2: int) -> float:
     return k2 / 2
 
@@ -48,6 +64,12 @@ def tile_permutation() -> np.ndarray:
         for j in range(8):
             perm[8 * t + j] = rows[j % 4] * TILE + c0 + (8 if j >= 4 else 0)
     return perm
+
+
+@cache
+def _element_order() -> mx.array:
+    """order[e] = trellis position of tile element e (row*16 + col): tile_permutation inverted."""
+    return mx.array(np.argsort(tile_permutation()), mx.int32)
 
 
 @cache
@@ -74,18 +96,13 @@ def tile_states(trellis: mx.array) -> mx.array:
 
 def reconstruct(trellis: mx.array, codebook: str) -> mx.array:
     """W̃ (k, n) fp16 from a trellis (k/16, n/16, 16K), bit-exact to exllamav3 (plain MLX)."""
-    k2 = k2_from_trellis_shape(trellis.shape)
-    if k2 in HALF_K2 and codebook != "mul1":
-        raise ValueError(f"half-integer K={k2 / 2} needs the mul1 codebook, not {codebook!r}")
-    if trellis.dtype not in (mx.int16, mx.uint16):
-        raise ValueError(f"EXL3 trellis must be int16 (or uint16), got {trellis.dtype}")
+    check_trellis(trellis, codebook)
     tk, tn, _ = trellis.shape
-    element_order = mx.array(np.argsort(tile_permutation()), mx.int32)
     rows = max(1, _TILES_PER_CHUNK // tn)
     parts = []
     for r0 in range(0, tk, rows):
         chunk = trellis[r0 : r0 + rows]
         values = decode_states(tile_states(chunk), codebook)  # position order
-        tiles = mx.take(values, element_order, axis=-1).reshape(chunk.shape[0], tn, TILE, TILE)
+        tiles = mx.take(values, _element_order(), axis=-1).reshape(chunk.shape[0], tn, TILE, TILE)
         parts.append(tiles.transpose(0, 2, 1, 3).reshape(chunk.shape[0] * TILE, tn * TILE))
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)

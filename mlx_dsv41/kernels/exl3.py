@@ -32,10 +32,11 @@ import mlx.core as mx
 
 from mlx_dsv41.exl3 import reference
 from mlx_dsv41.exl3.codebook import CODEBOOK_IDS
-from mlx_dsv41.exl3.hadamard import BLOCK, input_transform, output_transform
-from mlx_dsv41.exl3.trellis import HALF_K2, k2_from_trellis_shape
-from mlx_dsv41.exl3.trellis import reconstruct as reconstruct_reference
+from mlx_dsv41.exl3.hadamard import BLOCK
+from mlx_dsv41.exl3.stored import check_linear
+from mlx_dsv41.exl3.trellis import check_trellis, k2_from_trellis_shape
 from mlx_dsv41.kernels import Kernel, backend, register
+from mlx_dsv41.quant.experts import check_routing
 
 GEMV_MAX_ROWS = 8  # rows served by exl3_gemv (the M template: 1, 2, 4 or 8)
 FUSED_MAX_TOKENS = 10  # tokens served by the fused expert kernels (60 slots at Flash top-6)
@@ -107,92 +108,71 @@ TUNING = Tuning()
 
 _HEADERS = ("exl3_decode.h", "exl3_matmul.h")
 
-
-def _examples(name):
-    return lambda: _EXAMPLES[name]()
-
-
+# The example launches (CI) are defined at the end of this module, hence the lambdas.
 RECONSTRUCT = register(Kernel(
     "exl3_reconstruct", ("trellis",), ("out",), includes=("exl3_decode.h",), max_threads=256,
-    examples=_examples("exl3_reconstruct"),
+    examples=lambda: _example_reconstruct(),
 ))
 GEMV = register(Kernel(
     "exl3_gemv", ("x", "suh", "trellis", "svh", "bias", "params"), ("out",), includes=_HEADERS,
-    max_threads=512, examples=_examples("exl3_gemv"),
+    max_threads=512, examples=lambda: _example_gemv(),
 ))
 GEMV_OUT = register(Kernel(
     "exl3_gemv_out", ("partial", "svh", "bias"), ("out",), includes=_HEADERS, max_threads=256,
-    examples=_examples("exl3_gemv_out"),
+    examples=lambda: _example_gemv_out(),
 ))
 EXPERT_GATE_UP = register(Kernel(
     "exl3_expert_gate_up",
     ("x", "indices", "suh1", "t1", "p1", "suh3", "t3", "p3", "prev", "params"), ("out",),
-    includes=_HEADERS, max_threads=512, examples=_examples("exl3_expert_gate_up"),
+    includes=_HEADERS, max_threads=512, examples=lambda: _example_gate_up(),
 ))
 EXPERT_DOWN = register(Kernel(
     "exl3_expert_down",
     ("gu", "weights", "indices", "svh1", "svh3", "suh2", "t2", "p2", "svh2", "limit", "prev", "params"),
     ("out",), includes=_HEADERS + ("exl3_experts.h",), max_threads=512,
-    examples=_examples("exl3_expert_down"),
+    examples=lambda: _example_down(),
 ))
 
 
 # ------------------------------------------------------------------------------------- checks
 
 
-def _check_trellis(trellis, codebook):
-    k2 = k2_from_trellis_shape(trellis.shape)
-    if trellis.dtype not in (mx.int16, mx.uint16):
-        raise ValueError(f"exl3: trellis must be int16, got {trellis.dtype}")
-    if codebook not in CODEBOOK_IDS:
-        raise ValueError(f"exl3: unknown codebook {codebook!r}; expected one of {tuple(CODEBOOK_IDS)}")
-    if k2 in HALF_K2 and codebook != "mul1":
-        raise ValueError(f"exl3: half-integer K={k2 / 2} needs the mul1 codebook, got {codebook!r}")
-    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
-    if k % BLOCK or n % BLOCK:
-        raise ValueError(f"exl3: trellis {trellis.shape} gives {k}x{n}, not multiples of 128")
-    return k2, k, n
-
-
-def _check_linear_args(x, trellis, suh, svh, codebook, bias):
-    k2, k, n = _check_trellis(trellis, codebook)
+def _check_linear_args(x, trellis, suh, svh, codebook, bias) -> int:
+    """The weight's padded output count n, once the call's arguments are checked."""
+    k, n, *_ = check_linear(trellis, suh, svh, codebook)
     if x.ndim != 2:
         raise ValueError(f"exl3 linear: x must be [m, in], got shape {x.shape}")
     if x.dtype not in _X_DTYPES:
         raise ValueError(f"exl3 linear: x must be float32, float16 or bfloat16, got {x.dtype}")
-    if suh.shape != (k,) or svh.shape != (n,):
-        raise ValueError(f"exl3 linear: trellis {trellis.shape} needs suh ({k},), svh ({n},); got {suh.shape}, {svh.shape}")
     if not k - BLOCK < x.shape[1] <= k:
         raise ValueError(f"exl3 linear: x has {x.shape[1]} features, the weight is padded to {k}")
     if bias is not None and (bias.ndim != 1 or not n - BLOCK < bias.shape[0] <= n):
         raise ValueError(f"exl3 linear: bias {bias.shape} does not match {n} (padded) outputs")
-    return k2, k, n
+    return n
 
 
 # --------------------------------------------------------------------------------- launch plans
 
 
+@cache
+def _constant(values: tuple, dtype: mx.Dtype) -> mx.array:
+    """A small launch input, made once per distinct value (no per-call host copy)."""
+    return mx.array(values, dtype)
+
+
 def _params(*values: int) -> mx.array:
-    """A small int32 array of launch parameters, made once per distinct value (no per-call copy)."""
-    return _cached_params(tuple(int(v) for v in values))
+    return _constant(tuple(int(v) for v in values), mx.int32)
 
 
-@cache
-def _cached_params(values: tuple[int, ...]) -> mx.array:
-    return mx.array(values, mx.int32)
-
-
-@cache
-def _no_positions(n_local: int) -> mx.array:
-    """Positions for a projection with no expert in a group: every expert elsewhere."""
-    return mx.full((n_local,), -1, mx.int32)
+def _even_splits(k_blocks: int, splits: int) -> tuple[int, int]:
+    """(splits, 128-blocks per split) for about ``splits`` equal splits; only the last one shorter."""
+    per_split = -(-k_blocks // splits)
+    return -(-k_blocks // per_split), per_split
 
 
 def _k_splits(k_blocks: int, units: int, target: int) -> tuple[int, int]:
     """(splits, 128-blocks per split): k split until units * splits reaches target threadgroups."""
-    splits = max(1, min(k_blocks, -(-target // units)))
-    per_split = -(-k_blocks // splits)
-    return -(-k_blocks // per_split), per_split
+    return _even_splits(k_blocks, max(1, min(k_blocks, -(-target // units))))
 
 
 def dense_plan(k_blocks: int, n_blocks: int, tuning: Tuning | None = None) -> tuple[int, int]:
@@ -235,11 +215,7 @@ def gemv_args(x, trellis, suh, svh, codebook: str, bias=None, out_dtype=None, sp
     m, rows_t = x.shape[0], _rows_template(x.shape[0])
     k_blocks, n_blocks = trellis.shape[0] // 8, trellis.shape[1] // 8
     n = n_blocks * BLOCK
-    if splits is None:
-        splits, per_split = dense_plan(k_blocks, n_blocks, t)
-    else:
-        per_split = -(-k_blocks // splits)
-        splits = -(-k_blocks // per_split)
+    splits, per_split = dense_plan(k_blocks, n_blocks, t) if splits is None else _even_splits(k_blocks, splits)
     out_dtype = out_dtype or x.dtype
     fused = splits == 1
     has_bias = bias is not None
@@ -288,8 +264,9 @@ def gate_up_args(x, indices, w1, w3, key, lo: int, prev=None, tuning=None, guard
     g1, g3 = _group(w1, key), _group(w3, key)
     t1 = (g1 or g3).trellis
     t3 = (g3 or g1).trellis
-    p1 = g1.position if g1 else _no_positions(w1.n_local)
-    p3 = g3.position if g3 else _no_positions(w3.n_local)
+    # A projection with no expert in this group: every expert's position is -1 (elsewhere).
+    p1 = g1.position if g1 else _constant((-1,) * w1.n_local, mx.int32)
+    p3 = g3.position if g3 else _constant((-1,) * w3.n_local, mx.int32)
     return dict(
         inputs=[x, indices, w1.suh, t1, p1, w3.suh, t3, p3, indices if prev is None else prev,
                 _params(lo, per_split, splits)],
@@ -311,7 +288,8 @@ def down_args(gu, weights, indices, w1, w3, w2, group, lo: int, limit: float, pr
     slots = indices.size
     return dict(
         inputs=[gu, weights, indices, w1.svh, w3.svh, w2.suh, group.trellis, group.position, w2.svh,
-                _limit(limit), weights if prev is None else prev, _params(lo, w1.out_features)],
+                _constant((float(limit),), mx.float32), weights if prev is None else prev,
+                _params(lo, w1.out_features)],
         output_shapes=[(slots + guard, w2.n)],
         output_dtypes=[mx.float32],
         grid=(w2.n // BLOCK * _LANES * t.down_warps, slots, 1),
@@ -323,6 +301,11 @@ def down_args(gu, weights, indices, w1, w3, w2, group, lo: int, limit: float, pr
     )
 
 
+def gate_up_keys(w1, w3) -> list[tuple[int, str]]:
+    """The (k2, codebook) groups of w1 and w3, in launch order: one exl3_expert_gate_up each."""
+    return sorted({(g.k2, g.codebook) for g in (*w1.groups, *w3.groups)})
+
+
 def _group(proj, key):
     for g in proj.groups:
         if (g.k2, g.codebook) == key:
@@ -330,29 +313,20 @@ def _group(proj, key):
     return None
 
 
-def _limit(limit: float) -> mx.array:
-    return _limit_array(float(limit))
-
-
-@cache
-def _limit_array(limit: float) -> mx.array:
-    return mx.array([limit], mx.float32)
-
-
 # ----------------------------------------------------------------------------------------- ops
 
 
 def reconstruct(trellis: mx.array, codebook: str) -> mx.array:
     """W̃ (k, n) fp16, bit-exact (exl3 spec §2)."""
-    _check_trellis(trellis, codebook)
+    check_trellis(trellis, codebook, BLOCK)
     if backend() == "cpu":
-        return reconstruct_reference(trellis, codebook)
+        return reference.reconstruct(trellis, codebook)
     return RECONSTRUCT(**reconstruct_args(trellis, codebook))[0]
 
 
 def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, out_dtype=None):
     """y [m, out_features] = x [m, in] · W (+ bias) in ``out_dtype`` (default x.dtype)."""
-    _, k, n = _check_linear_args(x, trellis, suh, svh, codebook, bias)
+    n = _check_linear_args(x, trellis, suh, svh, codebook, bias)
     out_features = n if out_features is None else out_features
     if out_dtype is not None and out_dtype not in _OUT_KIND:
         raise ValueError(f"exl3 linear: out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
@@ -365,12 +339,9 @@ def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, ou
         y = _gemv(x, trellis, suh, svh, codebook, bias, out_dtype)
         return y if out_features == n else y[:, :out_features]
     # Prefill: W̃ once per call, an fp16 GEMM (fp32 accumulation) between the two transforms.
-    xh = input_transform(reference.pad_features(x, k), suh)
-    acc = (xh @ reconstruct(trellis, codebook)).astype(mx.float32)
-    y = output_transform(acc, svh)[:, :out_features]
-    if bias is not None:
-        y = y + bias[:out_features].astype(mx.float32)
-    return y.astype(out_dtype)
+    w = reconstruct(trellis, codebook)
+    return reference.with_transforms(lambda xh: (xh @ w).astype(mx.float32), x, suh, svh, bias, out_features,
+                                     out_dtype)
 
 
 def _gemv(x, trellis, suh, svh, codebook, bias, out_dtype):
@@ -387,10 +358,7 @@ def _gemv(x, trellis, suh, svh, codebook, bias, out_dtype):
 def _check_experts_args(x, indices, weights, w1):
     if x.ndim != 2 or x.shape[1] != w1.in_features or x.dtype not in _X_DTYPES:
         raise ValueError(f"exl3 experts: x must be float [T, {w1.in_features}], got {x.dtype} {x.shape}")
-    if indices.ndim != 2 or indices.shape[0] != x.shape[0] or indices.dtype != mx.int32:
-        raise ValueError(f"exl3 experts: indices must be int32 [T={x.shape[0]}, k], got {indices.dtype} {indices.shape}")
-    if weights.shape != indices.shape or weights.dtype != mx.float32:
-        raise ValueError(f"exl3 experts: weights must be float32 {indices.shape}, got {weights.dtype} {weights.shape}")
+    check_routing(x, indices, weights, w1.in_features)
 
 
 def experts(x, indices, weights, w1, w3, w2, expert_range, limit: float):
@@ -418,7 +386,7 @@ def linear_row_invariant(x, trellis, suh, svh, codebook: str, **kw):
 def _experts_fused(x, indices, weights, w1, w3, w2, lo, limit):
     T, top_k = indices.shape
     gu = None
-    for key in sorted({(g.k2, g.codebook) for g in (*w1.groups, *w3.groups)}):
+    for key in gate_up_keys(w1, w3):
         gu = EXPERT_GATE_UP(**gate_up_args(x, indices, w1, w3, key, lo, prev=gu))[0]
     y = None
     for group in w2.groups:
@@ -502,12 +470,3 @@ def _example_down():
     calls.append(down_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, ex.w2.groups[0], 1, 10.0,
                            tuning=Tuning(nc=2, down_warps=16)))
     return calls
-
-
-_EXAMPLES = {
-    "exl3_reconstruct": _example_reconstruct,
-    "exl3_gemv": _example_gemv,
-    "exl3_gemv_out": _example_gemv_out,
-    "exl3_expert_gate_up": _example_gate_up,
-    "exl3_expert_down": _example_down,
-}

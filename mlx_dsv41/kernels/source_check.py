@@ -122,8 +122,8 @@ def compile_cuda(source: str) -> tuple[bool, str]:
         src = Path(tmp) / "k.cu"
         src.write_text(source)
         r = subprocess.run(
-            [nvcc, "-std=c++17", "-arch=sm_90", "-ptx", "-I", str(CI_DIR),
-"-o", str(Path(tmp) / "k.ptx"), str(src)],
+            [nvcc, "-std=c++17", "-arch=sm_90", "-ptx", "-I", str(CI_DIR), "-o", str(Path(tmp) / "k.ptx"),
+             str(src)],
             capture_output=True, text=True,
         )
         return r.returncode == 0, r.stderr

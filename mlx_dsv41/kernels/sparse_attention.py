@@ -15,8 +15,8 @@ so the choice is only about speed: ``variant=`` per call, else :func:`set_defaul
 :func:`_auto_variant`) and keeps the faster.
 Compile-time tuning constants of the kernels (:func:`set_tuning`, ``TUNABLE``) change speed,
 never bytes. On the CPU every variant runs :func:`sparse_attention_reference`.
-:func:`variant_counts` says which ran (for generation statistics). Under ``mx.compile`` the choice and the count happen once,
-when the function is traced.
+:func:`variant_counts` says which ran (for generation statistics). Under ``mx.compile`` the choice
+and the count happen once, when the function is traced.
 """
 
 from __future__ import annotations

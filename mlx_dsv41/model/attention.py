@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import LayerCache
-from ..config import LayerRole, ModelArgs
+from ..config import ModelArgs
 from ..kernels.sparse_attention import sparse_attention
 from ..quant import GroupedLinear
 from .compressor import Compressor
@@ -44,12 +44,7 @@ def _read(shared: dict, kind: str, source: int, reader: int):
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
-        if layer_id < args.num_hidden_layers:
-            self.role = args.role(layer_id)
-        elif layer_id < len(args.compress_ratios):  # DSpark stages: window-only (spec §2.3)
-            self.role = LayerRole(layer_id, 0, "window", None, None, False, False, False)
-        else:
-            raise ValueError(f"Attention: layer {layer_id} is not in 0..{len(args.compress_ratios) - 1}")
+        self.role = args.role(layer_id)
         self.layer_id, self.hidden_size = layer_id, args.hidden_size
         self.candidate_source = args.candidate_source_layer_id
         self.n_heads, self.head_dim, self.o_groups = args.num_attention_heads, args.head_dim, args.o_groups

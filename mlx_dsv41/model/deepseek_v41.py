@@ -20,7 +20,7 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from .. import quant
-from ..cache import BatchCache, EngramHistory, LayerCache, batched_forward, make_layer_cache
+from ..cache import BatchCache, EngramHistory, LayerCache, batched_forward, make_engram_history, make_layer_cache
 from ..config import ModelArgs
 from .attention import Attention
 from .engram import Engram, RowSource
@@ -76,6 +76,8 @@ class Block(nn.Module):
 # never loaded, which is how the Engram tables stay on SSD).
 _DROP = re.compile(r"^(mtp\.|vision\.|aligner\.|image_)|\.gate\.bias_vl$|^layers\.\d+\.engram\.embed\.")
 _EXPERT_PREFIX = re.compile(r"^(layers\.\d+\.ffn\.experts)\.")
+# Stored in fp32 in the release and computed from fp32 (spec §3).
+FP32_STORED = re.compile(r"\.(hc_(attn|ffn)_(fn|base|scale)|attn_sink|ffn\.gate\.bias)$")
 
 
 class Model(nn.Module):
@@ -88,7 +90,8 @@ class Model(nn.Module):
         self.layers = [Block(args, i, expert_range) for i in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self._engram_layers = [i for i, r in enumerate(args.roles) if r.engram]
+        # Config order: the hash layout's order of tables, primes and multipliers.
+        self._engram_layers = list(args.engram_layer_ids)
         self._engram_hash: EngramHashLayout | None = None
         self._engram_map: CompressedTokenMap | None = None
         self._engram_rows: dict[int, RowSource] = {}
@@ -116,8 +119,7 @@ class Model(nn.Module):
     def engram_row_ids(self, ids) -> np.ndarray:
         """int64 [B, S, Engram layers, columns]: the rows a sequence `ids` [B, S] starting at
         position 0 reads (the n-grams ending at each position; for inspection)."""
-        history = EngramHistory(self.args.engram_max_ngram_size - 1)
-        return self._hash(np.asarray(ids, dtype=np.int64), history)[1]
+        return self._hash(np.asarray(ids, dtype=np.int64), make_engram_history(self.args))[1]
 
     def _hash(self, ids: np.ndarray, history: EngramHistory) -> tuple[np.ndarray, np.ndarray]:
         """(compressed ids [B, S], row ids [B, S, layers, columns]); advances `history`."""
@@ -148,7 +150,7 @@ class Model(nn.Module):
         """One LayerCache per layer, then the Engram n-gram history if the model has Engram."""
         caches: list = [make_layer_cache(self.args, i) for i in range(self.args.num_hidden_layers)]
         if self._engram_layers:
-            caches.append(EngramHistory(self.args.engram_max_ngram_size - 1))
+            caches.append(make_engram_history(self.args))
         return caches
 
     def __call__(self, inputs: mx.array, cache: list | None = None,
@@ -208,10 +210,9 @@ class Model(nn.Module):
                 built = quant.make_grouped_linear(out, name, module.groups, module.in_features,
                                                   module.out_features)
             elif name.endswith(".ffn.experts"):
-                lo_hi = getattr(module, "expert_range", None)
                 built = quant.make_experts(experts.pop(name, {}), name, args.n_routed_experts,
                                            args.hidden_size, args.moe_intermediate_size,
-                                           args.swiglu_limit, lo_hi)
+                                           args.swiglu_limit, module.expert_range)
             else:
                 continue
             for k in [k for k in out if k.startswith(name + ".")]:
@@ -228,9 +229,8 @@ class Model(nn.Module):
         m = re.match(r"layers\.(\d+)\.attn\.compressor\.(wkv|wgate)\.weight$", key)
         if m and self.args.compress_ratios[int(m.group(1))] > 1:
             return value.astype(mx.float32)  # fp32 pooling (spec §8.6); ratio 1 stays bf16
-        if re.search(r"(\.hc_(attn|ffn)_(fn|base|scale)|\.attn_sink|\.ffn\.gate\.(bias|weight))$", key) \
-                or key == "head.weight":
-            return value.astype(mx.float32)  # router logits and the head are fp32 (spec §3, §4.6)
+        if FP32_STORED.search(key) or key.endswith(".ffn.gate.weight") or key == "head.weight":
+            return value.astype(mx.float32)  # router logits and the head are fp32 too (spec §3, §4.6)
         return value
 
     @property

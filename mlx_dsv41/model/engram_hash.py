@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ConfigError, ModelArgs
+from ..layout import TOKEN_MAP, TOKEN_MAP_FORMAT
 
 DEAD = -1  # a compressed id that stops the n-gram look-back
 
 # ----------------------------------------------------------------------------- token map
 
 _SENTINEL = "\ue000"  # keeps a token that is exactly one space alive through Strip (§4.4a)
-_MAP_FORMAT = 1
 
 
 def _normalizer():
@@ -90,20 +90,21 @@ class CompressedTokenMap:
     @classmethod
     def load_or_build(cls, tokenizer_file: str | os.PathLike, expected_size: int,
                       cache_file: str | os.PathLike | None = None) -> "CompressedTokenMap":
-        """Read the JSON cache (default: `engram_token_map.json` next to tokenizer.json) if it was
-        built from this exact tokenizer file; otherwise build the map and write the cache."""
+        """Read the JSON cache (default: `engram_token_map.json` next to tokenizer.json, the file a
+        converted directory holds) if it was built from this exact tokenizer file; otherwise build
+        the map and write the cache."""
         tokenizer_file = Path(tokenizer_file)
-        cache_file = Path(cache_file) if cache_file else tokenizer_file.with_name("engram_token_map.json")
+        cache_file = Path(cache_file) if cache_file else tokenizer_file.with_name(TOKEN_MAP)
         digest = hashlib.sha256(tokenizer_file.read_bytes()).hexdigest()
         if cache_file.exists():
             cached = json.loads(cache_file.read_text())
-            if cached.get("format") == _MAP_FORMAT and cached.get("tokenizer_sha256") == digest:
+            if cached.get("format") == TOKEN_MAP_FORMAT and cached.get("tokenizer_sha256") == digest:
                 ids = np.asarray(cached["ids"], dtype=np.int64)
                 return cls._checked(ids, int(cached["size"]), expected_size, str(cache_file))
         from tokenizers import Tokenizer
 
         tmap = cls.from_tokenizer(Tokenizer.from_file(str(tokenizer_file)), expected_size)
-        payload = {"format": _MAP_FORMAT, "tokenizer_sha256": digest, "size": tmap.size,
+        payload = {"format": TOKEN_MAP_FORMAT, "tokenizer_sha256": digest, "size": tmap.size,
                    "ids": tmap.ids.tolist()}
         tmp = cache_file.with_name(cache_file.name + ".tmp")
         tmp.write_text(json.dumps(payload, separators=(",", ":")))

@@ -69,9 +69,8 @@ def round_to_grid(v: mx.array, grid: FloatGrid) -> mx.array:
 def ue8m0_scale(amax: mx.array, max_value: float) -> mx.array:
     """2^ceil(log2(amax / max_value)) for positive normal amax / max_value (fp32)."""
     y = amax / max_value
-    bits = mx.view(y, mx.int32)
-    exponent = mx.right_shift(bits, 23) - 127
-    return _exp2(exponent + (mx.bitwise_and(bits, 0x7FFFFF) != 0).astype(mx.int32))
+    inexact = mx.bitwise_and(mx.view(y, mx.int32), 0x7FFFFF) != 0  # not a power of two: round up
+    return _exp2(_floor_log2(y) + inexact.astype(mx.int32))
 
 
 def _blocks(x: mx.array, block: int, what: str) -> mx.array:

@@ -13,6 +13,14 @@ from ..quant import DenseExperts, swiglu
 _RENORM_EPS = 1e-20
 
 
+def sum_slots(slots: mx.array) -> mx.array:
+    """Per-slot outputs [T, k, D] fp32 -> [T, D], summed in slot order (the reference's order)."""
+    out = slots[:, 0]
+    for s in range(1, slots.shape[1]):
+        out = out + slots[:, s]
+    return out
+
+
 class Gate(nn.Module):
     """Router: `weight [E, D]`, `bias [E]` fp32 (used only to choose experts)."""
 
@@ -76,8 +84,5 @@ class MoE(nn.Module):
         else:
             slots = self.exchange(self.experts, flat, indices, weights)
         # fp32 sum in slot order, then the shared expert (the reference's accumulation order).
-        out = slots[:, 0]
-        for s in range(1, slots.shape[1]):
-            out = out + slots[:, s]
-        out = out + self.shared_experts(flat).astype(mx.float32)
+        out = sum_slots(slots) + self.shared_experts(flat).astype(mx.float32)
         return out.astype(x.dtype).reshape(x.shape)

@@ -29,9 +29,9 @@ from mlx.utils import tree_flatten
 from . import official
 from .dense import DenseExperts
 from .errors import FormatError
-from .experts import check_expert_range, swiglu
-from .mx_experts import MODES as MX_MODES
+from .experts import check_expert_range, expert_projections, swiglu
 from .mx_experts import MXExperts, MXProjection
+from .official import MODES as MX_MODES
 
 __all__ = [
     "DenseExperts", "DenseLinear", "FormatError", "GroupSlices", "GroupedLinear", "MXExperts", "check_expert_range",
@@ -109,7 +109,7 @@ def stored_format(tensors: Mapping[str, mx.array], prefix: str) -> str:
     raise FormatError(f"{prefix}.weight has dtype {weight.dtype} and no scales: not a known format")
 
 
-def _check_dense(tensors: Mapping[str, mx.array], key: str, shape: tuple[int, ...]) -> mx.array:
+def _shape_checked(tensors: Mapping[str, mx.array], key: str, shape: tuple[int, ...]) -> mx.array:
     w = tensors[key]
     if tuple(w.shape) != shape:
         raise FormatError(f"{key}: expected shape {list(shape)}, got {list(w.shape)}")
@@ -133,10 +133,10 @@ def mx_parts(tensors: Mapping[str, mx.array], prefix: str, in_features: int,
     fmt = stored_format(tensors, prefix)
     weight = tensors[f"{prefix}.weight"]
     if fmt == "fp8":
-        _check_dense(tensors, f"{prefix}.weight", official.fp8_shapes(out_features, in_features)[0])
+        _shape_checked(tensors, f"{prefix}.weight", official.fp8_shapes(out_features, in_features)[0])
         return (*official.fp8_block_to_mxfp8(weight, tensors[f"{prefix}.scale"], f"{prefix}.weight"), "mxfp8")
     if fmt == "fp4":
-        _check_dense(tensors, f"{prefix}.weight", official.fp4_shapes(out_features, in_features)[0])
+        _shape_checked(tensors, f"{prefix}.weight", official.fp4_shapes(out_features, in_features)[0])
         return (*official.fp4_to_mxfp4(weight, tensors[f"{prefix}.scale"], f"{prefix}.weight"), "mxfp4")
     if fmt != "mlx_quantized":
         raise FormatError(f"{prefix}: stored as {fmt}, expected an MX format (official FP8/FP4 or mxfp4/mxfp8)")
@@ -146,7 +146,7 @@ def mx_parts(tensors: Mapping[str, mx.array], prefix: str, in_features: int,
     mode = mx_mode(prefix, weight, in_features)
     w_shape, s_shape = official.mx_shapes(out_features, in_features, MX_MODES[mode])
     scales = tensors[f"{prefix}.scales"]
-    _check_dense(tensors, f"{prefix}.weight", w_shape)
+    _shape_checked(tensors, f"{prefix}.weight", w_shape)
     if scales.dtype != mx.uint8 or tuple(scales.shape) != s_shape:
         raise FormatError(f"{prefix}.scales: expected uint8 {list(s_shape)}, got {scales.dtype} {list(scales.shape)}")
     return weight, scales, mode
@@ -161,7 +161,7 @@ def make_linear(tensors: Mapping[str, mx.array], prefix: str, in_features: int,
     fmt = stored_format(tensors, prefix)
     if fmt == "dense":
         lin = DenseLinear(in_features, out_features, bias=False)
-        lin.weight = _check_dense(tensors, f"{prefix}.weight", (out_features, in_features))
+        lin.weight = _shape_checked(tensors, f"{prefix}.weight", (out_features, in_features))
         return lin
     if fmt == "exl3":
         from mlx_dsv41 import exl3  # only checkpoints that hold EXL3 tensors need it
@@ -181,9 +181,9 @@ def make_grouped_linear(tensors: Mapping[str, mx.array], prefix: str, groups: in
     shape = (groups * out_features, in_features)
     lin = GroupedLinear(groups, in_features, out_features)
     if fmt == "dense":
-        lin.weight = _check_dense(tensors, f"{prefix}.weight", shape)
+        lin.weight = _shape_checked(tensors, f"{prefix}.weight", shape)
     elif fmt == "fp8":
-        _check_dense(tensors, f"{prefix}.weight", shape)
+        _shape_checked(tensors, f"{prefix}.weight", shape)
         lin.weight = official.dequantize_fp8_block(tensors[f"{prefix}.weight"], tensors[f"{prefix}.scale"],
                                                    mx.bfloat16, f"{prefix}.weight")
     else:
@@ -213,9 +213,8 @@ def make_experts(tensors: Mapping[str, mx.array], prefix: str, n_experts: int, d
 
         return exl3.experts_from_stored(tensors, prefix, n_experts, dim, intermediate,
                                         swiglu_limit, (lo, hi))
-    dims = {"w1": (dim, intermediate), "w3": (dim, intermediate), "w2": (intermediate, dim)}
     parts = {proj: [mx_parts(tensors, f"{prefix}.{e}.{proj}", d_in, d_out) for e in range(lo, hi)]
-             for proj, (d_in, d_out) in dims.items()}
+             for proj, (d_in, d_out) in expert_projections(dim, intermediate).items()}
     return MXExperts.from_parts(parts, n_experts, dim, intermediate, swiglu_limit, (lo, hi))
 
 
@@ -223,9 +222,8 @@ def _stacked_mx_experts(tensors: Mapping[str, mx.array], prefix: str, n_experts:
                         intermediate: int, swiglu_limit: float, expert_range: tuple[int, int]) -> MXExperts:
     """`P.{w1,w3,w2}.{weight,scales}` stacked over all experts or exactly the experts in range."""
     lo, hi = expert_range
-    dims = {"w1": (dim, intermediate), "w3": (dim, intermediate), "w2": (intermediate, dim)}
     projections = {}
-    for proj, (d_in, d_out) in dims.items():
+    for proj, (d_in, d_out) in expert_projections(dim, intermediate).items():
         p = f"{prefix}.{proj}"
         if f"{p}.weight" not in tensors or f"{p}.scales" not in tensors:
             raise FormatError(f"missing tensor {p}.weight or {p}.scales (stacked MX experts)")

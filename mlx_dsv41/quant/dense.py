@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import FormatError
-from .experts import check_expert_range, check_routing, held_slots, swiglu, zero_unheld
+from .experts import check_expert_range, check_routing, expert_projections, held_slots, swiglu, zero_unheld
 
 
 class DenseExperts(nn.Module):
@@ -38,9 +38,8 @@ class DenseExperts(nn.Module):
         """Stack `{prefix}.{e}.{w1,w2,w3}.weight` for the experts in range (others are not read)."""
         module = cls(n_experts, dim, intermediate, swiglu_limit, expert_range)
         lo, hi = module.expert_range
-        shapes = {"w1": (intermediate, dim), "w3": (intermediate, dim), "w2": (dim, intermediate)}
-        for proj, shape in shapes.items():
-            stack = []
+        for proj, (d_in, d_out) in expert_projections(dim, intermediate).items():
+            shape, stack = (d_out, d_in), []
             for e in range(lo, hi):
                 key = f"{prefix}.{e}.{proj}.weight"
                 if key not in tensors:

@@ -32,6 +32,11 @@ def swiglu(g: mx.array, u: mx.array, limit: float, weights: mx.array | None = No
     return h.astype(dtype)
 
 
+def expert_projections(dim: int, intermediate: int) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each expert projection: w1, w3 (gate, up), w2 (down)."""
+    return {"w1": (dim, intermediate), "w3": (dim, intermediate), "w2": (intermediate, dim)}
+
+
 def check_expert_range(expert_range: tuple[int, int] | None, n_experts: int) -> tuple[int, int]:
     """(lo, hi) with 0 <= lo < hi <= n_experts; None means all experts."""
     if expert_range is None:

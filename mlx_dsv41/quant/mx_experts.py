@@ -17,10 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import FormatError
-from .experts import check_expert_range, check_routing, held_slots, swiglu, zero_unheld
-from .official import GROUP, mx_shapes
-
-MODES = {"mxfp4": 4, "mxfp8": 8}
+from .experts import check_expert_range, check_routing, expert_projections, held_slots, swiglu, zero_unheld
+from .official import GROUP, MODES, mx_shapes
 
 
 class MXProjection(nn.Module):
@@ -73,9 +71,8 @@ class MXExperts(nn.Module):
                    expert_range: tuple[int, int] | None = None) -> "MXExperts":
         """From per-expert `(weight, scales, mode)` of each projection ("w1", "w3", "w2"), in
         expert order over the range; every expert of a projection must share the mode."""
-        dims = {"w1": (dim, intermediate), "w3": (dim, intermediate), "w2": (intermediate, dim)}
         projections = {}
-        for proj, (d_in, d_out) in dims.items():
+        for proj, (d_in, d_out) in expert_projections(dim, intermediate).items():
             modes = sorted({mode for _, _, mode in parts[proj]})
             if len(modes) != 1:
                 raise FormatError(f"MX experts: {proj} mixes modes {modes} across experts")

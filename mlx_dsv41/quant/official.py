@@ -20,6 +20,7 @@ import numpy as np
 from .errors import FormatError
 
 GROUP = 32  # MX block: 32 inputs share one E8M0 scale
+MODES = {"mxfp4": 4, "mxfp8": 8}  # MLX's MX modes and their bits per weight
 
 
 def fp8_shapes(out: int, inp: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -87,7 +88,7 @@ def dequantize_fp4(weight, scale, dtype=mx.bfloat16, name: str = "fp4 weight") -
 
 def mx_quantized_linear(wq: mx.array, scales: mx.array, mode: str) -> nn.QuantizedLinear:
     """An `nn.QuantizedLinear` holding already-quantized MX weights (no re-quantization)."""
-    bits = {"mxfp8": 8, "mxfp4": 4}[mode]
+    bits = MODES[mode]
     out = wq.shape[0]
     inp = wq.shape[1] * 32 // bits
     layer = nn.QuantizedLinear(GROUP, GROUP, bias=False, group_size=GROUP, bits=bits, mode=mode)

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from attention_stack import (
+    FLASH_YARN,
     assert_rows_match,
     build_stack,
     check_against_reference,
@@ -31,10 +32,6 @@ from mlx_dsv41.kernels import sparse_attention as sa
 from mlx_dsv41.model.fake_quant import E2M1, E4M3, fake_quant_fp4, fake_quant_fp8, round_to_grid
 from mlx_dsv41.model.indexer import select_candidate_blocks, select_topk
 from mlx_dsv41.model.rope import RoPE
-
-FLASH_YARN = {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
-              "original_max_position_embeddings": 65536}
-
 
 def _both(fn, *inputs):
     """fn on the default (GPU) device and on the CPU stream, as numpy."""

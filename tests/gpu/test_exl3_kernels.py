@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import exl3_numpy
+from exl3_numpy import rel_err
 from mlx_dsv41.exl3 import EXL3Experts, EXL3Linear, reference
 from mlx_dsv41.exl3.testing import random_experts_tensors, random_linear_tensors
 from mlx_dsv41.kernels import exl3 as ops
@@ -25,11 +26,6 @@ from test_exl3_layers import experts_f64
 BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 CODEBOOKS = ("3inst", "mcg", "mul1")
 NAN = float("nan")
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def to_np(a: mx.array) -> np.ndarray:
@@ -206,7 +202,7 @@ def test_expert_kernels_poisoned_and_guarded(case, tuning):
     indices, weights = mx.array(indices), mx.array(weights)
     lo = ex.expert_range[0]
     gu = None
-    for key in sorted({(g.k2, g.codebook) for g in (*ex.w1.groups, *ex.w3.groups)}):
+    for key in ops.gate_up_keys(ex.w1, ex.w3):
         out = ops.EXPERT_GATE_UP(**ops.gate_up_args(x, indices, ex.w1, ex.w3, key, lo, prev=gu, tuning=tuning,
                                                     guard=1, init_value=NAN))[0]
         o = to_np(out)
