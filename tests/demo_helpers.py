@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import mlx.core as mx
+import pytest
 
 from mlx_dsv41.demo import CACHE_ENV, DEMO_VERSION, ensure_demo
 
@@ -50,3 +51,16 @@ def detokenize(tokenizer, tokens: list[int]) -> str:
         d.add_token(t)
     d.finalize()
     return d.text
+
+
+# Module-scoped fixtures shared by the test files that run the demo checkpoint (import them).
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return demo_env(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    import mlx_dsv41
+
+    return mlx_dsv41.load(demo_checkpoint(tmp_path_factory))

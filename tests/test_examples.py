@@ -10,19 +10,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from demo_helpers import REPO, demo_checkpoint, demo_env
-
-import mlx_dsv41
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return demo_env(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    return mlx_dsv41.load(demo_checkpoint(tmp_path_factory))
+from demo_helpers import REPO, env, loaded  # noqa: F401 (module fixtures)
 
 
 def run(env, script, *args):

@@ -9,22 +9,12 @@ import subprocess
 import sys
 
 import pytest
-from demo_helpers import REPO, demo_checkpoint, demo_env, detokenize, greedy
+from demo_helpers import REPO, demo_checkpoint, detokenize, env, greedy, loaded  # noqa: F401 (module fixtures)
 
 import mlx_dsv41
 from mlx_dsv41 import chat
 
 TOKENS = 4
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return demo_env(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    return mlx_dsv41.load(demo_checkpoint(tmp_path_factory))
 
 
 def cli(env, *args, stdin=None):
