@@ -7,9 +7,15 @@ in total) that weights stream from device memory rather than the 60 MB L2; --cal
 queued and evaluated together (graph building excluded); after a warm-up round (JIT compiles
 included there), the median over --repeats rounds of time/calls is reported in microseconds.
 
-Two timings per case:
-- "chained" (the decode-relevant latency): call i+1 depends on call i's output (a linear takes it
-  as its bias, an MoE block as its input), so no two calls overlap on the GPU;
+Three timings per case:
+- "device" (the anchor's method: calls inside one CUDA graph, device time only): a chain of
+  DEVICE_CHAIN dependent calls between two %globaltimer stamps (bench_sparse_attention.stamp), all
+  in one graph; the kernels plus the device's own gaps between dependent launches, without MLX's
+  host cost per launch (~5-6 µs per custom kernel here, measured by profile_exl3.py --part host).
+  CUDA only; this is the column compared with exllamav3;
+- "chained" (what a model's layer sequence sees through MLX, host cost included): call i+1
+  depends on call i's output (a linear takes it as its bias, an MoE block as its input), so no
+  two calls overlap on the GPU;
 - "independent" (as in the first GPU run): the calls have no data dependencies, and MLX's CUDA
   graphs may run them concurrently (a throughput, not a latency).
 Packed bytes are the trellis bytes a call must read; the roofline is this device's read bandwidth
@@ -31,17 +37,20 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-import mlx.core as mx
+os.environ.setdefault("MLX_MAX_OPS_PER_BUFFER", "64")  # a device-timed chain stays one graph (before MLX starts)
 
-from mlx_dsv41.exl3.experts import EXL3ExpertProjection, EXL3Experts
-from mlx_dsv41.kernels import backend
-from mlx_dsv41.kernels import exl3 as ops
+import mlx.core as mx  # noqa: E402
+
+from mlx_dsv41.exl3.experts import EXL3ExpertProjection, EXL3Experts  # noqa: E402
+from mlx_dsv41.kernels import backend  # noqa: E402
+from mlx_dsv41.kernels import exl3 as ops  # noqa: E402
 
 SHAPES = (
     ("wq_a", 5120, 1280), ("wq_b", 1280, 32768), ("wkv", 5120, 512), ("wo_a group", 4096, 1024),
@@ -58,6 +67,7 @@ ANCHOR = {
     ("expert w2", 2): (12.7, 13.4), ("expert w2", 3): (13.4, 14.2), ("expert w2", 4): (12.7, 13.6),
     ("head", 4): (318.7, 322.1), ("head", 5): (380.7, 386.8),
 }
+ANCHOR_BITS = {name: sorted(b for s, b in ANCHOR if s == name) for name, _, _ in SHAPES}  # K measured per shape
 MOE_ANCHOR = {2: 132.1, 3: 137.2, 4: 131.4, 5: 150.8}  # µs, one token, 6 of 384 experts
 MOE_TARGET_US = 60.0  # K = 3
 N_EXPERTS, TOP_K, HIDDEN, INTER = 384, 6, 5120, 2304
@@ -108,6 +118,26 @@ def per_call_us(launch, calls: int, repeats: int, chained: bool) -> float:
         mx.eval(outs)
         samples.append((time.perf_counter() - t0) / calls * 1e6)
     return statistics.median(samples)
+
+
+DEVICE_CHAIN = 8  # calls between two clock stamps: <= 2 launches each, inside one MLX CUDA graph
+
+
+def device_us(call, x0, repeats: int, chain: int = DEVICE_CHAIN) -> float:
+    """Median device µs per call of `chain` dependent calls (call(i, prev) -> output) between two
+    %globaltimer stamps evaluated as one graph (CUDA; set MLX_MAX_OPS_PER_BUFFER >= 64 so that
+    the chain is not split into several graphs)."""
+    from bench_sparse_attention import stamp
+
+    samples = []
+    for r in range(repeats + 1):  # the first round warms up (JIT, graph caches)
+        out, t0 = stamp(x0)
+        for i in range(chain):
+            out = call(r * chain + i, out)
+        _, t1 = stamp(out)
+        mx.eval(t0, t1)
+        samples.append((int(t1.item()) - int(t0.item())) / chain / 1e3)
+    return statistics.median(samples[1:])
 
 
 def n_sets(set_bytes: int, rotate_mib: int) -> int:
@@ -164,13 +194,32 @@ def exl3_time(sets, m, args, chained: bool) -> tuple[float, int]:
     return per_call_us(launch, calls, args.repeats, chained), calls
 
 
-def exl3_row(name, k, n, bits, m, us, calls, roofline, chained, label="default") -> dict:
+def exl3_device_time(sets, m, args) -> float:
+    k, n = sets[0][1].shape[0], sets[0][2].shape[0]
+    x = mx.random.normal((m, k)).astype(mx.bfloat16)
+    # Each call's output row 0 is the next call's bias (both launches of a k-split call read it).
+    return device_us(lambda i, prev: ops.linear(x, *sets[i % len(sets)], "mul1", bias=prev[0]),
+                     mx.zeros((1, n), mx.bfloat16), args.repeats)
+
+
+def timings(device, chained, independent, calls) -> dict:
+    """The three timings of a case (device None where there is no device clock)."""
+    return {"device_us": device, "chained_us": chained, "independent_us": independent, "calls": calls}
+
+
+def headline_us(t: dict) -> float:
+    """The number compared with the anchor: device time where measured, else chained wall time."""
+    return t["device_us"] if t["device_us"] is not None else t["chained_us"]
+
+
+def exl3_row(name, k, n, bits, m, t: dict, roofline, label="default") -> dict:
     splits, _ = ops.dense_plan(k // 128, n // 128)
     packed = k * n * bits // 8
+    us = headline_us(t)
     anchor = ANCHOR.get((name, bits), (None, None))[0 if m == 1 else 1]
-    return {"kind": "exl3", "shape": name, "k": k, "n": n, "K": bits, "m": m, "us": us, "chained": chained,
-            "tuning": label, "tuning_fields": asdict(ops.TUNING), "packed_GBps": packed / us / 1e3,
-            "roofline_frac": packed / us / 1e3 / roofline, "anchor_us": anchor, "calls": calls, "splits": splits,
+    return {"kind": "exl3", "shape": name, "k": k, "n": n, "K": bits, "m": m, **t, "tuning": label,
+            "tuning_fields": asdict(ops.TUNING), "packed_GBps": packed / us / 1e3,
+            "roofline_frac": packed / us / 1e3 / roofline, "anchor_us": anchor, "splits": splits,
             "launches": 1 if (m <= ops.GEMV_MAX_ROWS and splits == 1) else 2}
 
 
@@ -239,12 +288,18 @@ def moe_time(experts, bits, args, chained: bool) -> float:
     return per_call_us(launch, args.moe_calls, args.repeats, chained)
 
 
-def moe_row(bits, us, roofline, chained, label="default") -> dict:
+def moe_device_time(experts, bits, args) -> float:
+    picks = routing(DEVICE_CHAIN * (args.repeats + 1), seed=bits)
+    return device_us(lambda i, prev: experts(prev.reshape(-1, HIDDEN)[:1], *picks[i]), mx.random.normal((1, HIDDEN)),
+                     args.repeats)
+
+
+def moe_row(bits, t: dict, roofline, label="default") -> dict:
     packed = TOP_K * 3 * HIDDEN * INTER * bits // 8
-    return {"kind": "exl3_moe", "K": bits, "us": us, "chained": chained, "tuning": label,
-            "tuning_fields": asdict(ops.TUNING), "packed_GBps": packed / us / 1e3,
-            "roofline_frac": packed / us / 1e3 / roofline, "anchor_us": MOE_ANCHOR[bits],
-            "target_us": MOE_TARGET_US if bits == 3 else None}
+    us = headline_us(t)
+    return {"kind": "exl3_moe", "K": bits, **t, "tuning": label, "tuning_fields": asdict(ops.TUNING),
+            "packed_GBps": packed / us / 1e3, "roofline_frac": packed / us / 1e3 / roofline,
+            "anchor_us": MOE_ANCHOR[bits], "target_us": MOE_TARGET_US if bits == 3 else None}
 
 
 def moe_mlx_case(fmt, args, roofline) -> dict:
@@ -286,19 +341,15 @@ def print_tables(bw, rows):
     print(f"\nDevice read bandwidth: {bw['roofline_GBps']:.0f} GB/s (sum {bw['sum_read_GBps']:.0f}, "
           f"copy {bw['copy_total_GBps']:.0f} GB/s read+write)\n")
     main = [r for r in rows if r["kind"] == "exl3" and not r.get("sweep")]
-    print("| shape (in x out) | K | m | chained µs | independent µs | packed GB/s (chained) | of roofline | "
-          "launches | exllamav3 µs | vs exllamav3 (chained) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| shape (in x out) | K | m | device µs | chained µs | independent µs | packed GB/s (device) | of roofline "
+          "| launches | exllamav3 µs | vs exllamav3 (device) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     order = [s[0] for s in SHAPES]
-    keys = sorted({(r["shape"], r["K"], r["m"]) for r in main}, key=lambda t: (order.index(t[0]), t[1], t[2]))
-    for key in keys:
-        got = {r["chained"]: r for r in main if (r["shape"], r["K"], r["m"]) == key}
-        c, ind = got.get(True), got.get(False)
-        r = c or ind
-        ratio = "–" if r["anchor_us"] is None or c is None else f"{r['anchor_us'] / c['us']:.2f}x"
-        print(f"| {r['shape']} {r['k']}x{r['n']} | {r['K']} | {r['m']} | {fmt_us(c and c['us'])} | "
-              f"{fmt_us(ind and ind['us'])} | {(c or r)['packed_GBps']:.0f} | {100 * (c or r)['roofline_frac']:.0f}% | "
-              f"{r['launches']} | {fmt_us(r['anchor_us'])} | {ratio} |")
+    for r in sorted(main, key=lambda r: (order.index(r["shape"]), r["K"], r["m"])):
+        ratio = "–" if r["anchor_us"] is None else f"{r['anchor_us'] / headline_us(r):.2f}x"
+        print(f"| {r['shape']} {r['k']}x{r['n']} | {r['K']} | {r['m']} | {fmt_us(r['device_us'])} | "
+              f"{fmt_us(r['chained_us'])} | {fmt_us(r['independent_us'])} | {r['packed_GBps']:.0f} | "
+              f"{100 * r['roofline_frac']:.0f}% | {r['launches']} | {fmt_us(r['anchor_us'])} | {ratio} |")
     mlx_rows = [r for r in rows if r["kind"] == "mlx"]
     if mlx_rows:
         print("\n| shape (in x out) | m | MLX bf16 µs | MLX affine4 µs | MLX mxfp4 µs |")
@@ -309,32 +360,52 @@ def print_tables(bw, rows):
                 if got:
                     print(f"| {name} {k}x{n} | {m} | {fmt_us(got.get('bf16'))} | {fmt_us(got.get('affine4'))} | "
                           f"{fmt_us(got.get('mxfp4'))} |")
-    moe = [r for r in rows if r["kind"] in ("exl3_moe", "mlx_moe") and not r.get("sweep")]
+    moe = [r for r in rows if r["kind"] == "exl3_moe" and not r.get("sweep")]
     if moe:
-        print("\n| MoE block, 1 token, 6 of 384 experts | µs | timing | packed GB/s | of roofline | exllamav3 µs "
-              "| target µs |")
-        print("|---|---:|---|---:|---:|---:|---:|")
+        print("\n| MoE block, 1 token, 6 of 384 experts | device µs | chained µs | independent µs | packed GB/s "
+              "(device) | of roofline | exllamav3 µs | target µs |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in moe:
-            label = f"EXL3 K={r['K']}" if r["kind"] == "exl3_moe" else f"MLX gather_qmm {r['format']}"
-            print(f"| {label} | {r['us']:.1f} | {'chained' if r['chained'] else 'independent'} | "
-                  f"{r['packed_GBps']:.0f} | {100 * r['roofline_frac']:.0f}% | {fmt_us(r.get('anchor_us'))} | "
-                  f"{fmt_us(r.get('target_us'))} |")
+            print(f"| EXL3 K={r['K']} | {fmt_us(r['device_us'])} | {fmt_us(r['chained_us'])} | "
+                  f"{fmt_us(r['independent_us'])} | {r['packed_GBps']:.0f} | {100 * r['roofline_frac']:.0f}% | "
+                  f"{fmt_us(r['anchor_us'])} | {fmt_us(r['target_us'])} |")
+    for r in [r for r in rows if r["kind"] == "mlx_moe"]:
+        print(f"| MLX gather_qmm {r['format']} (independent) | – | – | {r['us']:.1f} | {r['packed_GBps']:.0f} | "
+              f"{100 * r['roofline_frac']:.0f}% | – | – |")
     sweep = [r for r in rows if r["kind"] in ("exl3", "exl3_moe") and r.get("sweep")]
     if sweep:
-        cols = [(s[0], s[1], s[2]) for s in SHAPES if any(r.get("shape") == s[0] for r in sweep)]
-        print("\nSweep (chained µs, m = 1, K = 3; * = best per column):\n")
-        print("| tuning | " + " | ".join(c[0] for c in cols) + " | MoE block |")
+        cols = [s[0] for s in SHAPES if any(r.get("shape") == s[0] for r in sweep)]
+        print("\nSweep (device µs where measured, else chained; m = 1, K = 3; * = best per column):\n")
+        print("| tuning | " + " | ".join(cols) + " | MoE block |")
         print("|---|" + "---:|" * (len(cols) + 1))
         best = {}
         for r in sweep:
             col = r.get("shape", "MoE")
-            best[col] = min(best.get(col, math.inf), r["us"])
+            best[col] = min(best.get(col, math.inf), headline_us(r))
         for label in SWEEP:
             cells = []
-            for col in [c[0] for c in cols] + ["MoE"]:
-                got = [r["us"] for r in sweep if r["tuning"] == label and r.get("shape", "MoE") == col]
+            for col in cols + ["MoE"]:
+                got = [headline_us(r) for r in sweep if r["tuning"] == label and r.get("shape", "MoE") == col]
                 cells.append("–" if not got else f"{got[0]:.1f}{'*' if got[0] == best[col] else ''}")
             print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def linear_timings(sets, m, args, walls: bool = True) -> dict:
+    """device (CUDA), chained and independent µs of one linear case (walls=False: device only
+    where there is a device clock)."""
+    device = exl3_device_time(sets, m, args) if backend() == "cuda" else None
+    if device is not None and not walls:
+        return timings(device, None, None, None)
+    chained, calls = exl3_time(sets, m, args, True)
+    independent, _ = exl3_time(sets, m, args, False)
+    return timings(device, chained, independent, calls)
+
+
+def moe_timings(experts, bits, args, walls: bool = True) -> dict:
+    device = moe_device_time(experts, bits, args) if backend() == "cuda" else None
+    if device is not None and not walls:
+        return timings(device, None, None, None)
+    return timings(device, moe_time(experts, bits, args, True), moe_time(experts, bits, args, False), args.moe_calls)
 
 
 def run_sweep(args, roofline, rows, t_start):
@@ -343,15 +414,16 @@ def run_sweep(args, roofline, rows, t_start):
         sets = linear_sets(k, n, bits, args.rotate_mib)
         for label, t in SWEEP.items():
             with tuning(t):
-                us, calls = exl3_time(sets, 1, args, chained=True)
-                rows.append(dict(exl3_row(name, k, n, bits, 1, us, calls, roofline, True, label), sweep=True))
+                rows.append(dict(exl3_row(name, k, n, bits, 1, linear_timings(sets, 1, args, walls=False), roofline,
+                                          label), sweep=True))
         del sets
         print(f"  sweep {name}: done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
     if not args.skip_moe:
         experts = moe_experts(bits)
         for label, t in SWEEP.items():
             with tuning(t):
-                rows.append(dict(moe_row(bits, moe_time(experts, bits, args, True), roofline, True, label), sweep=True))
+                rows.append(dict(moe_row(bits, moe_timings(experts, bits, args, walls=False), roofline, label),
+                                 sweep=True))
         del experts
         print(f"  sweep MoE: done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
 
@@ -363,7 +435,7 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=16, help="minimum launches per evaluation")
     ap.add_argument("--moe-calls", type=int, default=100)
     ap.add_argument("--rotate-mib", type=int, default=256)
-    ap.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 5])
+    ap.add_argument("--bits", type=int, nargs="+", help="K values (default: the anchor's per shape; MoE 2..5)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES])
     ap.add_argument("--skip-mlx", action="store_true", help="no MLX baselines")
@@ -383,14 +455,14 @@ def main() -> int:
     rows = []
     shapes = [s for s in SHAPES if s[0] in args.shapes]
     for name, k, n in shapes:
-        for bits in args.bits:
+        for bits in args.bits or ANCHOR_BITS[name]:
             sets = linear_sets(k, n, bits, args.rotate_mib)
             for m in args.rows:
-                for chained in (True, False):
-                    us, calls = exl3_time(sets, m, args, chained)
-                    rows.append(exl3_row(name, k, n, bits, m, us, calls, roofline, chained))
-                print(f"  {name} K={bits} m={m}: {rows[-2]['us']:.1f} µs chained, {rows[-1]['us']:.1f} independent "
-                      f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+                rows.append(exl3_row(name, k, n, bits, m, linear_timings(sets, m, args), roofline))
+                r = rows[-1]
+                print(f"  {name} K={bits} m={m}: {fmt_us(r['device_us'])} µs device, {r['chained_us']:.1f} chained, "
+                      f"{r['independent_us']:.1f} independent ({time.perf_counter() - t_start:.0f} s)",
+                      file=sys.stderr, flush=True)
             del sets
     if not args.skip_mlx:
         for name, k, n in shapes:
@@ -399,13 +471,14 @@ def main() -> int:
                     rows.append(mlx_case(name, k, n, fmt, m, args, roofline))
         print(f"  MLX baselines done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
     if not args.skip_moe:
-        for bits in args.bits:
+        for bits in args.bits or sorted(MOE_ANCHOR):
             experts = moe_experts(bits)
-            for chained in (True, False):
-                rows.append(moe_row(bits, moe_time(experts, bits, args, chained), roofline, chained))
+            rows.append(moe_row(bits, moe_timings(experts, bits, args), roofline))
             del experts
-            print(f"  MoE K={bits}: {rows[-2]['us']:.1f} µs chained, {rows[-1]['us']:.1f} independent "
-                  f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+            r = rows[-1]
+            print(f"  MoE K={bits}: {fmt_us(r['device_us'])} µs device, {r['chained_us']:.1f} chained, "
+                  f"{r['independent_us']:.1f} independent ({time.perf_counter() - t_start:.0f} s)",
+                  file=sys.stderr, flush=True)
         if not args.skip_mlx:
             for fmt in ("affine4", "mxfp4"):
                 rows.append(moe_mlx_case(fmt, args, roofline))

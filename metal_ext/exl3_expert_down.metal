@@ -8,16 +8,16 @@
 // get 0.
 // Inputs: gu [slots, 2, splits, I], weights [T, top_k] float32, indices [T, top_k] int32,
 // svh1/svh3 [E, I], suh2 [E, I], t2 [G, I/16, n/16, 16K] int16, p2 [E] int32, svh2 [E, n],
-// limit [1] float32 (<= 0: no clamp), prev [slots, n] float32, params [2] = (first held expert,
-// true intermediate size). Output: out [slots, n] float32. Template: K2, CB, NC, NW, STAGES, XSW,
-// HAS_PREV.
+// prev [slots, n] float32. Output: out [slots, n] float32. Template: K2, CB, NC, NW, STAGES, XSW,
+// HAS_PREV, LO (first held expert), INTER (true intermediate size), LIMIT_BITS (the SwiGLU limit's
+// float32 bits; <= 0: no clamp).
 const u32 lane = KX_LANE, warp = KX_WARP;
 const u32 col_block = KX_TGID_X, slot = KX_TGID_Y;
 const u32 splits = gu_shape[2], inter_padded = gu_shape[3];
 const u32 n_local = p2_shape[0];
 const u32 tiles_k = t2_shape[1], tiles_n = t2_shape[2];
 const u32 n = tiles_n * 16, row_words = tiles_n * 4 * K2;
-const int e = indices[slot] - params[0];
+const int e = indices[slot] - LO;
 const int pos = (e >= 0 && e < (int)n_local) ? p2[e] : -2;
 const u64 base = (u64)slot * n + col_block * 128;
 if (pos < 0) {
@@ -31,8 +31,8 @@ const KX_DEVICE u32* src = (const KX_DEVICE u32*)t2 + (u64)pos * tiles_k * row_w
 const u64 mid = (u64)e * inter_padded;
 const Exl3Acc<1, NC> acc = exl3_product<K2, CB, 1, NC, NW, STAGES, XSW>(
     src, row_words, tiles_k / 8,
-    exl3_swiglu_stager(gu + (u64)slot * 2 * splits * inter_padded, splits, inter_padded, (u32)params[1], svh1 + mid,
-                       svh3 + mid, suh2 + mid, weights[slot], limit[0]),
+    exl3_swiglu_stager(gu + (u64)slot * 2 * splits * inter_padded, splits, inter_padded, (u32)INTER, svh1 + mid,
+                       svh3 + mid, suh2 + mid, weights[slot], KX_BITS_F32(LIMIT_BITS)),
     ring, xs, warp, lane);
 KX_BARRIER();  // ys reuses the trellis ring
 KX_THREADGROUP float* ys = (KX_THREADGROUP float*)ring;

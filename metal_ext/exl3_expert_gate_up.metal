@@ -6,8 +6,9 @@
 // slots outside the held range; launches for the other groups fill them in turn.
 // Inputs: x [T, in], indices [T, top_k] int32, suh1/suh3 [E, k], t1/t3 [G, k/16, n/16, 16K] int16
 // (this group's stacks), p1/p3 [E] int32 (local expert -> index in the stack, -1 if elsewhere),
-// prev [slots, 2, splits, n] float32, params [3] = (first held expert, 128-blocks per split, splits).
-// Output: out [slots, 2, splits, n] float32. Template: K2, CB, NC, NW, STAGES, XSW, HAS_PREV.
+// prev [slots, 2, splits, n] float32. Output: out [slots, 2, splits, n] float32.
+// Template: K2, CB, NC, NW, STAGES, XSW, HAS_PREV, LO (first held expert), PER_SPLIT (128-blocks
+// of k per split), SPLITS.
 const u32 lane = KX_LANE, warp = KX_WARP;
 const u32 col_block = KX_TGID_X, split = KX_TGID_Y;
 const u32 slot = KX_TGID_Z >> 1, mat = KX_TGID_Z & 1u;
@@ -15,8 +16,8 @@ const u32 top_k = indices_shape[1], in_features = x_shape[1];
 const u32 n_local = p1_shape[0];
 const u32 tiles_k = t1_shape[1], tiles_n = t1_shape[2];
 const u32 n = tiles_n * 16, row_words = tiles_n * 4 * K2;
-const u32 per_split = (u32)params[1], splits = (u32)params[2];
-const int e = indices[slot] - params[0];
+const u32 per_split = (u32)PER_SPLIT, splits = (u32)SPLITS;
+const int e = indices[slot] - LO;
 const int pos = (e >= 0 && e < (int)n_local) ? (mat ? p3[e] : p1[e]) : -2;
 const u64 base = (((u64)slot * 2 + mat) * splits + split) * n + col_block * 128;
 if (pos < 0) {

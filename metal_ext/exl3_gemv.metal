@@ -5,16 +5,17 @@
 //   1 fp16, 2 bf16).
 //   otherwise: writes float32 partial sums out [splits, m, n] for exl3_gemv_out.
 // Inputs: x [m, in] (in <= k, zero-extended), suh [k], trellis [k/16, n/16, 16K] int16, svh [n],
-// bias [n] (read only if HAS_BIAS), params [1] = 128-blocks of k per split.
+// bias [n] (read only if HAS_BIAS).
 // Template: K2, CB, M (1, 2, 4 or 8; rows >= m are zero), NC, NW, STAGES, XSW (exl3_matmul.h),
-// FUSED, HAS_BIAS, OUT.
+// FUSED, HAS_BIAS, OUT, PER_SPLIT (128-blocks of k per split). Launch constants are template
+// values, never small arrays: see docs/design.md, "Launch constants".
 const u32 lane = KX_LANE, warp = KX_WARP;
 const u32 col_block = KX_TGID_X, split = KX_TGID_Y;
 const u32 rows = x_shape[0], in_features = x_shape[1];
 const u32 tiles_k = trellis_shape[0], tiles_n = trellis_shape[1];
 const u32 n = tiles_n * 16, row_words = tiles_n * 4 * K2;
-const u32 kb_begin = split * (u32)params[0];
-const u32 nb = min((u32)params[0], tiles_k / 8 - kb_begin);
+const u32 kb_begin = split * (u32)PER_SPLIT;
+const u32 nb = min((u32)PER_SPLIT, tiles_k / 8 - kb_begin);
 KX_SHARED16(u32, ring, EXL3_RING_WORDS(K2, STAGES, NW, NC, M));
 KX_SHARED(u32, xs, XSW);
 

@@ -213,7 +213,25 @@ KX_INLINE int sa_slot(int j) {
 // whatever DIM and key type (64: a batch's rows at DIM 512 in bf16).
 #define SA_RAW_BUDGET 64
 
-// One (batch, row, head) per threadgroup of GROUPS SIMD groups; dims = [W, T, N, H, S].
+// The call's sizes and scale. They come from the inputs' shapes and template values, never from
+// small arrays (docs/design.md, "Launch constants").
+struct sa_dims {
+  int W, T, N, H, S;
+  float scale;
+};
+
+KX_INLINE sa_dims sa_make_dims(int W, int T, int N, int H, int S, float scale) {
+  sa_dims d;
+  d.W = W;
+  d.T = T;
+  d.N = N;
+  d.H = H;
+  d.S = S;
+  d.scale = scale;
+  return d;
+}
+
+// One (batch, row, head) per threadgroup of GROUPS SIMD groups.
 // Threadgroup memory (sa_shared): scores, rows and group maxima of two tiles (they alternate, so
 // one barrier per tile suffices), and each group's weights (a group computes those it reads);
 // rows and probs at sa_slot positions.
@@ -228,9 +246,9 @@ struct sa_shared {
 };
 
 template <int DIM, int GROUPS, int PREFETCH, bool VEC, typename QP, typename KP, typename IP,
-          typename SP, typename FP, typename DP, typename OP>
-KX_INLINE void sa_attend(QP q, KP window, KP pool, IP indices, SP sinks, FP scale_arr, DP dims,
-                         OP out, KX_THREADGROUP sa_shared<GROUPS>* sh, u32 block, u32 lane,
+          typename SP, typename OP>
+KX_INLINE void sa_attend(QP q, KP window, KP pool, IP indices, SP sinks, sa_dims dims, OP out,
+                         KX_THREADGROUP sa_shared<GROUPS>* sh, u32 block, u32 lane,
                          u32 group) {
   static_assert(DIM == 256 || DIM == 512 || DIM == 1024, "DIM must be 256, 512 or 1024");
   static_assert(GROUPS == 1 || GROUPS == 8, "GROUPS must be 1 or 8");
@@ -256,7 +274,7 @@ KX_INLINE void sa_attend(QP q, KP window, KP pool, IP indices, SP sinks, FP scal
   static_assert(GROUPS == 1 || SUBS * SA_VEC * GROUPS == DIM, "parallel value layout");
   static_assert(CHUNKS % CG == 0 && PER_CHAIN % VB == 0 && VB % 4 == 0, "load groups");
 
-  const int W = dims[0], T = dims[1], N = dims[2], H = dims[3], S = dims[4];
+  const int W = dims.W, T = dims.T, N = dims.N, H = dims.H, S = dims.S;
   const u32 h = block % (u32)H;
   const u32 row = block / (u32)H;  // b * S + s
   const u32 b = row / (u32)S;
@@ -270,7 +288,7 @@ KX_INLINE void sa_attend(QP q, KP window, KP pool, IP indices, SP sinks, FP scal
   const sa_rows<KP> value_rows = sa_rows_at<DIM>(window, pool, b, W, T, value_at);
 
   // Scale folded into q: each logit is then the plain dot product (no multiply left to fuse).
-  const float scale = scale_arr[0];
+  const float scale = dims.scale;
   float qs[CHUNKS * SA_VEC];
   SA_UNROLL for (int c = 0; c < CHUNKS; ++c) {
     const sa_chunk v = sa_load<VEC>(q + (q0 + logit_at + c * SA_LANES * SA_VEC));
@@ -474,13 +492,13 @@ KX_INLINE void sa_attend(QP q, KP window, KP pool, IP indices, SP sinks, FP scal
 // The kernels' entry: vector loads when q, window and pool start 16-byte aligned, else element
 // loads (the same arithmetic; the branch is uniform).
 template <int DIM, int GROUPS, int PREFETCH, typename QP, typename KP, typename IP, typename SP,
-          typename FP, typename DP, typename OP>
-KX_INLINE void sa_kernel(QP q, KP window, KP pool, IP indices, SP sinks, FP scale, DP dims, OP out,
+          typename OP>
+KX_INLINE void sa_kernel(QP q, KP window, KP pool, IP indices, SP sinks, sa_dims dims, OP out,
                          KX_THREADGROUP sa_shared<GROUPS>* sh, u32 block, u32 lane, u32 group) {
   if (SA_ALIGNED16(q) && SA_ALIGNED16(window) && SA_ALIGNED16(pool))
-    sa_attend<DIM, GROUPS, PREFETCH, true>(q, window, pool, indices, sinks, scale, dims, out, sh,
+    sa_attend<DIM, GROUPS, PREFETCH, true>(q, window, pool, indices, sinks, dims, out, sh,
                                            block, lane, group);
   else
-    sa_attend<DIM, GROUPS, PREFETCH, false>(q, window, pool, indices, sinks, scale, dims, out, sh,
+    sa_attend<DIM, GROUPS, PREFETCH, false>(q, window, pool, indices, sinks, dims, out, sh,
                                             block, lane, group);
 }

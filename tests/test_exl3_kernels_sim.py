@@ -24,9 +24,10 @@ BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 HALF_BITS = (1.5, 2.5, 3.5)
 
 
-def with_input(call, i, array):
+def with_input(call, i, array, kernel=None):
+    """call with input i (an index, or a name of kernel's inputs) replaced by array."""
     call = dict(call, inputs=list(call["inputs"]))
-    call["inputs"][i] = array
+    call["inputs"][kernel.input_names.index(i) if kernel else i] = array
     return call
 
 
@@ -227,14 +228,14 @@ def expert_runs(request):
     for ex, x, indices, weights, gu_calls, down_calls in cases:
         gu = None
         for call in gu_calls:
-            out = program.run(spec, call if gu is None else with_input(call, 8, mx.array(gu)))[0]
+            out = program.run(spec, call if gu is None else with_input(call, "prev", mx.array(gu), ops.EXPERT_GATE_UP))[0]
             spec += 1
             assert np.all(np.isnan(out[-1])) and not np.any(np.isnan(out[:-1]))  # guard; all written
             gu = out[:-1]
         y = None
         for call in down_calls:
-            call = with_input(call, 0, mx.array(gu))
-            out = program.run(spec, call if y is None else with_input(call, 10, mx.array(y)))[0]
+            call = with_input(call, "gu", mx.array(gu), ops.EXPERT_DOWN)
+            out = program.run(spec, call if y is None else with_input(call, "prev", mx.array(y), ops.EXPERT_DOWN))[0]
             spec += 1
             assert np.all(np.isnan(out[-1])) and not np.any(np.isnan(out[:-1]))
             y = out[:-1]

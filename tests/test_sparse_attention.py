@@ -442,7 +442,11 @@ def test_tuning_constants(clean_selection, monkeypatch):
     sa.set_tuning("serial", PREFETCH=1)
     assert sa.tuning()["serial"] == {"PREFETCH": 1} and not sa.auto_choices()
     args = sa._launch_args(*make_inputs(0, 1, 1, 1, 512, 1, 1, 1), 1.0, "serial")
-    assert args["template"] == [("DIM", 512), ("PREFETCH", 1)]
+    assert args["template"][:2] == [("DIM", 512), ("PREFETCH", 1)]
+    # Sizes and scale travel as template values and shapes, never as small host arrays.
+    assert dict(args["template"][2:]) == {"HAS_WINDOW": True, "HAS_POOL": True, "HAS_INDICES": True,
+                                          "SCALE_BITS": 0x3F800000}
+    assert len(args["inputs"]) == 5
     with pytest.raises(ValueError, match="tuning PREFETCH=2 is not one of"):
         sa.set_tuning("parallel", PREFETCH=2)
     with pytest.raises(ValueError, match="tuning UNROLL=1 is not one of"):
@@ -490,9 +494,10 @@ def test_launch_geometry_and_limit(variant, threads):
     assert args["threadgroup"] == (threads, 1, 1)
     assert args["grid"] == (2 * 3 * 5 * threads, 1, 1)
     assert args["output_shapes"] == [(2, 3, 5, 512)] and args["output_dtypes"] == [mx.float32]
-    assert args["template"] == [("DIM", 512), ("PREFETCH", sa.tuning()[variant]["PREFETCH"])]
-    scale, dims = args["inputs"][5:]
-    assert scale.tolist() == [0.5] and dims.tolist() == [4, 4, 7, 5, 3]
+    assert args["template"] == [("DIM", 512), ("PREFETCH", sa.tuning()[variant]["PREFETCH"]), ("HAS_WINDOW", True),
+                                ("HAS_POOL", True), ("HAS_INDICES", True), ("SCALE_BITS", 0x3F000000)]
+    # W, T, N, H, S come from the shapes of window, pool, indices and q.
+    assert [a.shape for a in args["inputs"]] == [(2, 3, 5, 512), (2, 4, 512), (2, 4, 512), (2, 3, 7), (5,)]
     kernel = sa._KERNELS[variant]
     assert kernel.max_threads == threads
     too_many = dict(args, threadgroup=(2 * threads, 1, 1))
@@ -511,10 +516,11 @@ def test_launch_mixed_key_dtypes_promote_exactly():
 def test_launch_stand_ins_for_empty_inputs():
     q, window, pool, indices, sinks = make_inputs(0, 1, 2, 2, 512, 0, 0, 0)
     args = sa._launch_args(q, window, pool, indices, sinks, 0.5, "parallel")
-    _, w, p, idx, *_, dims = args["inputs"]
+    _, w, p, idx, _ = args["inputs"]
     assert w.shape == (1, 1, 512) and p.shape == (1, 1, 512) and idx.shape == (1,)
     assert np.isnan(np.array(w)).all() and np.isnan(np.array(p)).all() and idx.tolist() == [-1]
-    assert dims.tolist() == [0, 0, 0, 2, 2]
+    flags = {k: v for k, v in args["template"] if k.startswith("HAS_")}
+    assert flags == {"HAS_WINDOW": False, "HAS_POOL": False, "HAS_INDICES": False}  # sizes 0, never read
 
 
 def test_bodies_share_one_implementation():
@@ -594,8 +600,9 @@ static void run(const float* q, const K* window, const K* pool, const int* indic
         tl_group = &groups[t / 32];
         tl_block = &sync;
         tl_lane = t % 32;
-        sa_attend<EMULATED_DIM, GROUPS, PREFETCH, VEC>(q, window, pool, indices, sinks, scale, dims,
-                                                       out, &memory, (u32)block, t % 32, t / 32);
+        const sa_dims d = sa_make_dims(dims[0], dims[1], dims[2], dims[3], dims[4], scale[0]);
+        sa_attend<EMULATED_DIM, GROUPS, PREFETCH, VEC>(q, window, pool, indices, sinks, d, out, &memory,
+                                                       (u32)block, t % 32, t / 32);
       });
     for (auto& th : threads) th.join();
   }

@@ -3,6 +3,11 @@
 Every custom kernel is one body (``metal_ext/<name>.metal``) compiled for the active GPU backend
 with that backend's macro header. Ops (``sparse_attention``, ``exl3``) ask :func:`backend` once per
 call and fall back to their plain-MLX reference on the CPU.
+
+Launch constants (sizes, splits, scales, limits) are template values or come from input shapes,
+never small arrays made on the host: on MLX's CUDA backend such arrays live in managed memory,
+and a kernel that reads one after the host touched its page waits for a page migration (10-20 µs
+per launch, measured; docs/design.md "Launch constants").
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
 import metal_ext
 
@@ -39,6 +45,11 @@ def backend() -> str:
     if hasattr(mx, "cuda") and mx.cuda.is_available():
         return "cuda"
     return "cpu"
+
+
+def float_bits(v: float) -> int:
+    """The float32 bits of v as a signed int template value (bodies read KX_BITS_F32(bits))."""
+    return int(np.array(v, np.float32).view(np.int32))
 
 
 @dataclass

@@ -35,7 +35,7 @@ from mlx_dsv41.exl3.codebook import CODEBOOK_IDS
 from mlx_dsv41.exl3.hadamard import BLOCK
 from mlx_dsv41.exl3.stored import check_linear
 from mlx_dsv41.exl3.trellis import check_trellis, k2_from_trellis_shape
-from mlx_dsv41.kernels import Kernel, backend, register
+from mlx_dsv41.kernels import Kernel, backend, float_bits, register
 from mlx_dsv41.quant.experts import check_routing
 
 GEMV_MAX_ROWS = 8  # rows served by exl3_gemv (the M template: 1, 2, 4 or 8)
@@ -114,7 +114,7 @@ RECONSTRUCT = register(Kernel(
     examples=lambda: _example_reconstruct(),
 ))
 GEMV = register(Kernel(
-    "exl3_gemv", ("x", "suh", "trellis", "svh", "bias", "params"), ("out",), includes=_HEADERS,
+    "exl3_gemv", ("x", "suh", "trellis", "svh", "bias"), ("out",), includes=_HEADERS,
     max_threads=512, examples=lambda: _example_gemv(),
 ))
 GEMV_OUT = register(Kernel(
@@ -123,12 +123,12 @@ GEMV_OUT = register(Kernel(
 ))
 EXPERT_GATE_UP = register(Kernel(
     "exl3_expert_gate_up",
-    ("x", "indices", "suh1", "t1", "p1", "suh3", "t3", "p3", "prev", "params"), ("out",),
+    ("x", "indices", "suh1", "t1", "p1", "suh3", "t3", "p3", "prev"), ("out",),
     includes=_HEADERS, max_threads=512, examples=lambda: _example_gate_up(),
 ))
 EXPERT_DOWN = register(Kernel(
     "exl3_expert_down",
-    ("gu", "weights", "indices", "svh1", "svh3", "suh2", "t2", "p2", "svh2", "limit", "prev", "params"),
+    ("gu", "weights", "indices", "svh1", "svh3", "suh2", "t2", "p2", "svh2", "prev"),
     ("out",), includes=_HEADERS + ("exl3_experts.h",), max_threads=512,
     examples=lambda: _example_down(),
 ))
@@ -156,12 +156,9 @@ def _check_linear_args(x, trellis, suh, svh, codebook, bias) -> int:
 
 @cache
 def _constant(values: tuple, dtype: mx.Dtype) -> mx.array:
-    """A small launch input, made once per distinct value (no per-call host copy)."""
+    """A constant array input (never a launch parameter: those are template values, see
+    docs/design.md "Launch constants"), made once per distinct value."""
     return mx.array(values, dtype)
-
-
-def _params(*values: int) -> mx.array:
-    return _constant(tuple(int(v) for v in values), mx.int32)
 
 
 def _even_splits(k_blocks: int, splits: int) -> tuple[int, int]:
@@ -221,14 +218,15 @@ def gemv_args(x, trellis, suh, svh, codebook: str, bias=None, out_dtype=None, sp
     has_bias = bias is not None
     bias_in = bias if has_bias else svh
     gemv = dict(
-        inputs=[x, suh, trellis, svh, bias_in, _params(per_split)],
+        inputs=[x, suh, trellis, svh, bias_in],
         output_shapes=[(m + guard_rows, n) if fused else (splits + guard_rows, m, n)],
         output_dtypes=[out_dtype if fused else mx.float32],
         grid=(n_blocks * _LANES * t.warps, splits, 1),
         threadgroup=(_LANES * t.warps, 1, 1),
         template=[("K2", k2), ("CB", CODEBOOK_IDS[codebook]), ("M", rows_t),
                   *t.template(t.warps, k2, rows_t, per_split, backend()),
-                  ("FUSED", fused), ("HAS_BIAS", has_bias), ("OUT", _OUT_KIND[out_dtype] if fused else 0)],
+                  ("FUSED", fused), ("HAS_BIAS", has_bias), ("OUT", _OUT_KIND[out_dtype] if fused else 0),
+                  ("PER_SPLIT", per_split)],
         init_value=init_value,
     )
     if fused:
@@ -268,15 +266,14 @@ def gate_up_args(x, indices, w1, w3, key, lo: int, prev=None, tuning=None, guard
     p1 = g1.position if g1 else _constant((-1,) * w1.n_local, mx.int32)
     p3 = g3.position if g3 else _constant((-1,) * w3.n_local, mx.int32)
     return dict(
-        inputs=[x, indices, w1.suh, t1, p1, w3.suh, t3, p3, indices if prev is None else prev,
-                _params(lo, per_split, splits)],
+        inputs=[x, indices, w1.suh, t1, p1, w3.suh, t3, p3, indices if prev is None else prev],
         output_shapes=[(slots + guard, 2, splits, w1.n)],
         output_dtypes=[mx.float32],
         grid=(w1.n // BLOCK * _LANES * t.gate_up_warps, splits, 2 * slots),
         threadgroup=(_LANES * t.gate_up_warps, 1, 1),
         template=[("K2", key[0]), ("CB", CODEBOOK_IDS[key[1]]),
                   *t.template(t.gate_up_warps, key[0], 1, per_split, backend()),
-                  ("HAS_PREV", prev is not None)],
+                  ("HAS_PREV", prev is not None), ("LO", int(lo)), ("PER_SPLIT", per_split), ("SPLITS", splits)],
         init_value=init_value,
     )
 
@@ -288,15 +285,15 @@ def down_args(gu, weights, indices, w1, w3, w2, group, lo: int, limit: float, pr
     slots = indices.size
     return dict(
         inputs=[gu, weights, indices, w1.svh, w3.svh, w2.suh, group.trellis, group.position, w2.svh,
-                _constant((float(limit),), mx.float32), weights if prev is None else prev,
-                _params(lo, w1.out_features)],
+                weights if prev is None else prev],
         output_shapes=[(slots + guard, w2.n)],
         output_dtypes=[mx.float32],
         grid=(w2.n // BLOCK * _LANES * t.down_warps, slots, 1),
         threadgroup=(_LANES * t.down_warps, 1, 1),
         template=[("K2", group.k2), ("CB", CODEBOOK_IDS[group.codebook]),
                   *t.template(t.down_warps, group.k2, 1, w2.k // BLOCK, backend()),
-                  ("HAS_PREV", prev is not None)],
+                  ("HAS_PREV", prev is not None), ("LO", int(lo)), ("INTER", w1.out_features),
+                  ("LIMIT_BITS", float_bits(limit))],
         init_value=init_value,
     )
 

@@ -29,7 +29,7 @@ from collections import Counter
 
 import mlx.core as mx
 
-from mlx_dsv41.kernels import Kernel, backend, register
+from mlx_dsv41.kernels import Kernel, backend, float_bits, register
 
 VARIANTS = ("serial", "parallel", "auto")
 ENV_VAR = "MLX_DSV41_ATTENTION"
@@ -120,7 +120,7 @@ def sparse_attention_reference(q, window, pool, indices, sinks, scale: float) ->
 # ---------------------------------------------------------------------------------------------
 # Kernels
 
-_INPUTS = ("q", "window", "pool", "indices", "sinks", "scale", "dims")
+_INPUTS = ("q", "window", "pool", "indices", "sinks")
 
 
 def _launch_args(q, window, pool, indices, sinks, scale: float, variant: str) -> dict:
@@ -130,8 +130,8 @@ def _launch_args(q, window, pool, indices, sinks, scale: float, variant: str) ->
     threads = _GROUPS[variant] * _LANES
     if window.dtype != pool.dtype:  # one key type per kernel; bf16 -> fp32 is exact
         window, pool = window.astype(mx.float32), pool.astype(mx.float32)
-    # Empty inputs are never read (dims carries the real sizes); stand-ins keep the buffers
-    # non-empty, NaN-filled so that a wrong read could not go unnoticed.
+    # Empty inputs are never read (HAS_* false: the kernel takes 0 for their sizes); stand-ins keep
+    # the buffers non-empty, NaN-filled so that a wrong read could not go unnoticed.
     if W == 0:
         window = mx.full((1, 1, D), mx.nan, window.dtype)
     if T == 0:
@@ -139,16 +139,14 @@ def _launch_args(q, window, pool, indices, sinks, scale: float, variant: str) ->
     if N == 0:
         indices = mx.full((1,), -1, mx.int32)
     return dict(
-        inputs=[
-            q, window, pool, indices, sinks,
-            mx.array([scale], mx.float32),
-            mx.array([W, T, N, H, S], mx.int32),
-        ],
+        inputs=[q, window, pool, indices, sinks],
         output_shapes=[(B, S, H, D)],
         output_dtypes=[mx.float32],
         grid=(B * S * H * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        template=[("DIM", D), *sorted(_TUNING[variant].items())],
+        # Launch constants are template values, never small arrays (docs/design.md).
+        template=[("DIM", D), *sorted(_TUNING[variant].items()), ("HAS_WINDOW", W > 0), ("HAS_POOL", T > 0),
+                  ("HAS_INDICES", N > 0), ("SCALE_BITS", float_bits(scale))],
     )
 
 

@@ -1,0 +1,131 @@
+"""Where an EXL3 call's time goes on the GPU: device time per kernel vs MLX's host cost per launch.
+
+Two parts (CUDA):
+- ``--part host``: wall µs per launch of a trivial custom kernel (one thread copies one float) and
+  of MLX's own ops, chained (each call consumes the previous output) and independent, evaluated
+  together as bench_exl3.py does. A kernel faster than this is bound by the host.
+Device time per call without a profiler (kernels plus the device's gaps, the anchor's method):
+bench_exl3.py's "device" column.
+- ``--part kernels``: each EXL3 case (m = 1 linears on the Flash shapes, the one-token MoE block)
+  launched --launches times, one evaluation each, weights rotated over > --rotate-mib; meant to run
+  under Nsight Compute, which reports each kernel's device time:
+
+    ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum \\
+        --csv python3 benchmarks/profile_exl3.py --part kernels > ncu.csv
+    python3 benchmarks/profile_exl3.py --part summary --csv ncu.csv
+
+``--part summary`` prints the median device µs per kernel and case from that CSV (the case of each
+launch is known from the order: the script prints it on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_exl3 as bench  # noqa: E402
+
+from mlx_dsv41.kernels import exl3 as ops  # noqa: E402
+
+CASES = (("wq_a", 3), ("wkv", 3), ("wo_a group", 3), ("wo_b", 3), ("expert w1/w3", 3), ("expert w2", 3),
+         ("wq_b", 3), ("head", 4))
+SHAPE = {name: (k, n) for name, k, n in bench.SHAPES}
+
+TRIVIAL_SOURCE = "if (threadIdx.x == 0 && blockIdx.x == 0) y[0] = x[0] + 1.0f;"
+
+
+def host_part(calls: int, repeats: int):
+    k = mx.fast.cuda_kernel(name="profile_trivial", input_names=["x"], output_names=["y"], source=TRIVIAL_SOURCE)
+
+    def trivial(x):
+        return k(inputs=[x], output_shapes=[(1,)], output_dtypes=[mx.float32], grid=(32, 1, 1),
+                 threadgroup=(32, 1, 1))[0]
+
+    w = mx.random.normal((512, 5120)).astype(mx.bfloat16)
+    xb = mx.random.normal((1, 5120)).astype(mx.bfloat16)
+    cases = {
+        "trivial custom kernel": (trivial, mx.zeros((1,))),
+        "mx add (1 element)": (lambda x: x + 1.0, mx.zeros((1,))),
+        "bf16 GEMV 5120x512 (MLX)": (lambda x: (x @ w.T)[:, :1].astype(mx.bfloat16) * 0 + xb, xb),
+    }
+    for name, (fn, x0) in cases.items():
+        for chained in (True, False):
+            samples = []
+            for _ in range(repeats + 1):
+                outs, prev = [], x0
+                for _ in range(calls):
+                    prev = fn(prev if chained else x0)
+                    outs.append(prev)
+                t0 = time.perf_counter()
+                mx.eval(outs)
+                samples.append((time.perf_counter() - t0) / calls * 1e6)
+            print(f"host | {name} | {'chained' if chained else 'independent'} | {statistics.median(samples[1:]):.2f} µs")
+
+
+def kernels_part(launches: int, rotate_mib: int, only: str):
+    for name, bits in [c for c in CASES if only in f"{c[0]} K{c[1]}"]:
+        k, n = SHAPE[name]
+        sets = bench.linear_sets(k, n, bits, rotate_mib)
+        x = mx.random.normal((1, k)).astype(mx.bfloat16)
+        mx.eval(ops.linear(x, *sets[0], "mul1"))  # compile outside the profiled launches
+        for i in range(launches):
+            print(f"case {name} K{bits}", file=sys.stderr, flush=True)
+            mx.eval(ops.linear(x, *sets[(i + 1) % len(sets)], "mul1"))
+        del sets
+    if only not in "MoE K3":
+        return
+    experts = bench.moe_experts(3)
+    picks = bench.routing(launches + 1, seed=3)
+    x = mx.random.normal((1, bench.HIDDEN))
+    mx.eval(experts(x, *picks[0]))
+    for i in range(launches):
+        print("case MoE K3", file=sys.stderr, flush=True)
+        mx.eval(experts(x, *picks[i + 1]))
+
+
+def summary_part(path: Path):
+    rows = [r for r in csv.reader(line for line in path.read_text().splitlines() if line.startswith('"'))]
+    header, body = rows[0], rows[1:]
+    col = {h: i for i, h in enumerate(header)}
+    per = defaultdict(list)
+    for r in body:
+        if r[col["Metric Name"]] != "gpu__time_duration.sum":
+            continue
+        value = float(r[col["Metric Value"]].replace(",", ""))
+        unit = r[col["Metric Unit"]]
+        us = value / 1e3 if unit in ("ns", "nsecond") else value if unit in ("us", "usecond") else value * 1e3
+        per[(r[col["Kernel Name"]].split("(")[0][:60], r[col["Grid Size"]], r[col["Block Size"]])].append(us)
+    for key, v in sorted(per.items()):
+        print(f"| {key[0]} | grid {key[1]} | block {key[2]} | n {len(v)} | median {statistics.median(v):.2f} µs "
+              f"| min {min(v):.2f} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("host", "kernels", "summary"), required=True)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--launches", type=int, default=5)
+    ap.add_argument("--rotate-mib", type=int, default=256)
+    ap.add_argument("--csv", type=Path)
+    ap.add_argument("--only", default="", help="kernels part: only cases whose name contains this")
+    args = ap.parse_args()
+    if args.part == "summary":
+        summary_part(args.csv)
+    elif args.part == "host":
+        host_part(args.calls, args.repeats)
+    else:
+        kernels_part(args.launches, args.rotate_mib, args.only)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
