@@ -6,8 +6,9 @@ in memory with a fixed vocabulary, Engram rows served from RAM).
   experts run their kernels;
 - `--attention serial` and `parallel` give byte-identical logits for the whole model, prefill and
   decode;
-- GPU logits agree with MLX's CPU stream (bf16 activations, EXL3 fp16 GEMMs: same bounds as the
-  model engineer's bf16 GPU test) and decode one token at a time agrees with one prefill.
+- GPU logits agree with MLX's CPU stream, and decode one token at a time with one prefill, as
+  closely as the same model with every kernel replaced by its plain-MLX reference does on the
+  same GPU (bf16 activations: rounding flips propagate; see the test).
 """
 
 from __future__ import annotations
@@ -72,18 +73,40 @@ def test_kernels_run_and_variants_are_byte_identical(model):
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
-def test_gpu_matches_cpu_stream_and_decode_matches_prefill(model):
-    ids = _ids()
-    gpu = np.array(model(ids, model.make_cache()))[0]
-    with mx.stream(mx.cpu):
-        cpu = np.array(model(ids, model.make_cache()))[0]
+def _logits(model, ids):
+    """(one prefill's logits, 8-token prefill then one token at a time)."""
+    prefill = np.array(model(ids, model.make_cache()))[0]
     cache = model.make_cache()
     steps = [np.array(model(ids[:, :8], cache))[0]]
     for t in range(8, L):
         steps.append(np.array(model(ids[:, t : t + 1], cache))[0])
-    decoded = np.concatenate(steps)
-    for got, what in ((gpu, "GPU vs CPU stream"), (decoded, "decode vs prefill")):
-        ref = cpu if what.startswith("GPU") else gpu
-        row_err = np.abs(got - ref).max(-1) / np.abs(ref).max()
+    return prefill, np.concatenate(steps)
+
+
+def _median_row_err(got, ref):
+    return float(np.median(np.abs(got - ref).max(-1) / np.abs(ref).max()))
+
+
+def test_gpu_matches_cpu_stream_and_decode_matches_prefill(model, monkeypatch):
+    """The kernels add no more difference than MLX's own GPU ops do. In this random bf16 model a
+    rounding flip anywhere propagates through every later layer, so even with every custom kernel
+    replaced by its plain-MLX reference the GPU differs from the CPU stream by a median ~3e-2 of
+    the logit scale (H200, measured): the kernel path is held to the reference path's own
+    differences on the same device, plus an argmax agreement floor."""
+    from mlx_dsv41.kernels import exl3
+
+    ids = _ids()
+    with mx.stream(mx.cpu):
+        cpu = np.array(model(ids, model.make_cache()))[0]
+    gpu, decoded = _logits(model, ids)
+    monkeypatch.setattr(exl3, "backend", lambda: "cpu")
+    monkeypatch.setattr(sparse_attention, "backend", lambda: "cpu")
+    gpu_ref, decoded_ref = _logits(model, ids)
+    monkeypatch.undo()
+    for got, ref, allowed, what in (
+        (gpu, cpu, 1.5 * _median_row_err(gpu_ref, cpu), "GPU vs CPU stream"),
+        (decoded, gpu, 2.0 * _median_row_err(decoded_ref, gpu_ref), "decode vs prefill"),
+    ):
+        err = _median_row_err(got, ref)
         agree = (got.argmax(-1) == ref.argmax(-1)).mean()
-        assert np.median(row_err) <= 3e-2 and agree >= 0.8, (what, float(np.median(row_err)), agree)
+        assert err <= allowed + 1e-3 and agree >= 0.8, (what, err, allowed, agree)
