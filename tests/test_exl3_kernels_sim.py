@@ -243,6 +243,33 @@ def expert_runs(request):
     return runs
 
 
+def test_launch_constants_are_template_values():
+    """k splits, the held expert range and the SwiGLU limit travel as template values, never as
+    small host arrays (docs/design.md "Launch constants"); a limit <= 0 (no clamp) is passed as 0."""
+    from mlx_dsv41.kernels import float_bits
+
+    tensors = random_experts_tensors(4, 256, 384, bits={"w1": 3, "w3": 3, "w2": 4}, seed=3)
+    ex = EXL3Experts.from_tensors(tensors, "experts", 4, (1, 4))
+    x = mx.zeros((1, 256), mx.bfloat16)
+    indices, weights = mx.array([[1, 3]], mx.int32), mx.array([[0.5, 0.5]], mx.float32)
+    key = (ex.w1.groups[0].k2, ex.w1.groups[0].codebook)
+    gu = ops.gate_up_args(x, indices, ex.w1, ex.w3, key, 1)
+    splits, per_split = ops.expert_plan(ex.w1)
+    assert {k: v for k, v in gu["template"] if k in ("LO", "PER_SPLIT", "SPLITS")} == {
+        "LO": 1, "PER_SPLIT": per_split, "SPLITS": splits}
+    partial = mx.zeros(gu["output_shapes"][0], mx.float32)
+    for limit, bits in ((10.0, 0x41200000), (0.0, 0), (-1.0, 0), (-0.0, 0)):
+        down = dict(ops.down_args(partial, weights, indices, ex.w1, ex.w3, ex.w2, ex.w2.groups[0], 1, limit)["template"])
+        assert (down["LO"], down["INTER"], down["LIMIT_BITS"]) == (1, 384, bits)
+    t = random_linear_tensors(256, 256, 3, "mul1", seed=1)
+    gemv = ops.gemv_args(x, mx.array(t["trellis"]), mx.array(t["suh"]), mx.array(t["svh"]), "mul1", splits=2)
+    assert dict(gemv[0]["template"])["PER_SPLIT"] == 1
+    assert len(gemv[0]["inputs"]) == len(ops.GEMV.input_names) == 5  # x, suh, trellis, svh, bias
+    assert float_bits(0.5) == 0x3F000000
+    with pytest.raises(ValueError, match="sign bit set"):
+        float_bits(-1.0)
+
+
 @pytest.mark.parametrize("case", range(len(EXPERT_CASES)))
 def test_experts_match_reference(expert_runs, case):
     ex, x, indices, weights, gu_calls, n_down, y = expert_runs[case]

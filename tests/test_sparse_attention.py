@@ -249,8 +249,9 @@ BAD_INPUTS = [
     (dict(q=mx.ones((1, 2, 3, 64), mx.float16)), "q must be float32 or bfloat16"),
     (dict(pool=mx.ones((1, 4, 64), mx.float16)), "window and pool must be float32 or bfloat16"),
     (dict(window=mx.ones((1, 4, 64), mx.int32)), "window and pool must be float32 or bfloat16"),
-    (dict(scale=float("nan")), "scale must be a finite Python float"),
-    (dict(scale=mx.array(0.1)), "scale must be a finite Python float"),
+    (dict(scale=float("nan")), "scale must be a finite, non-negative Python float"),
+    (dict(scale=mx.array(0.1)), "scale must be a finite, non-negative Python float"),
+    (dict(scale=-0.125), "scale must be a finite, non-negative Python float"),
 ]
 
 

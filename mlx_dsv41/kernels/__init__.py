@@ -48,8 +48,13 @@ def backend() -> str:
 
 
 def float_bits(v: float) -> int:
-    """The float32 bits of v as a signed int template value (bodies read KX_BITS_F32(bits))."""
-    return int(np.array(v, np.float32).view(np.int32))
+    """The float32 bits of v as an int template value (bodies read KX_BITS_F32(bits)). MLX names a
+    CUDA kernel after its template values, and a negative int would put a '-' in that name, so a
+    value with its sign bit set is refused (callers pass non-negative constants)."""
+    bits = int(np.array(v, np.float32).view(np.uint32))
+    if bits >> 31:
+        raise ValueError(f"kernel constant {v!r} has its sign bit set; kernel constants must be non-negative")
+    return bits
 
 
 @dataclass

@@ -293,7 +293,7 @@ def down_args(gu, weights, indices, w1, w3, w2, group, lo: int, limit: float, pr
         template=[("K2", group.k2), ("CB", CODEBOOK_IDS[group.codebook]),
                   *t.template(t.down_warps, group.k2, 1, w2.k // BLOCK, backend()),
                   ("HAS_PREV", prev is not None), ("LO", int(lo)), ("INTER", w1.out_features),
-                  ("LIMIT_BITS", float_bits(limit))],
+                  ("LIMIT_BITS", float_bits(limit if limit > 0 else 0.0))],
         init_value=init_value,
     )
 

@@ -82,8 +82,9 @@ def _check(q, window, pool, indices, sinks, scale):
             f"sparse_attention: window and pool must be float32 or bfloat16, got {window.dtype} "
             f"and {pool.dtype}"
         )
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"sparse_attention: scale must be a finite Python float, got {scale!r}")
+    if (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+            or scale < 0):
+        raise ValueError(f"sparse_attention: scale must be a finite, non-negative Python float, got {scale!r}")
 
 
 def sparse_attention_reference(q, window, pool, indices, sinks, scale: float) -> mx.array:
@@ -146,7 +147,7 @@ def _launch_args(q, window, pool, indices, sinks, scale: float, variant: str) ->
         threadgroup=(threads, 1, 1),
         # Launch constants are template values, never small arrays (docs/design.md).
         template=[("DIM", D), *sorted(_TUNING[variant].items()), ("HAS_WINDOW", W > 0), ("HAS_POOL", T > 0),
-                  ("HAS_INDICES", N > 0), ("SCALE_BITS", float_bits(scale))],
+                  ("HAS_INDICES", N > 0), ("SCALE_BITS", float_bits(abs(scale)))],
     )
 
 
