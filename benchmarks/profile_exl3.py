@@ -15,7 +15,15 @@ bench_exl3.py's "device" column.
     python3 benchmarks/profile_exl3.py --part summary --csv ncu.csv
 
 ``--part summary`` prints the median device µs per kernel and case from that CSV (the case of each
-launch is known from the order: the script prints it on stderr).
+launch is known from the order: the script prints it on stderr). For one kernel's hot spots:
+
+    ncu --clock-control none --set full -k regex:expert_down --launch-skip 1 --launch-count 1 \
+        -o down python3 benchmarks/profile_exl3.py --part kernels --rotate-mib 1 --launches 2 --only MoE
+    ncu -i down.ncu-rep --page source --print-source sass --csv > down.sass.csv
+    python3 benchmarks/profile_exl3.py --part hotspots --csv down.sass.csv
+
+``--part hotspots`` prints the stall reasons summed over the kernel, the instructions where warps
+were sampled most (with their reasons) and the executed instructions by opcode.
 """
 
 from __future__ import annotations
@@ -108,9 +116,41 @@ def summary_part(path: Path):
               f"| min {min(v):.2f} |")
 
 
+def hotspots_part(path: Path, top: int = 25):
+    rows = list(csv.reader(path.read_text().splitlines()))
+    header = next(r for r in rows if "Source" in r and "Address" in r)
+    body = [r for r in rows[rows.index(header) + 1:] if len(r) == len(header)]
+    col = {h: i for i, h in enumerate(header)}
+
+    def num(r, name):
+        v = r[col[name]].replace(",", "")
+        return float(v) if v.replace(".", "", 1).isdigit() else 0.0
+
+    reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
+    samples = "Warp Stall Sampling (All Samples)"
+    total = sum(num(r, samples) for r in body) or 1.0
+    print("stall reasons (share of samples):", ", ".join(
+        f"{h[6:]} {100 * s / total:.1f}%" for h, s in sorted(((h, sum(num(r, h) for r in body)) for h in reasons),
+                                                            key=lambda t: -t[1])[:8]))
+    print(f"\ntop {top} sampled instructions (index, share, instruction, main reasons):")
+    for i in sorted(sorted(range(len(body)), key=lambda i: -num(body[i], samples))[:top]):
+        r = body[i]
+        why = sorted(((h[6:], num(r, h)) for h in reasons if num(r, h)), key=lambda t: -t[1])[:2]
+        print(f"  {i:5d} {100 * num(r, samples) / total:5.1f}%  {r[col['Source']].strip()[:60]:60s} {why}")
+    executed = defaultdict(float)
+    for r in body:
+        op = r[col["Source"]].split()
+        op = op[1] if op and op[0].startswith("@") and len(op) > 1 else (op[0] if op else "?")
+        executed[op.split(".")[0]] += num(r, "Instructions Executed")
+    all_ops = sum(executed.values()) or 1.0
+    print("\nexecuted warp instructions by opcode:", ", ".join(
+        f"{op} {100 * n / all_ops:.1f}%" for op, n in sorted(executed.items(), key=lambda t: -t[1])[:14]),
+        f"(total {all_ops:.0f})")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("host", "kernels", "summary"), required=True)
+    ap.add_argument("--part", choices=("host", "kernels", "summary", "hotspots"), required=True)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--launches", type=int, default=5)
@@ -120,6 +160,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.part == "summary":
         summary_part(args.csv)
+    elif args.part == "hotspots":
+        hotspots_part(args.csv)
     elif args.part == "host":
         host_part(args.calls, args.repeats)
     else:
