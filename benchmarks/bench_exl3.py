@@ -51,6 +51,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_dsv41.exl3.experts import EXL3ExpertProjection, EXL3Experts  # noqa: E402
 from mlx_dsv41.kernels import backend  # noqa: E402
 from mlx_dsv41.kernels import exl3 as ops  # noqa: E402
+from bench_sparse_attention import device_us  # noqa: E402  (benchmarks/ is the script's directory)
 
 SHAPES = (
     ("wq_a", 5120, 1280), ("wq_b", 1280, 32768), ("wkv", 5120, 512), ("wo_a group", 4096, 1024),
@@ -120,24 +121,9 @@ def per_call_us(launch, calls: int, repeats: int, chained: bool) -> float:
     return statistics.median(samples)
 
 
-DEVICE_CHAIN = 8  # calls between two clock stamps: <= 2 launches each, inside one MLX CUDA graph
-
-
-def device_us(call, x0, repeats: int, chain: int = DEVICE_CHAIN) -> float:
-    """Median device µs per call of `chain` dependent calls (call(i, prev) -> output) between two
-    %globaltimer stamps evaluated as one graph (CUDA; set MLX_MAX_OPS_PER_BUFFER >= 64 so that
-    the chain is not split into several graphs)."""
-    from bench_sparse_attention import stamp
-
-    samples = []
-    for r in range(repeats + 1):  # the first round warms up (JIT, graph caches)
-        out, t0 = stamp(x0)
-        for i in range(chain):
-            out = call(r * chain + i, out)
-        _, t1 = stamp(out)
-        mx.eval(t0, t1)
-        samples.append((int(t1.item()) - int(t0.item())) / chain / 1e3)
-    return statistics.median(samples[1:])
+# Calls between two clock stamps (bench_sparse_attention.device_us): <= 2 launches each, one MLX
+# CUDA graph with MLX_MAX_OPS_PER_BUFFER = 64 (set above).
+DEVICE_CHAIN = 8
 
 
 def n_sets(set_bytes: int, rotate_mib: int) -> int:
@@ -199,7 +185,7 @@ def exl3_device_time(sets, m, args) -> float:
     x = mx.random.normal((m, k)).astype(mx.bfloat16)
     # Each call's output row 0 is the next call's bias (both launches of a k-split call read it).
     return device_us(lambda i, prev: ops.linear(x, *sets[i % len(sets)], "mul1", bias=prev[0]),
-                     mx.zeros((1, n), mx.bfloat16), args.repeats)
+                     mx.zeros((1, n), mx.bfloat16), args.repeats, DEVICE_CHAIN)
 
 
 def timings(device, chained, independent, calls) -> dict:
@@ -291,7 +277,7 @@ def moe_time(experts, bits, args, chained: bool) -> float:
 def moe_device_time(experts, bits, args) -> float:
     picks = routing(DEVICE_CHAIN * (args.repeats + 1), seed=bits)
     return device_us(lambda i, prev: experts(prev.reshape(-1, HIDDEN)[:1], *picks[i]), mx.random.normal((1, HIDDEN)),
-                     args.repeats)
+                     args.repeats, DEVICE_CHAIN)
 
 
 def moe_row(bits, t: dict, roofline, label="default") -> dict:

@@ -114,19 +114,25 @@ def chain_us(call, inputs, scale, calls, repeats) -> float:
     return statistics.median(samples[1:])
 
 
-def gpu_us(call, inputs, scale, calls, repeats) -> float:
-    """Median device µs per call of `calls` dependent calls, between two clock stamps."""
-    calls = min(calls, GRAPH_NODES - 2)
-    q, rest = inputs[0].astype(mx.float32), inputs[1:]
+def device_us(call, x0, repeats: int, chain: int) -> float:
+    """Median device µs per call of `chain` dependent calls (call(i, prev) -> output, the first
+    prev being x0) between two clock stamps, evaluated as one graph; the first round warms up.
+    The chain must fit one MLX CUDA graph (MLX_MAX_OPS_PER_BUFFER nodes, 20 by default)."""
     samples = []
-    for _ in range(repeats + 1):
-        out, t0 = stamp(q)
-        for _ in range(calls):
-            out = call(out, *rest, scale)
+    for r in range(repeats + 1):
+        out, t0 = stamp(x0)
+        for i in range(chain):
+            out = call(r * chain + i, out)
         _, t1 = stamp(out)
         mx.eval(t0, t1)
-        samples.append((int(t1.item()) - int(t0.item())) / calls / 1e3)
+        samples.append((int(t1.item()) - int(t0.item())) / chain / 1e3)
     return statistics.median(samples[1:])
+
+
+def gpu_us(call, inputs, scale, calls, repeats) -> float:
+    """Median device µs per call of `calls` dependent calls, between two clock stamps."""
+    q, rest = inputs[0].astype(mx.float32), inputs[1:]
+    return device_us(lambda i, out: call(out, *rest, scale), q, repeats, min(calls, GRAPH_NODES - 2))
 
 
 def independent_us(call, inputs, scale, calls, repeats) -> float:

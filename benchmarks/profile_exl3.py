@@ -41,6 +41,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_exl3 as bench  # noqa: E402
 
+from mlx_dsv41.kernels import backend  # noqa: E402
 from mlx_dsv41.kernels import exl3 as ops  # noqa: E402
 
 CASES = (("wq_a", 3), ("wkv", 3), ("wo_a group", 3), ("wo_b", 3), ("expert w1/w3", 3), ("expert w2", 3),
@@ -101,7 +102,9 @@ def kernels_part(launches: int, rotate_mib: int, only: str):
 
 def summary_part(path: Path):
     rows = [r for r in csv.reader(line for line in path.read_text().splitlines() if line.startswith('"'))]
-    header, body = rows[0], rows[1:]
+    header, body = (rows[0], rows[1:]) if rows else ([], [])
+    if not {"Kernel Name", "Grid Size", "Block Size", "Metric Name", "Metric Unit", "Metric Value"} <= set(header):
+        raise ValueError(f"{path} is not an `ncu --csv` metrics export")
     col = {h: i for i, h in enumerate(header)}
     per = defaultdict(list)
     for r in body:
@@ -118,7 +121,9 @@ def summary_part(path: Path):
 
 def hotspots_part(path: Path, top: int = 25):
     rows = list(csv.reader(path.read_text().splitlines()))
-    header = next(r for r in rows if "Source" in r and "Address" in r)
+    header = next((r for r in rows if "Source" in r and "Address" in r), None)
+    if header is None or "Warp Stall Sampling (All Samples)" not in header:
+        raise ValueError(f"{path} is not an `ncu --page source --print-source sass --csv` export")
     body = [r for r in rows[rows.index(header) + 1:] if len(r) == len(header)]
     col = {h: i for i, h in enumerate(header)}
 
@@ -158,11 +163,20 @@ def main() -> int:
     ap.add_argument("--csv", type=Path)
     ap.add_argument("--only", default="", help="kernels part: only cases whose name contains this")
     args = ap.parse_args()
-    if args.part == "summary":
-        summary_part(args.csv)
-    elif args.part == "hotspots":
-        hotspots_part(args.csv)
-    elif args.part == "host":
+    if args.part in ("summary", "hotspots"):
+        if args.csv is None or not args.csv.is_file():
+            ap.error(f"--part {args.part} needs --csv FILE (an existing Nsight Compute CSV export)")
+        try:
+            (summary_part if args.part == "summary" else hotspots_part)(args.csv)
+        except (ValueError, UnicodeDecodeError) as e:
+            print(f"profile_exl3: error: {e}", file=sys.stderr)
+            return 1
+        return 0
+    if backend() != "cuda":
+        print(f"profile_exl3: --part {args.part} needs MLX's CUDA backend (found {backend()}); nothing measured",
+              file=sys.stderr)
+        return 2
+    if args.part == "host":
         host_part(args.calls, args.repeats)
     else:
         kernels_part(args.launches, args.rotate_mib, args.only)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Callable
 
 import mlx.core as mx
@@ -47,6 +48,7 @@ def backend() -> str:
     return "cpu"
 
 
+@cache
 def float_bits(v: float) -> int:
     """The float32 bits of v as an int template value (bodies read KX_BITS_F32(bits)). MLX names a
     CUDA kernel after its template values, and a negative int would put a '-' in that name, so a

@@ -52,6 +52,13 @@ static void* sim_guarded(size_t nbytes) {
   mprotect(base + span, page, PROT_NONE);
   return base + span - need;
 }
+// The next nbytes of the launch file, copied into a guarded buffer.
+static void* sim_read_guarded(size_t nbytes) {
+  void* p = sim_guarded(nbytes);
+  std::memcpy(p, sim_file.data() + sim_pos, nbytes);
+  sim_pos += nbytes;
+  return p;
+}
 static std::vector<size_t> sim_out_bytes;
 int main(int argc, char** argv) {
   FILE* f = std::fopen(argv[1], "rb");
@@ -69,20 +76,13 @@ int main(int argc, char** argv) {
     Shape s{};
     const u32 ndim = sim_read<u32>();
     for (u32 d = 0; d < ndim; d++) s[d] = sim_read<int32_t>();
-    const u64 nbytes = sim_read<u64>();
-    void* p = sim_guarded(nbytes);
-    std::memcpy(p, sim_file.data() + sim_pos, nbytes);
-    sim_pos += nbytes;
-    sim_in.push_back(p);
+    sim_in.push_back(sim_read_guarded(sim_read<u64>()));
     sim_shape.push_back(s);
   }
   const u32 n_out = sim_read<u32>();
   for (u32 i = 0; i < n_out; i++) {
     const u64 nbytes = sim_read<u64>();
-    void* p = sim_guarded(nbytes);
-    std::memcpy(p, sim_file.data() + sim_pos, nbytes);
-    sim_pos += nbytes;
-    sim_out.push_back(p);
+    sim_out.push_back(sim_read_guarded(nbytes));
     sim_out_bytes.push_back(nbytes);
   }
   sim_launch(grid, tg, sim_specs[spec]);
