@@ -85,6 +85,9 @@ SWEEP = {
     "ring of 2 blocks": T(ring_words=3072),
     "2x SIMD groups (splits)": T(dense_split_warps=4224, gate_up_split_warps=12672),
     "1/2 SIMD groups (splits)": T(dense_split_warps=1056, gate_up_split_warps=3168),
+    "down: 2x splits": T(down_split_warps=25344),
+    "down: 1/2 splits": T(down_split_warps=6336),
+    "down: no split": T(down_split_warps=1),
     "one launch from 32 col blocks": T(dense_single_blocks=32),
     "one launch from 512 col blocks": T(dense_single_blocks=512),
 }

@@ -53,6 +53,15 @@ typedef long i64;
 #define KX_INF_F32 (INFINITY)
 #define KX_NAN_F32 (NAN)
 #define KX_POPCOUNT(x) metal::popcount(x)
+// v[0..3] = the 4 floats at p (16-byte aligned): one vector load.
+#define KX_LOAD_F32X4(p, v)                                    \
+  do {                                                         \
+    const float4 kx_t = *(const device float4*)(p);            \
+    (v)[0] = kx_t.x;                                           \
+    (v)[1] = kx_t.y;                                           \
+    (v)[2] = kx_t.z;                                           \
+    (v)[3] = kx_t.w;                                           \
+  } while (0)
 
 // Conversions (all round-to-nearest-even).
 #define KX_TO_F32(x) static_cast<float>(x)

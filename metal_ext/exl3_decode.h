@@ -34,7 +34,12 @@ KX_INLINE Exl3Lane exl3_lane(u32 lane) {
 }
 
 // The lane's raw words of one tile (device or threadgroup memory). The window is 16 + 4*K2 bits
-// starting at bit `shift` <= 31 of a: for K <= 2 it never reaches a third word.
+// starting at bit `shift` of a. The lanes' shifts are the multiples of G = gcd(4*K2, 32) below 32
+// (G = 32: always 16), so the largest is 32 - G (16): when that window still ends within b (as for
+// K = 1..3 and 4, and 2.5), no lane needs the third word, which then is not loaded (0).
+#define EXL3_MAX_SHIFT(K2) ((4 * (K2)) % 32 == 0 ? 16 : 32 - ((4 * (K2)) & -(4 * (K2)) & 31))
+#define EXL3_THIRD_WORD(K2) (EXL3_MAX_SHIFT(K2) + 16 + 4 * (K2) > 64)
+
 struct Exl3Words {
   u32 a, b, c;
 };
@@ -44,7 +49,7 @@ KX_INLINE Exl3Words exl3_load(P tile, Exl3Lane l) {
   Exl3Words w;
   w.a = tile[l.w0];
   w.b = tile[l.w1];
-  w.c = (K2 > 4) ? tile[l.w2] : 0u;
+  w.c = EXL3_THIRD_WORD(K2) ? tile[l.w2] : 0u;
   return w;
 }
 

@@ -65,6 +65,13 @@ struct Exl3Vec4 {
   float v[4];
 };
 
+// The 4 floats at p (16-byte aligned), e.g. a lane's elements 4*lane .. +3 of a 128-block.
+KX_INLINE Exl3Vec4 exl3_load4(const KX_DEVICE float* p) {
+  Exl3Vec4 v;
+  KX_LOAD_F32X4(p, v.v);
+  return v;
+}
+
 // Scaled H128 of a 128-block held 4 per lane: the 4-point butterfly in registers (element bits
 // 0-1), then xor shuffles for element bits 2-6 (= lane bits 0-4), as exllamav3 does (spec §3.1).
 // A stage is one fma per element: p + (+-1)·x is exactly x + p or p - x.
@@ -87,7 +94,9 @@ KX_INLINE Exl3Vec4 exl3_hadamard128(Exl3Vec4 x, u32 lane) {
 // staged xh row. Within each 16-element tile row the fp16 pairs are stored in the order
 // (0, 4, 1, 5, 2, 6, 3, 7), so that the two pairs a lane's MMA fragment needs (k = 2c, 2c+1 and
 // 2c+8, 2c+9) are adjacent words.
-KX_INLINE void exl3_store_xh(KX_THREADGROUP u32* row, u32 block, Exl3Vec4 v, u32 lane) {
+// `row` is threadgroup memory (a stager) or device memory (exl3_expert_swiglu).
+template <typename P>
+KX_INLINE void exl3_store_xh(P row, u32 block, Exl3Vec4 v, u32 lane) {
   const u32 q = lane & 3u, base = block * 64 + (lane >> 2) * 8;
   const u32 p0 = (q < 2) ? 4 * q : 4 * q - 7;  // pair 2q of the tile row
   row[base + p0] = exl3_pack_f16(v.v[0], v.v[1]);
@@ -127,6 +136,25 @@ KX_INLINE Exl3InputStager<M, XSW, XT, ST> exl3_input_stager(const KX_DEVICE XT* 
   s.suh = suh;
   s.rows = rows;
   s.in_features = in_features;
+  s.kb_begin = kb_begin;
+  return s;
+}
+
+// The input side when xh is already formed in device memory (exl3_expert_swiglu's output, in the
+// staged word order): 128-blocks kb_begin + b0 .. + nb - 1 of the row, 64 words each, copied.
+struct Exl3CopyStager {
+  const KX_DEVICE u32* xh;
+  u32 kb_begin;
+
+  KX_INLINE void stage(KX_THREADGROUP u32* xs, u32 b0, u32 nb, u32 warp, u32 warps, u32 lane) const {
+    const KX_DEVICE u32* src = xh + (u64)(kb_begin + b0) * 64;
+    for (u32 i = warp * 32 + lane; i < nb * 64; i += warps * 32) xs[i] = src[i];
+  }
+};
+
+KX_INLINE Exl3CopyStager exl3_copy_stager(const KX_DEVICE u32* xh, u32 kb_begin) {
+  Exl3CopyStager s;
+  s.xh = xh;
   s.kb_begin = kb_begin;
   return s;
 }
@@ -417,6 +445,32 @@ KX_INLINE float exl3_ys_sum(const KX_THREADGROUP float* ys, u32 r, u32 j) {
   float s = ys[r * 128 + j];
   for (int g = 1; g < KG; g++) s += ys[(g * M + r) * 128 + j];
   return s;
+}
+
+// The finishing pass of a k split in exl3_gemv_out (up to 40 splits: 8 SIMD groups share the
+// loads): the 128 columns at `first` (split 0) summed over `splits` partial rows `stride` floats apart, in split order within
+// each of the 8 SIMD groups (group w adds splits w, w+8, ...; its loads are independent), then the
+// 8 group sums in group order, then H128. `sums` holds 8 x 128 floats; the result is valid in
+// SIMD group 0 (the others return zeros) and is the lane's 4 columns 4*lane .. +3.
+KX_INLINE Exl3Vec4 exl3_finish_splits(const KX_DEVICE float* first, u64 stride, u32 splits,
+                                      KX_THREADGROUP float* sums, u32 warp, u32 lane) {
+  Exl3Vec4 s;
+  for (int i = 0; i < 4; i++) s.v[i] = 0.0f;
+  for (u32 p = warp; p < splits; p += 8)
+    for (int i = 0; i < 4; i++) s.v[i] += first[p * stride + 4 * lane + i];
+  for (int i = 0; i < 4; i++) sums[warp * 128 + 4 * lane + i] = s.v[i];
+  KX_BARRIER();
+  Exl3Vec4 v;
+  for (int i = 0; i < 4; i++) v.v[i] = 0.0f;
+  if (warp == 0) {
+    for (int i = 0; i < 4; i++) {
+      float t = sums[4 * lane + i];
+      for (int w = 1; w < 8; w++) t += sums[w * 128 + 4 * lane + i];
+      v.v[i] = t;
+    }
+    v = exl3_hadamard128(v, lane);
+  }
+  return v;
 }
 
 // Row r of ys summed over the k groups, as a lane's 4 elements.

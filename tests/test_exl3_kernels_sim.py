@@ -183,7 +183,7 @@ def test_launch_plans():
 EXPERT_CASES = [
     # hidden, inter, bits, codebook, expert_range, T, top_k, tuning (None: the default)
     (256, 384, {"w1": (3, 2), "w3": 3, "w2": (2, 3, 4)}, "mul1", (1, 5), 2, 3,
-     T(gate_up_warps=16, nc=2, down_warps=4, gate_up_split_warps=8)),
+     T(gate_up_warps=16, nc=2, down_warps=4, gate_up_split_warps=8, down_split_warps=8)),
     (200, 300, {"w1": 2.5, "w3": 2.5, "w2": 4}, {"w1": "mul1", "w3": "mul1", "w2": ("mcg", "3inst")}, None, 1, 6, None),
 ]
 
@@ -198,14 +198,16 @@ def expert_chain(ex, x, indices, weights, tuning):
         shape = call["output_shapes"][0]
         prev = mx.zeros((shape[0] - 1, *shape[1:]))
     gu = prev
+    swiglu = ops.swiglu_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, lo, ex.swiglu_limit, guard=1)
+    xh = mx.zeros((indices.size, ex.w1.n // 2), mx.uint32)
     down_calls, prev = [], None
     for group in ex.w2.groups:
-        call = ops.down_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, group, lo, ex.swiglu_limit, prev=prev,
-                             tuning=tuning, guard=1)
+        call = ops.down_args(xh, indices, ex.w2, group, lo, prev=prev, tuning=tuning, guard=1)
         down_calls.append(call)
         shape = call["output_shapes"][0]
         prev = mx.zeros((shape[0] - 1, *shape[1:]))
-    return gu_calls, down_calls
+    finish = ops.down_finish_args(prev, indices, ex.w2, lo, guard=1)
+    return gu_calls, swiglu, down_calls, finish
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["mma", "fma"])
@@ -221,25 +223,36 @@ def expert_runs(request):
         weights = mx.array(rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32))
         cases.append((ex, x, indices, weights, *expert_chain(ex, x, indices, weights, tuning)))
     specs = []
-    for ex, x, indices, weights, gu_calls, down_calls in cases:
-        specs += [(ops.EXPERT_GATE_UP, c) for c in gu_calls] + [(ops.EXPERT_DOWN, c) for c in down_calls]
+    for ex, x, indices, weights, gu_calls, swiglu, down_calls, finish in cases:
+        specs += [(ops.EXPERT_GATE_UP, c) for c in gu_calls] + [(ops.EXPERT_SWIGLU, swiglu)]
+        specs += [(ops.EXPERT_DOWN, c) for c in down_calls] + [(ops.EXPERT_DOWN_FINISH, finish)]
     program = exl3_sim.build(specs, mma=request.param)
     runs, spec = [], 0
-    for ex, x, indices, weights, gu_calls, down_calls in cases:
+    for ex, x, indices, weights, gu_calls, swiglu, down_calls, finish in cases:
         gu = None
         for call in gu_calls:
             out = program.run(spec, call if gu is None else with_input(call, "prev", mx.array(gu), ops.EXPERT_GATE_UP))[0]
             spec += 1
             assert np.all(np.isnan(out[-1])) and not np.any(np.isnan(out[:-1]))  # guard; all written
             gu = out[:-1]
-        y = None
+        out = program.run(spec, with_input(swiglu, "gu", mx.array(gu), ops.EXPERT_SWIGLU))[0]
+        spec += 1
+        assert np.all(out[-1] == 0xFFFFFFFF)  # guard (poisoned bytes) untouched
+        xh = out[:-1]
+        partial = None
         for call in down_calls:
-            call = with_input(call, "gu", mx.array(gu), ops.EXPERT_DOWN)
-            out = program.run(spec, call if y is None else with_input(call, "prev", mx.array(y), ops.EXPERT_DOWN))[0]
+            call = with_input(call, "xh", mx.array(xh), ops.EXPERT_DOWN)
+            if partial is not None:
+                call = with_input(call, "prev", mx.array(partial), ops.EXPERT_DOWN)
+            out = program.run(spec, call)[0]
             spec += 1
             assert np.all(np.isnan(out[-1])) and not np.any(np.isnan(out[:-1]))
-            y = out[:-1]
-        runs.append((ex, x, indices, weights, gu_calls, len(down_calls), y))
+            partial = out[:-1]
+        out = program.run(spec, with_input(finish, "partial", mx.array(partial), ops.EXPERT_DOWN_FINISH))[0]
+        spec += 1
+        assert np.all(np.isnan(out[-1])) and not np.any(np.isnan(out[:-1]))
+        y = out[:-1]
+        runs.append((ex, x, indices, weights, gu_calls, down_calls, y))
     return runs
 
 
@@ -259,8 +272,12 @@ def test_launch_constants_are_template_values():
         "LO": 1, "PER_SPLIT": per_split, "SPLITS": splits}
     partial = mx.zeros(gu["output_shapes"][0], mx.float32)
     for limit, bits in ((10.0, 0x41200000), (0.0, 0), (-1.0, 0), (-0.0, 0)):
-        down = dict(ops.down_args(partial, weights, indices, ex.w1, ex.w3, ex.w2, ex.w2.groups[0], 1, limit)["template"])
-        assert (down["LO"], down["INTER"], down["LIMIT_BITS"]) == (1, 384, bits)
+        mid = dict(ops.swiglu_args(partial, weights, indices, ex.w1, ex.w3, ex.w2, 1, limit)["template"])
+        assert (mid["LO"], mid["INTER"], mid["LIMIT_BITS"]) == (1, 384, bits)
+    d_splits, d_per_split = ops.down_plan(ex.w2)
+    xh = mx.zeros((2, ex.w1.n // 2), mx.uint32)
+    down = dict(ops.down_args(xh, indices, ex.w2, ex.w2.groups[0], 1)["template"])
+    assert (down["LO"], down["PER_SPLIT"], down["SPLITS"]) == (1, d_per_split, d_splits)
     t = random_linear_tensors(256, 256, 3, "mul1", seed=1)
     gemv = ops.gemv_args(x, mx.array(t["trellis"]), mx.array(t["suh"]), mx.array(t["svh"]), "mul1", splits=2)
     assert dict(gemv[0]["template"])["PER_SPLIT"] == 1
@@ -272,7 +289,9 @@ def test_launch_constants_are_template_values():
 
 @pytest.mark.parametrize("case", range(len(EXPERT_CASES)))
 def test_experts_match_reference(expert_runs, case):
-    ex, x, indices, weights, gu_calls, n_down, y = expert_runs[case]
+    ex, x, indices, weights, gu_calls, down_calls, y = expert_runs[case]
+    n_down = len(down_calls)
+    assert down_calls[0]["output_shapes"][0][1] == (1, 3)[case]  # w2's k splits: one, then three
     n_gate_up = len(gu_calls)
     assert gu_calls[0]["output_shapes"][0][2] == case + 1  # k splits: one, then two
     assert n_gate_up == len(ops.gate_up_keys(ex.w1, ex.w3)) and n_down == len(ex.w2.groups)

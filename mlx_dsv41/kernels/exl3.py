@@ -12,10 +12,13 @@ On the CPU every op runs the plain-MLX reference (mlx_dsv41.exl3.reference). On 
   splits k over enough threadgroups to fill the GPU (``dense_split_warps``) and exl3_gemv_out
   finishes it (two launches). With more rows: reconstruct, then an fp16 matmul between the two
   transforms (as exllamav3 does above its GEMV sizes);
-- ``experts`` for at most FUSED_MAX_TOKENS tokens: exl3_expert_gate_up (w1 and w3 of each selected
-  expert, k split to reach ``gate_up_split_warps``) and exl3_expert_down (finishes g and u,
-  SwiGLU, w2), one launch of each per (K, codebook) group present; for more tokens: one expert at
-  a time through exl3_gemv in chunks of GEMV_MAX_ROWS rows (``linear_row_invariant``).
+- ``experts`` for at most FUSED_MAX_TOKENS tokens: exl3_expert_gate_up (k-split partials of w1 and
+  w3 of each selected expert, k split to reach ``gate_up_split_warps``; one launch per (K,
+  codebook) group present), one exl3_expert_swiglu (finishes g and u, the routed SwiGLU and w2's
+  input transform: xh once per slot), exl3_expert_down (k-split partials of w2, k split to reach
+  ``down_split_warps``; one launch per w2 group) and one exl3_expert_down_finish (the splits'
+  sum and w2's output side); for more tokens: one expert at a time through exl3_gemv in chunks
+  of GEMV_MAX_ROWS rows (``linear_row_invariant``).
   A slot's bytes never depend on the rest of the call: the path is chosen from the token count
   (which the expert-parallel slot split shares with one process), the k splits from the weight
   shapes, and the GEMV's arithmetic for a row does not depend on the other rows.
@@ -41,6 +44,7 @@ from mlx_dsv41.quant.experts import check_routing
 GEMV_MAX_ROWS = 8  # rows served by exl3_gemv (the M template: 1, 2, 4 or 8)
 FUSED_MAX_TOKENS = 10  # tokens served by the fused expert kernels (60 slots at Flash top-6)
 _LANES = 32
+_SMALL_WARPS = 4  # exl3_expert_swiglu / _down_finish: SIMD groups (one 128-block each) per threadgroup
 _X_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _OUT_KIND = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # the kernels' OUT template value
 _XS_WORDS = 4096  # largest xh staging (XSW template in exl3_matmul.h): 16 KiB
@@ -53,14 +57,14 @@ class Tuning:
     """Launch shapes of the EXL3 product kernels (exl3_gemv and the expert kernels).
 
     A threadgroup has ``warps`` SIMD groups in exl3_gemv, ``gate_up_warps`` in
-    exl3_expert_gate_up and ``down_warps`` in exl3_expert_down (whose threadgroup count is fixed
-    at slots x 128-column blocks); each SIMD group decodes ``nc`` adjacent tile columns of the
+    exl3_expert_gate_up and ``down_warps`` in exl3_expert_down; each SIMD group decodes ``nc``
+    adjacent tile columns of the
     threadgroup's 8, so warps * nc / 8 k groups share each tile column. ``ring_words`` of
     threadgroup memory hold the trellis ring: as many 128-blocks in flight as fit (2 to 4). A
     dense launch with fewer than ``dense_single_blocks`` 128-column output blocks splits k until
     it has ``dense_split_warps`` SIMD groups (then exl3_gemv_out finishes it); exl3_expert_gate_up
-    splits k until it has ``gate_up_split_warps`` for ``gate_up_plan_slots`` slots, whatever the
-    call's slot count (see expert_plan).
+    and exl3_expert_down split k until they have ``gate_up_split_warps`` / ``down_split_warps``
+    for ``plan_slots`` slots, whatever the call's slot count (see expert_plan).
     """
 
     warps: int = 8
@@ -71,7 +75,8 @@ class Tuning:
     dense_split_warps: int = 2112  # 132 SMs x 16
     dense_single_blocks: int = 128
     gate_up_split_warps: int = 6336  # 132 SMs x 48
-    gate_up_plan_slots: int = 6  # slots the gate/up k split is planned for (Flash top-k)
+    down_split_warps: int = 12672  # 132 SMs x 96
+    plan_slots: int = 6  # slots the expert k splits are planned for (Flash top-k)
 
     def __post_init__(self):
         for warps in (self.warps, self.gate_up_warps, self.down_warps):
@@ -79,7 +84,7 @@ class Tuning:
                 raise ValueError(f"exl3 tuning: warps {warps} x nc {self.nc} is not one of (4, 8) x (2, 4, 8), "
                                  f"16 x (2, 4)")
         if min(self.ring_words, self.dense_split_warps, self.dense_single_blocks, self.gate_up_split_warps,
-               self.gate_up_plan_slots) < 1:
+               self.down_split_warps, self.plan_slots) < 1:
             raise ValueError(f"exl3 tuning: sizes must be positive, got {self}")
 
     def stages(self, k2: int) -> int:
@@ -126,11 +131,17 @@ EXPERT_GATE_UP = register(Kernel(
     ("x", "indices", "suh1", "t1", "p1", "suh3", "t3", "p3", "prev"), ("out",),
     includes=_HEADERS, max_threads=512, examples=lambda: _example_gate_up(),
 ))
+EXPERT_SWIGLU = register(Kernel(
+    "exl3_expert_swiglu", ("gu", "weights", "indices", "svh1", "svh3", "suh2"), ("xh",),
+    includes=_HEADERS + ("exl3_experts.h",), max_threads=256, examples=lambda: _example_swiglu(),
+))
 EXPERT_DOWN = register(Kernel(
-    "exl3_expert_down",
-    ("gu", "weights", "indices", "svh1", "svh3", "suh2", "t2", "p2", "svh2", "prev"),
-    ("out",), includes=_HEADERS + ("exl3_experts.h",), max_threads=512,
+    "exl3_expert_down", ("xh", "indices", "t2", "p2", "prev"), ("out",), includes=_HEADERS, max_threads=512,
     examples=lambda: _example_down(),
+))
+EXPERT_DOWN_FINISH = register(Kernel(
+    "exl3_expert_down_finish", ("partial", "indices", "svh2"), ("out",), includes=_HEADERS, max_threads=256,
+    examples=lambda: _example_down_finish(),
 ))
 
 
@@ -245,12 +256,18 @@ def gemv_args(x, trellis, suh, svh, codebook: str, bias=None, out_dtype=None, sp
 
 def expert_plan(w1, tuning: Tuning | None = None) -> tuple[int, int]:
     """(splits, 128-blocks per split) of exl3_expert_gate_up. Decided from the projection's shape
-    for ``gate_up_plan_slots`` slots, never from the slots of the call: a slot's bytes must not
-    depend on what else is in the batch (batched == solo; the expert-parallel slot split == one
-    process)."""
+    for ``plan_slots`` slots, never from the slots of the call: a slot's bytes must not depend on
+    what else is in the batch (batched == solo; the expert-parallel slot split == one process)."""
     t = tuning or TUNING
-    units = 2 * t.gate_up_plan_slots * (w1.n // BLOCK)
+    units = 2 * t.plan_slots * (w1.n // BLOCK)
     return _k_splits(w1.k // BLOCK, units, -(-t.gate_up_split_warps // t.gate_up_warps))
+
+
+def down_plan(w2, tuning: Tuning | None = None) -> tuple[int, int]:
+    """(splits, 128-blocks per split) of exl3_expert_down, from w2's shape only (as expert_plan)."""
+    t = tuning or TUNING
+    units = t.plan_slots * (w2.n // BLOCK)
+    return _k_splits(w2.k // BLOCK, units, -(-t.down_split_warps // t.down_warps))
 
 
 def gate_up_args(x, indices, w1, w3, key, lo: int, prev=None, tuning=None, guard: int = 0, init_value=None) -> dict:
@@ -278,22 +295,53 @@ def gate_up_args(x, indices, w1, w3, key, lo: int, prev=None, tuning=None, guard
     )
 
 
-def down_args(gu, weights, indices, w1, w3, w2, group, lo: int, limit: float, prev=None, tuning=None,
-              guard: int = 0, init_value=None) -> dict:
-    """exl3_expert_down call kwargs for one (k2, codebook) group of w2 (tests: as gate_up_args)."""
+def swiglu_args(gu, weights, indices, w1, w3, w2, lo: int, limit: float, guard: int = 0, init_value=None) -> dict:
+    """exl3_expert_swiglu call kwargs: w2's input xh [slots, I / 2] (fp16 pairs) from the gate/up
+    partials of every group."""
+    slots = indices.size
+    blocks = w1.n // BLOCK
+    return dict(
+        inputs=[gu, weights, indices, w1.svh, w3.svh, w2.suh],
+        output_shapes=[(slots + guard, w1.n // 2)],
+        output_dtypes=[mx.uint32],
+        grid=(-(-blocks // _SMALL_WARPS) * _SMALL_WARPS * _LANES, slots, 1),
+        threadgroup=(_SMALL_WARPS * _LANES, 1, 1),
+        template=[("LO", int(lo)), ("INTER", w1.out_features), ("LIMIT_BITS", float_bits(limit if limit > 0 else 0.0)),
+                  ("SPLITS", gu.shape[2])],
+        init_value=init_value,
+    )
+
+
+def down_args(xh, indices, w2, group, lo: int, prev=None, tuning=None, guard: int = 0, init_value=None) -> dict:
+    """exl3_expert_down call kwargs (k-split partials) for one (k2, codebook) group of w2 (tests: as
+    gate_up_args)."""
     t = tuning or TUNING
     slots = indices.size
+    splits, per_split = down_plan(w2, t)
     return dict(
-        inputs=[gu, weights, indices, w1.svh, w3.svh, w2.suh, group.trellis, group.position, w2.svh,
-                weights if prev is None else prev],
-        output_shapes=[(slots + guard, w2.n)],
+        inputs=[xh, indices, group.trellis, group.position, indices if prev is None else prev],
+        output_shapes=[(slots + guard, splits, w2.n)],
         output_dtypes=[mx.float32],
-        grid=(w2.n // BLOCK * _LANES * t.down_warps, slots, 1),
+        grid=(w2.n // BLOCK * _LANES * t.down_warps, splits, slots),
         threadgroup=(_LANES * t.down_warps, 1, 1),
         template=[("K2", group.k2), ("CB", CODEBOOK_IDS[group.codebook]),
-                  *t.template(t.down_warps, group.k2, 1, w2.k // BLOCK, backend()),
-                  ("HAS_PREV", prev is not None), ("LO", int(lo)), ("INTER", w1.out_features),
-                  ("LIMIT_BITS", float_bits(limit if limit > 0 else 0.0))],
+                  *t.template(t.down_warps, group.k2, 1, per_split, backend()),
+                  ("HAS_PREV", prev is not None), ("LO", int(lo)), ("PER_SPLIT", per_split), ("SPLITS", splits)],
+        init_value=init_value,
+    )
+
+
+def down_finish_args(partial, indices, w2, lo: int, guard: int = 0, init_value=None) -> dict:
+    """exl3_expert_down_finish call kwargs: y [slots, n] from the partials of every w2 group."""
+    slots = indices.size
+    blocks = w2.n // BLOCK
+    return dict(
+        inputs=[partial, indices, w2.svh],
+        output_shapes=[(slots + guard, w2.n)],
+        output_dtypes=[mx.float32],
+        grid=(-(-blocks // _SMALL_WARPS) * _SMALL_WARPS * _LANES, slots, 1),
+        threadgroup=(_SMALL_WARPS * _LANES, 1, 1),
+        template=[("LO", int(lo)), ("SPLITS", partial.shape[1])],
         init_value=init_value,
     )
 
@@ -385,9 +433,11 @@ def _experts_fused(x, indices, weights, w1, w3, w2, lo, limit):
     gu = None
     for key in gate_up_keys(w1, w3):
         gu = EXPERT_GATE_UP(**gate_up_args(x, indices, w1, w3, key, lo, prev=gu))[0]
-    y = None
+    xh = EXPERT_SWIGLU(**swiglu_args(gu, weights, indices, w1, w3, w2, lo, limit))[0]
+    partial = None
     for group in w2.groups:
-        y = EXPERT_DOWN(**down_args(gu, weights, indices, w1, w3, w2, group, lo, limit, prev=y))[0]
+        partial = EXPERT_DOWN(**down_args(xh, indices, w2, group, lo, prev=partial))[0]
+    y = EXPERT_DOWN_FINISH(**down_finish_args(partial, indices, w2, lo))[0]
     if w2.out_features != w2.n:
         y = y[:, : w2.out_features]
     return y.reshape(T, top_k, w2.out_features)
@@ -457,13 +507,25 @@ def _example_gate_up():
             gate_up_args(x, indices, ex.w1, ex.w3, key, 1, tuning=Tuning(gate_up_warps=4, nc=8))]
 
 
-def _example_down():
+def _example_swiglu():
     ex, x, indices, weights = _example_experts()
     splits = expert_plan(ex.w1)[0]
     gu = mx.zeros((indices.size, 2, splits, ex.w1.n), mx.float32)
-    calls = [down_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, g, 1, 10.0) for g in ex.w2.groups]
-    calls.append(down_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, ex.w2.groups[0], 1, 10.0,
-                           prev=mx.zeros((indices.size, ex.w2.n), mx.float32)))
-    calls.append(down_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, ex.w2.groups[0], 1, 10.0,
-                           tuning=Tuning(nc=2, down_warps=16)))
+    return [swiglu_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, 1, 10.0),
+            swiglu_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, 1, 0.0)]
+
+
+def _example_down():
+    ex, x, indices, weights = _example_experts()
+    xh = mx.zeros((indices.size, ex.w1.n // 2), mx.uint32)
+    calls = [down_args(xh, indices, ex.w2, g, 1) for g in ex.w2.groups]
+    calls.append(down_args(xh, indices, ex.w2, ex.w2.groups[0], 1,
+                           prev=mx.zeros((indices.size, down_plan(ex.w2)[0], ex.w2.n), mx.float32)))
+    calls.append(down_args(xh, indices, ex.w2, ex.w2.groups[0], 1, tuning=Tuning(nc=2, down_warps=16)))
     return calls
+
+
+def _example_down_finish():
+    ex, x, indices, weights = _example_experts()
+    partial = mx.zeros((indices.size, down_plan(ex.w2)[0], ex.w2.n), mx.float32)
+    return [down_finish_args(partial, indices, ex.w2, 1)]

@@ -117,6 +117,11 @@ inline T sim_shuffle_to(T v, u32 src_lane) {
 #define KX_INF_F32 (INFINITY)
 #define KX_NAN_F32 (NAN)
 #define KX_POPCOUNT(x) ((u32)__builtin_popcount((u32)(x)))
+#define KX_LOAD_F32X4(p, v)                                         \
+  do {                                                              \
+    if (((uintptr_t)(p)) % 16 != 0) sim_fail("KX_LOAD_F32X4: unaligned"); \
+    for (int kx_i = 0; kx_i < 4; kx_i++) (v)[kx_i] = (p)[kx_i];      \
+  } while (0)
 
 template <typename T>
 inline T min(T a, T b) { return b < a ? b : a; }

@@ -1,0 +1,29 @@
+// exl3_expert_down_finish: y [slot] = bf16(H128(the k-split partials of exl3_expert_down added in
+// split order) ⊙ svh2[e]) for the held slots, 0 for the others (exl3 spec §3.3 steps 4-6; the
+// reference's w2 linear returns bf16, held here in float32). One SIMD group per 128-column block
+// (a threadgroup's last SIMD groups may have none) and slot (KX_TGID_Y); no barriers.
+// Inputs: partial [slots, SPLITS, n] float32, indices [T, top_k] int32, svh2 [E, n].
+// Output: out [slots, n] float32. Template: LO (first held expert), SPLITS (a constant, so that
+// every partial's load is issued before the first sum).
+const u32 lane = KX_LANE;
+const u32 col_block = KX_TGID_X * (KX_TG_SIZE_X / 32) + KX_WARP, slot = KX_TGID_Y;
+const u32 n = partial_shape[2];
+const u32 n_local = svh2_shape[0];
+if (col_block * 128 < n) {
+  const u32 c0 = col_block * 128 + 4 * lane;
+  const int e = indices[slot] - LO;
+  KX_DEVICE float* y = out + (u64)slot * n + c0;
+  if (e < 0 || e >= (int)n_local) {
+    for (int i = 0; i < 4; i++) y[i] = 0.0f;
+  } else {
+    const KX_DEVICE float* p = partial + (u64)slot * SPLITS * n + c0;
+    Exl3Vec4 s = exl3_load4(p);
+    KX_UNROLL
+    for (int q = 1; q < SPLITS; q++) {
+      const Exl3Vec4 t = exl3_load4(p + (u64)q * n);
+      for (int i = 0; i < 4; i++) s.v[i] += t.v[i];
+    }
+    s = exl3_hadamard128(s, lane);
+    for (int i = 0; i < 4; i++) y[i] = exl3_round_bf16(s.v[i] * KX_TO_F32(svh2[(u64)e * n + c0 + i]));
+  }
+}
