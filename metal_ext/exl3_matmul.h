@@ -448,9 +448,9 @@ KX_INLINE float exl3_ys_sum(const KX_THREADGROUP float* ys, u32 r, u32 j) {
 }
 
 // The finishing pass of a k split in exl3_gemv_out (up to 40 splits: 8 SIMD groups share the
-// loads): the 128 columns at `first` (split 0) summed over `splits` partial rows `stride` floats apart, in split order within
-// each of the 8 SIMD groups (group w adds splits w, w+8, ...; its loads are independent), then the
-// 8 group sums in group order, then H128. `sums` holds 8 x 128 floats; the result is valid in
+// loads): the 128 columns at `first` (split 0) summed over `splits` partial rows `stride` floats
+// apart, in split order within each of the 8 SIMD groups (group w adds splits w, w+8, ...; its
+// loads are independent), then the 8 group sums in group order, then H128. `sums` holds 8 x 128 floats; the result is valid in
 // SIMD group 0 (the others return zeros) and is the lane's 4 columns 4*lane .. +3.
 KX_INLINE Exl3Vec4 exl3_finish_splits(const KX_DEVICE float* first, u64 stride, u32 splits,
                                       KX_THREADGROUP float* sums, u32 warp, u32 lane) {
