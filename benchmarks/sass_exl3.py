@@ -98,6 +98,11 @@ def disassemble(kernel, call) -> tuple[list[str], dict[str, int], str]:
             sys.exit(f"sass_exl3: nvcc failed:\n{r.stderr[:3000]}")
         sass = subprocess.run([nvdisasm(), "-c", f"{tmp}/k.cubin"], capture_output=True, text=True, check=True).stdout
     usage = " ".join(line.split("ptxas info    : ")[-1] for line in r.stderr.splitlines() if "registers" in line)
+    return (*parse_listing(sass), usage)
+
+
+def parse_listing(sass: str) -> tuple[list[str], dict[str, int]]:
+    """(instructions, label -> index of the instruction it names) of an nvdisasm -c listing."""
     ins, labels = [], {}
     for line in sass.splitlines():
         m = re.match(r"^\s*(\.L_x_\d+):", line)
@@ -105,7 +110,7 @@ def disassemble(kernel, call) -> tuple[list[str], dict[str, int], str]:
             labels[m.group(1)] = len(ins)
         elif re.match(r"\s+/\*[0-9a-f]{4}\*/", line):
             ins.append(re.sub(r"^\s+/\*[0-9a-f]+\*/\s*", "", line).rstrip(" ;"))
-    return ins, labels, usage
+    return ins, labels
 
 
 def opcode(instr: str) -> str:
