@@ -118,15 +118,16 @@ def opcode(instr: str) -> str:
 
 
 def innermost_mma_loop(ins: list[str], labels: dict[str, int]) -> tuple[int, int] | None:
-    """[first, last] of the smallest backward branch's body that holds an HMMA."""
-    best = None
+    """[first, last] of the block loop: of the backward branches whose body holds an HMMA and no
+    inner such loop, the one with the most HMMAs (an unrolled main loop rather than its tail)."""
+    loops = []
     for i, s in enumerate(ins):
         m = re.search(r"BRA\s.*?(\.L_x_\d+)", s)
         j = labels.get(m.group(1)) if m else None
         if j is not None and j < i and any("HMMA" in q for q in ins[j : i + 1]):
-            if best is None or i - j < best[1] - best[0]:
-                best = (j, i)
-    return best
+            loops.append((j, i))
+    inner = [(j, i) for j, i in loops if not any(j <= a and b <= i and (a, b) != (j, i) for a, b in loops)]
+    return max(inner, key=lambda r: sum("HMMA" in q for q in ins[r[0] : r[1] + 1]), default=None)
 
 
 def conditional_regions(ins: list[str], labels: dict[str, int], first: int, last: int) -> set[int]:
