@@ -4,8 +4,8 @@ The EXL3 product kernels are bound by instruction issue (docs/benchmarks.md, EXL
 instructions per decoded 16x16 tile are the figure to watch when changing a body. This script
 assembles the CUDA source MLX would JIT for a Flash-shaped launch (mlx_dsv41.kernels.source_check),
 compiles it for sm_90 with nvcc and disassembles it with nvdisasm, then prints the registers and
-threadgroup memory, and for the innermost loop that holds MMAs (the block loop): its instructions
-per tile by opcode and by the pipe that executes them (Hopper: shifts, masks, byte permutes and
+threadgroup memory, and for the block loop (the loop with the fewest always-run instructions per
+MMA): its instructions per tile by opcode and by the pipe that executes them (Hopper: shifts, masks, byte permutes and
 integer adds on the ALU pipe; IMAD, IDP and fp32 on the FMA pipe, packed fp16 on both FMA pipes;
 loads and shuffles on the LSU). Kernels without MMAs get their whole-body opcode counts.
 
@@ -117,17 +117,22 @@ def opcode(instr: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", instr).split()[0]
 
 
-def innermost_mma_loop(ins: list[str], labels: dict[str, int]) -> tuple[int, int] | None:
-    """[first, last] of the block loop: of the backward branches whose body holds an HMMA and no
-    inner such loop, the one with the most HMMAs (an unrolled main loop rather than its tail)."""
-    loops = []
+def block_loop(ins: list[str], labels: dict[str, int]) -> tuple[int, int] | None:
+    """[first, last] of the block loop: of the backward branches whose body holds an HMMA on its
+    always-taken path, the one with the fewest such instructions per HMMA (the steady state: an
+    unrolled main loop rather than its tail or an enclosing loop)."""
+    best, best_rate = None, None
     for i, s in enumerate(ins):
         m = re.search(r"BRA\s.*?(\.L_x_\d+)", s)
         j = labels.get(m.group(1)) if m else None
-        if j is not None and j < i and any("HMMA" in q for q in ins[j : i + 1]):
-            loops.append((j, i))
-    inner = [(j, i) for j, i in loops if not any(j <= a and b <= i and (a, b) != (j, i) for a, b in loops)]
-    return max(inner, key=lambda r: sum("HMMA" in q for q in ins[r[0] : r[1] + 1]), default=None)
+        if j is None or j >= i:
+            continue
+        cold = conditional_regions(ins, labels, j, i)
+        hot = [ins[k] for k in range(j, i + 1) if k not in cold]
+        mmas = sum("HMMA" in q for q in hot)
+        if mmas and (best_rate is None or len(hot) / mmas < best_rate):
+            best, best_rate = (j, i), len(hot) / mmas
+    return best
 
 
 def conditional_regions(ins: list[str], labels: dict[str, int], first: int, last: int) -> set[int]:
@@ -163,7 +168,7 @@ def main(argv=None):
     ins, labels, usage = disassemble(kernel, call)
     print(f"{kernel.name}: template {call.get('template')}, grid {call['grid']}, threadgroup {call['threadgroup']}")
     print(f"ptxas: {usage}; {len(ins)} instructions in all")
-    loop = innermost_mma_loop(ins, labels)
+    loop = block_loop(ins, labels)
     if loop is None:
         body, per, what = ins, 1.0, "whole body"
     else:

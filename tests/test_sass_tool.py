@@ -1,6 +1,6 @@
-"""benchmarks/sass_exl3.py's reading of an nvdisasm listing: the block loop is the innermost
-backward branch around an MMA, and what a forward branch inside it may skip (staging, copy issue)
-is set apart from the per-tile count. A synthetic listing keeps the test independent of nvdisasm."""
+"""benchmarks/sass_exl3.py's reading of an nvdisasm listing: the block loop is the backward
+branch around MMAs with the fewest always-run instructions per MMA, and what a forward branch
+inside it may skip (staging, copy issue) is set apart from the per-tile count. A synthetic listing keeps the test independent of nvdisasm."""
 
 import importlib.util
 from pathlib import Path
@@ -38,7 +38,7 @@ def test_block_loop_and_its_conditional_work():
     tool = load_tool()
     ins, labels = tool.parse_listing(LISTING)
     assert len(ins) == 14 and labels == {".L_x_0": 1, ".L_x_1": 5}
-    first, last = tool.innermost_mma_loop(ins, labels)
+    first, last = tool.block_loop(ins, labels)
     assert (first, last) == (1, 12)
     cold = tool.conditional_regions(ins, labels, first, last)
     assert cold == {3, 4}  # the LDG + STS the forward branch skips
