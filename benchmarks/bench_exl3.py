@@ -24,11 +24,13 @@ shapes: bf16 matmul, affine 4-bit (group 64) and mxfp4 quantized_matmul; for the
 gather_qmm. Results: markdown tables on stdout and bench_exl3.json in --out.
 
 --quick: m = 1, K = 3 and 4, every shape, the MoE block, no MLX baselines; then --sweep: every
-launch shape of SWEEP (mlx_dsv41.kernels.exl3.Tuning) on every shape at m = 1, K = 3, and the MoE
-block at K = 3, chained; a table of µs per shape and tuning with the best marked. (~3 minutes.)
+launch shape of SWEEP (mlx_dsv41.kernels.exl3.Tuning) on every shape at m = 1 and each K of
+--sweep-bits (default 3), and the MoE block; a table of µs per shape, K and tuning with the best
+marked. (~3 minutes.) --sweep-only skips everything but the sweep.
 
     python3 benchmarks/bench_exl3.py --out /tmp/bench_out                  (on the GPU machine)
     python3 benchmarks/bench_exl3.py --quick --out /tmp/bench_out
+    python3 benchmarks/bench_exl3.py --sweep-only --sweep-bits 3 4 5 --shapes "expert w2" --out /tmp/b
 """
 
 from __future__ import annotations
@@ -330,9 +332,10 @@ def print_tables(bw, rows):
     print(f"\nDevice read bandwidth: {bw['roofline_GBps']:.0f} GB/s (sum {bw['sum_read_GBps']:.0f}, "
           f"copy {bw['copy_total_GBps']:.0f} GB/s read+write)\n")
     main = [r for r in rows if r["kind"] == "exl3" and not r.get("sweep")]
-    print("| shape (in x out) | K | m | device µs | chained µs | independent µs | packed GB/s (device) | of roofline "
-          "| launches | exllamav3 µs | vs exllamav3 (device) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    if main:
+        print("| shape (in x out) | K | m | device µs | chained µs | independent µs | packed GB/s (device) | "
+              "of roofline | launches | exllamav3 µs | vs exllamav3 (device) |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     order = [s[0] for s in SHAPES]
     for r in sorted(main, key=lambda r: (order.index(r["shape"]), r["K"], r["m"])):
         ratio = "–" if r["anchor_us"] is None else f"{r['anchor_us'] / headline_us(r):.2f}x"
@@ -363,18 +366,19 @@ def print_tables(bw, rows):
               f"{100 * r['roofline_frac']:.0f}% | – | – |")
     sweep = [r for r in rows if r["kind"] in ("exl3", "exl3_moe") and r.get("sweep")]
     if sweep:
-        cols = [s[0] for s in SHAPES if any(r.get("shape") == s[0] for r in sweep)]
-        print("\nSweep (device µs where measured, else chained; m = 1, K = 3; * = best per column):\n")
-        print("| tuning | " + " | ".join(cols) + " | MoE block |")
-        print("|---|" + "---:|" * (len(cols) + 1))
+        # Columns: (shape or "MoE block", K) pairs in measuring order.
+        cols = list(dict.fromkeys((r.get("shape", "MoE block"), r["K"]) for r in sweep))
+        print("\nSweep (device µs where measured, else chained; m = 1; * = best per column):\n")
+        print("| tuning | " + " | ".join(f"{name} K={k}" for name, k in cols) + " |")
+        print("|---|" + "---:|" * len(cols))
         best = {}
         for r in sweep:
-            col = r.get("shape", "MoE")
+            col = (r.get("shape", "MoE block"), r["K"])
             best[col] = min(best.get(col, math.inf), headline_us(r))
         for label in SWEEP:
             cells = []
-            for col in cols + ["MoE"]:
-                got = [headline_us(r) for r in sweep if r["tuning"] == label and r.get("shape", "MoE") == col]
+            for col in cols:
+                got = [headline_us(r) for r in sweep if r["tuning"] == label and (r.get("shape", "MoE block"), r["K"]) == col]
                 cells.append("–" if not got else f"{got[0]:.1f}{'*' if got[0] == best[col] else ''}")
             print(f"| {label} | " + " | ".join(cells) + " |")
 
@@ -398,23 +402,24 @@ def moe_timings(experts, bits, args, walls: bool = True) -> dict:
 
 
 def run_sweep(args, roofline, rows, t_start):
-    bits = 3
-    for name, k, n in [s for s in SHAPES if s[0] in args.shapes]:
-        sets = linear_sets(k, n, bits, args.rotate_mib)
-        for label, t in SWEEP.items():
-            with tuning(t):
-                rows.append(dict(exl3_row(name, k, n, bits, 1, linear_timings(sets, 1, args, walls=False), roofline,
-                                          label), sweep=True))
-        del sets
-        print(f"  sweep {name}: done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
-    if not args.skip_moe:
-        experts = moe_experts(bits)
-        for label, t in SWEEP.items():
-            with tuning(t):
-                rows.append(dict(moe_row(bits, moe_timings(experts, bits, args, walls=False), roofline, label),
-                                 sweep=True))
-        del experts
-        print(f"  sweep MoE: done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+    for bits in args.sweep_bits:
+        for name, k, n in [s for s in SHAPES if s[0] in args.shapes]:
+            sets = linear_sets(k, n, bits, args.rotate_mib)
+            for label, t in SWEEP.items():
+                with tuning(t):
+                    rows.append(dict(exl3_row(name, k, n, bits, 1, linear_timings(sets, 1, args, walls=False),
+                                              roofline, label), sweep=True))
+            del sets
+            print(f"  sweep {name} K={bits}: done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr,
+                  flush=True)
+        if not args.skip_moe:
+            experts = moe_experts(bits)
+            for label, t in SWEEP.items():
+                with tuning(t):
+                    rows.append(dict(moe_row(bits, moe_timings(experts, bits, args, walls=False), roofline, label),
+                                     sweep=True))
+            del experts
+            print(f"  sweep MoE K={bits}: done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
 
 
 def main() -> int:
@@ -429,11 +434,15 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES])
     ap.add_argument("--skip-mlx", action="store_true", help="no MLX baselines")
     ap.add_argument("--skip-moe", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="also time every launch shape of SWEEP (m = 1, K = 3)")
+    ap.add_argument("--sweep", action="store_true", help="also time every launch shape of SWEEP (m = 1)")
+    ap.add_argument("--sweep-bits", type=int, nargs="+", default=[3], help="K values of the sweep (default 3)")
+    ap.add_argument("--sweep-only", action="store_true", help="only the sweep (implies --sweep, --skip-mlx)")
     ap.add_argument("--quick", action="store_true", help="m = 1, K = 3 and 4, no MLX baselines, --sweep")
     args = ap.parse_args()
     if args.quick:
         args.bits, args.rows, args.skip_mlx, args.sweep = [3, 4], [1], True, True
+    if args.sweep_only:
+        args.sweep, args.skip_mlx = True, True
     if backend() == "cpu":
         print("bench_exl3: needs an MLX GPU backend (Metal or CUDA); nothing measured")
         return 2
@@ -442,7 +451,7 @@ def main() -> int:
     bw = device_read_bandwidth(args.repeats)
     roofline = bw["roofline_GBps"]
     rows = []
-    shapes = [s for s in SHAPES if s[0] in args.shapes]
+    shapes = [] if args.sweep_only else [s for s in SHAPES if s[0] in args.shapes]
     for name, k, n in shapes:
         for bits in args.bits or ANCHOR_BITS[name]:
             sets = linear_sets(k, n, bits, args.rotate_mib)
@@ -459,7 +468,7 @@ def main() -> int:
                 for m in args.rows:
                     rows.append(mlx_case(name, k, n, fmt, m, args, roofline))
         print(f"  MLX baselines done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
-    if not args.skip_moe:
+    if not args.skip_moe and not args.sweep_only:
         for bits in args.bits or sorted(MOE_ANCHOR):
             experts = moe_experts(bits)
             rows.append(moe_row(bits, moe_timings(experts, bits, args), roofline))
