@@ -435,7 +435,8 @@ def main() -> int:
     ap.add_argument("--skip-mlx", action="store_true", help="no MLX baselines")
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time every launch shape of SWEEP (m = 1)")
-    ap.add_argument("--sweep-bits", type=int, nargs="+", default=[3], help="K values of the sweep (default 3)")
+    ap.add_argument("--sweep-bits", type=int, nargs="+", default=[3], choices=range(1, 9), metavar="K",
+                    help="K values of the sweep (1..8, default 3)")
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep (implies --sweep, --skip-mlx)")
     ap.add_argument("--quick", action="store_true", help="m = 1, K = 3 and 4, no MLX baselines, --sweep")
     args = ap.parse_args()

@@ -159,7 +159,7 @@ def mix(body: list[str], per: float) -> tuple[dict, dict]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=("gate_up", "down", "swiglu", "finish", "gemv"), default="gate_up")
-    ap.add_argument("--bits", type=int, default=3, help="K of the trellis (1..8)")
+    ap.add_argument("--bits", type=int, default=3, choices=range(1, 9), metavar="K", help="K of the trellis (1..8)")
     ap.add_argument("--dump", action="store_true", help="print the loop's (or the body's) instructions")
     args = ap.parse_args(argv)
     if shutil.which("nvcc") is None:

@@ -447,32 +447,6 @@ KX_INLINE float exl3_ys_sum(const KX_THREADGROUP float* ys, u32 r, u32 j) {
   return s;
 }
 
-// The finishing pass of a k split in exl3_gemv_out (up to 40 splits: 8 SIMD groups share the
-// loads): the 128 columns at `first` (split 0) summed over `splits` partial rows `stride` floats
-// apart, in split order within each of the 8 SIMD groups (group w adds splits w, w+8, ...; its
-// loads are independent), then the 8 group sums in group order, then H128. `sums` holds 8 x 128 floats; the result is valid in
-// SIMD group 0 (the others return zeros) and is the lane's 4 columns 4*lane .. +3.
-KX_INLINE Exl3Vec4 exl3_finish_splits(const KX_DEVICE float* first, u64 stride, u32 splits,
-                                      KX_THREADGROUP float* sums, u32 warp, u32 lane) {
-  Exl3Vec4 s;
-  for (int i = 0; i < 4; i++) s.v[i] = 0.0f;
-  for (u32 p = warp; p < splits; p += 8)
-    for (int i = 0; i < 4; i++) s.v[i] += first[p * stride + 4 * lane + i];
-  for (int i = 0; i < 4; i++) sums[warp * 128 + 4 * lane + i] = s.v[i];
-  KX_BARRIER();
-  Exl3Vec4 v;
-  for (int i = 0; i < 4; i++) v.v[i] = 0.0f;
-  if (warp == 0) {
-    for (int i = 0; i < 4; i++) {
-      float t = sums[4 * lane + i];
-      for (int w = 1; w < 8; w++) t += sums[w * 128 + 4 * lane + i];
-      v.v[i] = t;
-    }
-    v = exl3_hadamard128(v, lane);
-  }
-  return v;
-}
-
 // Row r of ys summed over the k groups, as a lane's 4 elements.
 template <int M, int KG>
 KX_INLINE Exl3Vec4 exl3_ys_row(const KX_THREADGROUP float* ys, u32 r, u32 lane) {

@@ -295,17 +295,22 @@ def gate_up_args(x, indices, w1, w3, key, lo: int, prev=None, tuning=None, guard
     )
 
 
+def _block_per_simd_group_launch(blocks: int, slots: int) -> dict:
+    """grid / threadgroup of exl3_expert_swiglu and exl3_expert_down_finish: one SIMD group per
+    128-block (x, _SMALL_WARPS per threadgroup, the last ones possibly idle) and slot (y)."""
+    return dict(grid=(-(-blocks // _SMALL_WARPS) * _SMALL_WARPS * _LANES, slots, 1),
+                threadgroup=(_SMALL_WARPS * _LANES, 1, 1))
+
+
 def swiglu_args(gu, weights, indices, w1, w3, w2, lo: int, limit: float, guard: int = 0, init_value=None) -> dict:
     """exl3_expert_swiglu call kwargs: w2's input xh [slots, I / 2] (fp16 pairs) from the gate/up
     partials of every group."""
     slots = indices.size
-    blocks = w1.n // BLOCK
     return dict(
         inputs=[gu, weights, indices, w1.svh, w3.svh, w2.suh],
         output_shapes=[(slots + guard, w1.n // 2)],
         output_dtypes=[mx.uint32],
-        grid=(-(-blocks // _SMALL_WARPS) * _SMALL_WARPS * _LANES, slots, 1),
-        threadgroup=(_SMALL_WARPS * _LANES, 1, 1),
+        **_block_per_simd_group_launch(w1.n // BLOCK, slots),
         template=[("LO", int(lo)), ("INTER", w1.out_features), ("LIMIT_BITS", float_bits(limit if limit > 0 else 0.0)),
                   ("SPLITS", gu.shape[2])],
         init_value=init_value,
@@ -334,13 +339,11 @@ def down_args(xh, indices, w2, group, lo: int, prev=None, tuning=None, guard: in
 def down_finish_args(partial, indices, w2, lo: int, guard: int = 0, init_value=None) -> dict:
     """exl3_expert_down_finish call kwargs: y [slots, n] from the partials of every w2 group."""
     slots = indices.size
-    blocks = w2.n // BLOCK
     return dict(
         inputs=[partial, indices, w2.svh],
         output_shapes=[(slots + guard, w2.n)],
         output_dtypes=[mx.float32],
-        grid=(-(-blocks // _SMALL_WARPS) * _SMALL_WARPS * _LANES, slots, 1),
-        threadgroup=(_SMALL_WARPS * _LANES, 1, 1),
+        **_block_per_simd_group_launch(w2.n // BLOCK, slots),
         template=[("LO", int(lo)), ("SPLITS", partial.shape[1])],
         init_value=init_value,
     )
