@@ -280,9 +280,11 @@ def moe_time(experts, bits, args, chained: bool) -> float:
 
 
 def moe_device_time(experts, bits, args) -> float:
-    picks = routing(DEVICE_CHAIN * (args.repeats + 1), seed=bits)
+    # Each round routes its chain to other experts, and rounds differ by several µs (which experts
+    # share L2 lines and SMs): the median needs more rounds than the dense rows (--moe-repeats).
+    picks = routing(DEVICE_CHAIN * (args.moe_repeats + 1), seed=bits)
     return device_us(lambda i, prev: experts(prev.reshape(-1, HIDDEN)[:1], *picks[i]), mx.random.normal((1, HIDDEN)),
-                     args.repeats, DEVICE_CHAIN)
+                     args.moe_repeats, DEVICE_CHAIN)
 
 
 def moe_row(bits, t: dict, roofline, label="default") -> dict:
@@ -428,6 +430,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--calls", type=int, default=16, help="minimum launches per evaluation")
     ap.add_argument("--moe-calls", type=int, default=100)
+    ap.add_argument("--moe-repeats", type=int, default=15, help="rounds of the MoE device time (median)")
     ap.add_argument("--rotate-mib", type=int, default=256)
     ap.add_argument("--bits", type=int, nargs="+", help="K values (default: the anchor's per shape; MoE 2..5)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])

@@ -77,6 +77,8 @@ KX_INLINE u32 kx_hadd2_bits(u32 a, u32 b) {
 #define KX_BYTE_SUM(x, c) __dp4a((u32)(x), 0x01010101u, (u32)(c))
 // Fully unroll the loop that follows (constant trip count).
 #define KX_UNROLL _Pragma("unroll")
+// Unroll the loop that follows by 2 (a runtime trip count; the compiler adds the remainder).
+#define KX_UNROLL_2 _Pragma("unroll 2")
 // Funnel shifts of the 64-bit value hi:lo by s in [0, 31]: the high word after a left shift, the
 // low word after a right shift (one SHF each).
 #define KX_FUNNEL_L(lo, hi, s) __funnelshift_l((u32)(lo), (u32)(hi), (u32)(s))

@@ -29,7 +29,7 @@ KX_SHARED(u32, xs, XSW);
 
 const KX_DEVICE u32* src = (const KX_DEVICE u32*)t2 + ((u64)pos * tiles_k + (u64)kb_begin * 8) * row_words +
                            col_block * 32 * K2;
-const Exl3Acc<1, NC> acc = exl3_product<K2, CB, 1, NC, NW, STAGES, XSW>(
+const Exl3Acc<1, NC> acc = exl3_product<K2, CB, 1, NC, NW, STAGES, XSW, PER_SPLIT>(
     src, row_words, nb, exl3_copy_stager(xh + (u64)slot * tiles_k * 8, kb_begin), ring, xs, warp, lane);
 KX_BARRIER();  // ys reuses the trellis ring
 KX_THREADGROUP float* ys = (KX_THREADGROUP float*)ring;

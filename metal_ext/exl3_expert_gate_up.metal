@@ -32,7 +32,7 @@ KX_SHARED(u32, xs, XSW);
 
 const KX_DEVICE u32* src = (const KX_DEVICE u32*)(mat ? t3 : t1) + ((u64)pos * tiles_k + (u64)kb_begin * 8) * row_words +
                            col_block * 32 * K2;
-const Exl3Acc<1, NC> acc = exl3_product<K2, CB, 1, NC, NW, STAGES, XSW>(
+const Exl3Acc<1, NC> acc = exl3_product<K2, CB, 1, NC, NW, STAGES, XSW, PER_SPLIT>(
     src, row_words, nb,
     exl3_input_stager<1, XSW>(x + (u64)(slot / top_k) * in_features, (mat ? suh3 : suh1) + (u64)e * tiles_k * 16, 1u,
                          in_features, kb_begin),

@@ -20,7 +20,7 @@ KX_SHARED16(u32, ring, EXL3_RING_WORDS(K2, STAGES, NW, NC, M));
 KX_SHARED(u32, xs, XSW);
 
 const KX_DEVICE u32* src = (const KX_DEVICE u32*)trellis + (u64)kb_begin * 8 * row_words + col_block * 32 * K2;
-const Exl3Acc<M, NC> acc = exl3_product<K2, CB, M, NC, NW, STAGES, XSW>(
+const Exl3Acc<M, NC> acc = exl3_product<K2, CB, M, NC, NW, STAGES, XSW, PER_SPLIT>(
     src, row_words, nb, exl3_input_stager<M, XSW>(x, suh, rows, in_features, kb_begin), ring, xs, warp, lane);
 KX_BARRIER();  // ys reuses the trellis ring
 KX_THREADGROUP float* ys = (KX_THREADGROUP float*)ring;
