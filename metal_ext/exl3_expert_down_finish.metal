@@ -11,19 +11,22 @@ const u32 n = partial_shape[2];
 const u32 n_local = svh2_shape[0];
 if (col_block * 128 < n) {
   const u32 c0 = col_block * 128 + 4 * lane;
+  // Latency-bound: the partials' loads do not depend on the slot's expert and are issued together
+  // with indices[slot]'s (no branch on the expert, which the compiler would sink them into); a slot
+  // whose expert is not held computes with expert LO's svh2 and stores 0.
+  const KX_DEVICE float* p = partial + (u64)slot * SPLITS * n + c0;
+  Exl3Vec4 s = exl3_load4(p);
+  Exl3Vec4 t[SPLITS];
+  KX_UNROLL
+  for (int q = 1; q < SPLITS; q++) t[q] = exl3_load4(p + (u64)q * n);
   const int e = indices[slot] - LO;
+  const bool held = e >= 0 && e < (int)n_local;
+  float sv[4];  // loaded whether or not the slot is held: no branch around each load
+  for (int i = 0; i < 4; i++) sv[i] = KX_TO_F32(svh2[(u64)(held ? e : 0) * n + c0 + i]);
+  KX_UNROLL
+  for (int q = 1; q < SPLITS; q++)
+    for (int i = 0; i < 4; i++) s.v[i] += t[q].v[i];
+  s = exl3_hadamard128(s, lane);
   KX_DEVICE float* y = out + (u64)slot * n + c0;
-  if (e < 0 || e >= (int)n_local) {
-    for (int i = 0; i < 4; i++) y[i] = 0.0f;
-  } else {
-    const KX_DEVICE float* p = partial + (u64)slot * SPLITS * n + c0;
-    Exl3Vec4 s = exl3_load4(p);
-    KX_UNROLL
-    for (int q = 1; q < SPLITS; q++) {
-      const Exl3Vec4 t = exl3_load4(p + (u64)q * n);
-      for (int i = 0; i < 4; i++) s.v[i] += t.v[i];
-    }
-    s = exl3_hadamard128(s, lane);
-    for (int i = 0; i < 4; i++) y[i] = exl3_round_bf16(s.v[i] * KX_TO_F32(svh2[(u64)e * n + c0 + i]));
-  }
+  for (int i = 0; i < 4; i++) y[i] = held ? exl3_round_bf16(s.v[i] * sv[i]) : 0.0f;
 }

@@ -14,16 +14,17 @@ const u32 inter_padded = gu_shape[3];
 const u32 n_local = svh1_shape[0];
 KX_DEVICE u32* row = xh + (u64)slot * (inter_padded / 2);
 if (block * 128 < inter_padded) {
+  // No branch on the expert: the compiler would sink the partials' loads into it, after
+  // indices[slot]'s round trip (exl3_load_gate_up). A slot whose expert is not held computes with
+  // expert LO's vectors and stores zeros.
+  const Exl3GateUp<SPLITS> parts = exl3_load_gate_up<SPLITS>(gu + (u64)slot * 2 * SPLITS * inter_padded, inter_padded,
+                                                             block, lane);
+  const float weight = weights[slot];
   const int e = indices[slot] - LO;
-  if (e < 0 || e >= (int)n_local) {
-    row[block * 64 + lane] = 0u;
-    row[block * 64 + 32 + lane] = 0u;
-  } else {
-    const u64 mid = (u64)e * inter_padded;
-    exl3_store_xh(row, block,
-                  exl3_swiglu_xh<SPLITS>(gu + (u64)slot * 2 * SPLITS * inter_padded, inter_padded, (u32)INTER,
-                                 svh1 + mid, svh3 + mid, suh2 + mid, weights[slot], KX_BITS_F32(LIMIT_BITS),
-                                 block, lane),
-                  lane);
-  }
+  const bool held = e >= 0 && e < (int)n_local;
+  const u64 mid = (u64)(held ? e : 0) * inter_padded;
+  Exl3Vec4 v = exl3_swiglu_xh<SPLITS>(parts, (u32)INTER, svh1 + mid, svh3 + mid, suh2 + mid, weight,
+                                      KX_BITS_F32(LIMIT_BITS), block, lane);
+  for (int i = 0; i < 4; i++) v.v[i] = held ? v.v[i] : 0.0f;
+  exl3_store_xh(row, block, v, lane);
 }
