@@ -424,13 +424,22 @@ def run_sweep(args, roofline, rows, t_start):
             print(f"  sweep MoE K={bits}: done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (a median needs at least one round)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=positive_int, default=5, metavar="N")
     ap.add_argument("--calls", type=int, default=16, help="minimum launches per evaluation")
     ap.add_argument("--moe-calls", type=int, default=100)
-    ap.add_argument("--moe-repeats", type=int, default=15, help="rounds of the MoE device time (median)")
+    ap.add_argument("--moe-repeats", type=positive_int, default=15, metavar="N",
+                    help="rounds of the MoE device time (median)")
     ap.add_argument("--rotate-mib", type=int, default=256)
     ap.add_argument("--bits", type=int, nargs="+", help="K values (default: the anchor's per shape; MoE 2..5)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])

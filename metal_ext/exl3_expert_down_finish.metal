@@ -14,19 +14,12 @@ if (col_block * 128 < n) {
   // Latency-bound: the partials' loads do not depend on the slot's expert and are issued together
   // with indices[slot]'s (no branch on the expert, which the compiler would sink them into); a slot
   // whose expert is not held computes with expert LO's svh2 and stores 0.
-  const KX_DEVICE float* p = partial + (u64)slot * SPLITS * n + c0;
-  Exl3Vec4 s = exl3_load4(p);
-  Exl3Vec4 t[SPLITS];
-  KX_UNROLL
-  for (int q = 1; q < SPLITS; q++) t[q] = exl3_load4(p + (u64)q * n);
+  const Exl3Splits<SPLITS> t = exl3_load_splits<SPLITS>(partial + (u64)slot * SPLITS * n + c0, n);
   const int e = indices[slot] - LO;
   const bool held = e >= 0 && e < (int)n_local;
   float sv[4];  // loaded whether or not the slot is held: no branch around each load
   for (int i = 0; i < 4; i++) sv[i] = KX_TO_F32(svh2[(u64)(held ? e : 0) * n + c0 + i]);
-  KX_UNROLL
-  for (int q = 1; q < SPLITS; q++)
-    for (int i = 0; i < 4; i++) s.v[i] += t[q].v[i];
-  s = exl3_hadamard128(s, lane);
+  const Exl3Vec4 s = exl3_hadamard128(exl3_sum_splits<SPLITS>(t), lane);
   KX_DEVICE float* y = out + (u64)slot * n + c0;
   for (int i = 0; i < 4; i++) y[i] = held ? exl3_round_bf16(s.v[i] * sv[i]) : 0.0f;
 }

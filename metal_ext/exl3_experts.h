@@ -20,25 +20,22 @@ KX_INLINE float exl3_routed_swiglu(float g, float u, float weight, float limit) 
 // indices[slot] is known, so that both share one round trip (the kernel is latency-bound).
 template <int SPLITS>
 struct Exl3GateUp {
-  Exl3Vec4 g[SPLITS], u[SPLITS];
+  Exl3Splits<SPLITS> g, u;
 };
 
 template <int SPLITS>
 KX_INLINE Exl3GateUp<SPLITS> exl3_load_gate_up(const KX_DEVICE float* gu, u32 inter_padded, u32 block, u32 lane) {
-  const u32 c0 = block * 128 + 4 * lane;
-  Exl3GateUp<SPLITS> p;
-  KX_UNROLL
-  for (int q = 0; q < SPLITS; q++) {
-    p.g[q] = exl3_load4(gu + (u64)q * inter_padded + c0);
-    p.u[q] = exl3_load4(gu + (u64)(SPLITS + q) * inter_padded + c0);
-  }
-  return p;
+  const KX_DEVICE float* p = gu + block * 128 + 4 * lane;
+  Exl3GateUp<SPLITS> t;
+  t.g = exl3_load_splits<SPLITS>(p, inter_padded);
+  t.u = exl3_load_splits<SPLITS>(p + (u64)SPLITS * inter_padded, inter_padded);
+  return t;
 }
 
 // w2's xh for the lane's 4 elements of 128-block `block` of one slot: g and u are finished from the
 // partials (splits added in order, H128, svh), then h = exl3_routed_swiglu (zero for columns >=
 // inter, the zero-extension of w2's input) and xh = H128(fp16(h * suh2)) (exl3 spec §3.3; the
-// caller rounds it to fp16 as it stores it). The expert's vectors are loaded first, before the sums.
+// caller rounds it to fp16 as it stores it).
 template <int SPLITS, typename VT>
 KX_INLINE Exl3Vec4 exl3_swiglu_xh(Exl3GateUp<SPLITS> p, u32 inter, const KX_DEVICE VT* svh1, const KX_DEVICE VT* svh3,
                                   const KX_DEVICE VT* suh2, float weight, float limit, u32 block, u32 lane) {
@@ -49,15 +46,8 @@ KX_INLINE Exl3Vec4 exl3_swiglu_xh(Exl3GateUp<SPLITS> p, u32 inter, const KX_DEVI
     s3[i] = KX_TO_F32(svh3[c0 + i]);
     s2[i] = KX_TO_F32(suh2[c0 + i]);
   }
-  Exl3Vec4 g = p.g[0], u = p.u[0];
-  KX_UNROLL
-  for (int q = 1; q < SPLITS; q++)
-    for (int i = 0; i < 4; i++) {
-      g.v[i] += p.g[q].v[i];
-      u.v[i] += p.u[q].v[i];
-    }
-  g = exl3_hadamard128(g, lane);
-  u = exl3_hadamard128(u, lane);
+  const Exl3Vec4 g = exl3_hadamard128(exl3_sum_splits<SPLITS>(p.g), lane);
+  const Exl3Vec4 u = exl3_hadamard128(exl3_sum_splits<SPLITS>(p.u), lane);
   Exl3Vec4 xv;
   for (int i = 0; i < 4; i++) {
     const float h = (c0 + i < inter) ? exl3_routed_swiglu(g.v[i] * s1[i], u.v[i] * s3[i], weight, limit) : 0.0f;

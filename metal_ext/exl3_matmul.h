@@ -72,6 +72,31 @@ KX_INLINE Exl3Vec4 exl3_load4(const KX_DEVICE float* p) {
   return v;
 }
 
+// A lane's 4 elements of S k-split partials (split q at p + q*stride), loaded together before any
+// is used (the small finishing kernels are latency-bound: one round trip for all of them).
+template <int S>
+struct Exl3Splits {
+  Exl3Vec4 v[S];
+};
+
+template <int S>
+KX_INLINE Exl3Splits<S> exl3_load_splits(const KX_DEVICE float* p, u64 stride) {
+  Exl3Splits<S> t;
+  KX_UNROLL
+  for (int q = 0; q < S; q++) t.v[q] = exl3_load4(p + q * stride);
+  return t;
+}
+
+// The partials added in split order.
+template <int S>
+KX_INLINE Exl3Vec4 exl3_sum_splits(Exl3Splits<S> t) {
+  Exl3Vec4 s = t.v[0];
+  KX_UNROLL
+  for (int q = 1; q < S; q++)
+    for (int i = 0; i < 4; i++) s.v[i] += t.v[q].v[i];
+  return s;
+}
+
 // Scaled H128 of a 128-block held 4 per lane: the 4-point butterfly in registers (element bits
 // 0-1), then xor shuffles for element bits 2-6 (= lane bits 0-4), as exllamav3 does (spec §3.1).
 // A stage is one fma per element: p + (+-1)·x is exactly x + p or p - x.
