@@ -31,8 +31,5 @@ const KX_DEVICE u32* src = (const KX_DEVICE u32*)t2 + ((u64)pos * tiles_k + (u64
                            col_block * 32 * K2;
 const Exl3Acc<1, NC> acc = exl3_product<K2, CB, 1, NC, NW, STAGES, XSW, PER_SPLIT>(
     src, row_words, nb, exl3_copy_stager(xh + (u64)slot * tiles_k * 8, kb_begin), ring, xs, warp, lane);
-KX_BARRIER();  // ys reuses the trellis ring
-KX_THREADGROUP float* ys = (KX_THREADGROUP float*)ring;
-exl3_store_acc<1, NC, NW>(ys, acc, warp, lane);
-KX_BARRIER();
+const KX_THREADGROUP float* ys = exl3_gather_acc<1, NC, NW>(acc, ring, warp, lane);
 for (u32 j = KX_LID_X; j < 128; j += NW * 32) out[base + j] = exl3_ys_sum<1, EXL3_KG(NW, NC)>(ys, 0, j);

@@ -37,8 +37,5 @@ const Exl3Acc<1, NC> acc = exl3_product<K2, CB, 1, NC, NW, STAGES, XSW, PER_SPLI
     exl3_input_stager<1, XSW>(x + (u64)(slot / top_k) * in_features, (mat ? suh3 : suh1) + (u64)e * tiles_k * 16, 1u,
                          in_features, kb_begin),
     ring, xs, warp, lane);
-KX_BARRIER();  // ys reuses the trellis ring
-KX_THREADGROUP float* ys = (KX_THREADGROUP float*)ring;
-exl3_store_acc<1, NC, NW>(ys, acc, warp, lane);
-KX_BARRIER();
+const KX_THREADGROUP float* ys = exl3_gather_acc<1, NC, NW>(acc, ring, warp, lane);
 for (u32 j = KX_LID_X; j < 128; j += NW * 32) out[base + j] = exl3_ys_sum<1, EXL3_KG(NW, NC)>(ys, 0, j);

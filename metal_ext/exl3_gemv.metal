@@ -22,10 +22,7 @@ KX_SHARED(u32, xs, XSW);
 const KX_DEVICE u32* src = (const KX_DEVICE u32*)trellis + (u64)kb_begin * 8 * row_words + col_block * 32 * K2;
 const Exl3Acc<M, NC> acc = exl3_product<K2, CB, M, NC, NW, STAGES, XSW, PER_SPLIT>(
     src, row_words, nb, exl3_input_stager<M, XSW>(x, suh, rows, in_features, kb_begin), ring, xs, warp, lane);
-KX_BARRIER();  // ys reuses the trellis ring
-KX_THREADGROUP float* ys = (KX_THREADGROUP float*)ring;
-exl3_store_acc<M, NC, NW>(ys, acc, warp, lane);
-KX_BARRIER();
+const KX_THREADGROUP float* ys = exl3_gather_acc<M, NC, NW>(acc, ring, warp, lane);
 if (FUSED) {
   for (u32 r = warp; r < M && r < rows; r += NW) {
     const Exl3Vec4 v = exl3_hadamard128(exl3_ys_row<M, EXL3_KG(NW, NC)>(ys, r, lane), lane);

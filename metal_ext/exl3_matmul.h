@@ -156,12 +156,7 @@ struct Exl3InputStager {
 template <int M, int XSW, typename XT, typename ST>
 KX_INLINE Exl3InputStager<M, XSW, XT, ST> exl3_input_stager(const KX_DEVICE XT* x, const KX_DEVICE ST* suh,
                                                             u32 rows, u32 in_features, u32 kb_begin) {
-  Exl3InputStager<M, XSW, XT, ST> s;
-  s.x = x;
-  s.suh = suh;
-  s.rows = rows;
-  s.in_features = in_features;
-  s.kb_begin = kb_begin;
+  const Exl3InputStager<M, XSW, XT, ST> s = {x, suh, rows, in_features, kb_begin};
   return s;
 }
 
@@ -178,9 +173,7 @@ struct Exl3CopyStager {
 };
 
 KX_INLINE Exl3CopyStager exl3_copy_stager(const KX_DEVICE u32* xh, u32 kb_begin) {
-  Exl3CopyStager s;
-  s.xh = xh;
-  s.kb_begin = kb_begin;
+  const Exl3CopyStager s = {xh, kb_begin};
   return s;
 }
 
@@ -474,6 +467,18 @@ KX_INLINE void exl3_store_acc(KX_THREADGROUP float* ys, Exl3Acc<M, NC> acc, u32 
       const Exl3Out o = exl3_acc_out<M, NC>(acc, t, i, lane);
       if (o.row < (u32)M) ys[(kg * M + o.row) * 128 + cg * NC * 16 + o.col] = o.v;
     }
+}
+
+// After exl3_product: every SIMD group's accumulators in ys [KG][M][128], which reuses the trellis
+// ring (hence the barrier before); on return the whole threadgroup may read ys.
+template <int M, int NC, int NW>
+KX_INLINE const KX_THREADGROUP float* exl3_gather_acc(Exl3Acc<M, NC> acc, KX_THREADGROUP u32* ring, u32 warp,
+                                                     u32 lane) {
+  KX_BARRIER();
+  KX_THREADGROUP float* ys = (KX_THREADGROUP float*)ring;
+  exl3_store_acc<M, NC, NW>(ys, acc, warp, lane);
+  KX_BARRIER();
+  return ys;
 }
 
 // Column j of row r summed over the k groups in order.

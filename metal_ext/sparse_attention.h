@@ -213,23 +213,12 @@ KX_INLINE int sa_slot(int j) {
 // whatever DIM and key type (64: a batch's rows at DIM 512 in bf16).
 #define SA_RAW_BUDGET 64
 
-// The call's sizes and scale. They come from the inputs' shapes and template values, never from
-// small arrays (docs/design.md, "Launch constants").
+// The call's sizes and scale, {W, T, N, H, S, scale}. They come from the inputs' shapes and
+// template values, never from small arrays (docs/design.md, "Launch constants").
 struct sa_dims {
   int W, T, N, H, S;
   float scale;
 };
-
-KX_INLINE sa_dims sa_make_dims(int W, int T, int N, int H, int S, float scale) {
-  sa_dims d;
-  d.W = W;
-  d.T = T;
-  d.N = N;
-  d.H = H;
-  d.S = S;
-  d.scale = scale;
-  return d;
-}
 
 // One (batch, row, head) per threadgroup of GROUPS SIMD groups.
 // Threadgroup memory (sa_shared): scores, rows and group maxima of two tiles (they alternate, so

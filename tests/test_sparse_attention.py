@@ -601,7 +601,7 @@ static void run(const float* q, const K* window, const K* pool, const int* indic
         tl_group = &groups[t / 32];
         tl_block = &sync;
         tl_lane = t % 32;
-        const sa_dims d = sa_make_dims(dims[0], dims[1], dims[2], dims[3], dims[4], scale[0]);
+        const sa_dims d = {dims[0], dims[1], dims[2], dims[3], dims[4], scale[0]};
         sa_attend<EMULATED_DIM, GROUPS, PREFETCH, VEC>(q, window, pool, indices, sinks, d, out, &memory,
                                                        (u32)block, t % 32, t / 32);
       });

@@ -58,8 +58,7 @@ class Tuning:
 
     A threadgroup has ``warps`` SIMD groups in exl3_gemv, ``gate_up_warps`` in
     exl3_expert_gate_up and ``down_warps`` in exl3_expert_down; each SIMD group decodes ``nc``
-    adjacent tile columns of the
-    threadgroup's 8, so warps * nc / 8 k groups share each tile column. ``ring_words`` of
+    adjacent tile columns of the threadgroup's 8, so warps * nc / 8 k groups share each tile column. ``ring_words`` of
     threadgroup memory hold the trellis ring: as many 128-blocks in flight as fit (2 to 4). A
     dense launch with fewer than ``dense_single_blocks`` 128-column output blocks splits k until
     it has ``dense_split_warps`` SIMD groups (then exl3_gemv_out finishes it); exl3_expert_gate_up
