@@ -15,11 +15,11 @@ const u32 n_local = p2_shape[0];
 const u32 tiles_k = t2_shape[1], tiles_n = t2_shape[2];
 const u32 n = tiles_n * 16, row_words = tiles_n * 4 * K2;
 const int e = indices[slot] - LO;
-const int pos = (e >= 0 && e < (int)n_local) ? p2[e] : -2;
+const int pos = exl3_stack_position(e, n_local, p2);
 const u64 base = ((u64)slot * SPLITS + split) * n + col_block * 128;
 if (pos < 0) {
   // Uniform over the threadgroup: nothing below is reached.
-  for (u32 i = KX_LID_X; i < 128; i += NW * 32) out[base + i] = (HAS_PREV && pos == -1) ? prev[base + i] : 0.0f;
+  exl3_pass_slot<HAS_PREV, NW>(out, prev, base, pos, KX_LID_X);
   return;
 }
 const u32 kb_begin = split * (u32)PER_SPLIT;
@@ -31,5 +31,4 @@ const KX_DEVICE u32* src = (const KX_DEVICE u32*)t2 + ((u64)pos * tiles_k + (u64
                            col_block * 32 * K2;
 const Exl3Acc<1, NC> acc = exl3_product<K2, CB, 1, NC, NW, STAGES, XSW, PER_SPLIT>(
     src, row_words, nb, exl3_copy_stager(xh + (u64)slot * tiles_k * 8, kb_begin), ring, xs, warp, lane);
-const KX_THREADGROUP float* ys = exl3_gather_acc<1, NC, NW>(acc, ring, warp, lane);
-for (u32 j = KX_LID_X; j < 128; j += NW * 32) out[base + j] = exl3_ys_sum<1, EXL3_KG(NW, NC)>(ys, 0, j);
+exl3_store_partials<NC, NW>(out, base, acc, ring, warp, lane, KX_LID_X);

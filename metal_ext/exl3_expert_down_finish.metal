@@ -16,7 +16,7 @@ if (col_block * 128 < n) {
   // whose expert is not held computes with expert LO's svh2 and stores 0.
   const Exl3Splits<SPLITS> t = exl3_load_splits<SPLITS>(partial + (u64)slot * SPLITS * n + c0, n);
   const int e = indices[slot] - LO;
-  const bool held = e >= 0 && e < (int)n_local;
+  const bool held = exl3_held(e, n_local);
   float sv[4];  // loaded whether or not the slot is held: no branch around each load
   for (int i = 0; i < 4; i++) sv[i] = KX_TO_F32(svh2[(u64)(held ? e : 0) * n + c0 + i]);
   const Exl3Vec4 s = exl3_hadamard128(exl3_sum_splits<SPLITS>(t), lane);

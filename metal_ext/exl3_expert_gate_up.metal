@@ -18,11 +18,11 @@ const u32 tiles_k = t1_shape[1], tiles_n = t1_shape[2];
 const u32 n = tiles_n * 16, row_words = tiles_n * 4 * K2;
 const u32 per_split = (u32)PER_SPLIT, splits = (u32)SPLITS;
 const int e = indices[slot] - LO;
-const int pos = (e >= 0 && e < (int)n_local) ? (mat ? p3[e] : p1[e]) : -2;
+const int pos = exl3_stack_position(e, n_local, mat ? p3 : p1);
 const u64 base = (((u64)slot * 2 + mat) * splits + split) * n + col_block * 128;
 if (pos < 0) {
   // Uniform over the threadgroup: nothing below is reached.
-  for (u32 i = KX_LID_X; i < 128; i += NW * 32) out[base + i] = (HAS_PREV && pos == -1) ? prev[base + i] : 0.0f;
+  exl3_pass_slot<HAS_PREV, NW>(out, prev, base, pos, KX_LID_X);
   return;
 }
 const u32 kb_begin = split * per_split;
@@ -37,5 +37,4 @@ const Exl3Acc<1, NC> acc = exl3_product<K2, CB, 1, NC, NW, STAGES, XSW, PER_SPLI
     exl3_input_stager<1, XSW>(x + (u64)(slot / top_k) * in_features, (mat ? suh3 : suh1) + (u64)e * tiles_k * 16, 1u,
                          in_features, kb_begin),
     ring, xs, warp, lane);
-const KX_THREADGROUP float* ys = exl3_gather_acc<1, NC, NW>(acc, ring, warp, lane);
-for (u32 j = KX_LID_X; j < 128; j += NW * 32) out[base + j] = exl3_ys_sum<1, EXL3_KG(NW, NC)>(ys, 0, j);
+exl3_store_partials<NC, NW>(out, base, acc, ring, warp, lane, KX_LID_X);

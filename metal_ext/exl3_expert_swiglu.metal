@@ -21,7 +21,7 @@ if (block * 128 < inter_padded) {
                                                              block, lane);
   const float weight = weights[slot];
   const int e = indices[slot] - LO;
-  const bool held = e >= 0 && e < (int)n_local;
+  const bool held = exl3_held(e, n_local);
   const u64 mid = (u64)(held ? e : 0) * inter_padded;
   Exl3Vec4 v = exl3_swiglu_xh<SPLITS>(parts, (u32)INTER, svh1 + mid, svh3 + mid, suh2 + mid, weight,
                                       KX_BITS_F32(LIMIT_BITS), block, lane);

@@ -1,5 +1,33 @@
-// The MoE part of exl3_expert_swiglu (needs exl3_matmul.h).
+// The MoE parts of the expert kernels (needs exl3_matmul.h): which slots a launch serves, their
+// k-split partial sums, and the routed SwiGLU of exl3_expert_swiglu.
 #pragma once
+
+// Whether a slot's local expert e (indices[slot] - LO) is in the held range.
+KX_INLINE bool exl3_held(int e, u32 n_local) { return e >= 0 && e < (int)n_local; }
+
+// The slot's expert in this launch's (K, codebook) stack: p[e] (-1: its projection is in another
+// group) for a held expert, -2 for one outside the held range.
+KX_INLINE int exl3_stack_position(int e, u32 n_local, const KX_DEVICE int* p) {
+  return exl3_held(e, n_local) ? p[e] : -2;
+}
+
+// A threadgroup's 128 outputs at out + base for a slot this launch does not compute (pos < 0):
+// prev's (HAS_PREV: another group's launch computed them) or 0 (a slot outside the held range).
+// Without HAS_PREV, prev is a stand-in input of another type and is never read. tid: the thread's
+// index in the (one-dimensional) threadgroup.
+template <bool HAS_PREV, int NW, typename P>
+KX_INLINE void exl3_pass_slot(KX_DEVICE float* out, P prev, u64 base, int pos, u32 tid) {
+  for (u32 i = tid; i < 128; i += NW * 32) out[base + i] = (HAS_PREV && pos == -1) ? prev[base + i] : 0.0f;
+}
+
+// A threadgroup's 128 k-split partial sums (one row) at out + base: its k groups' accumulators
+// added in order (tid as for exl3_pass_slot).
+template <int NC, int NW>
+KX_INLINE void exl3_store_partials(KX_DEVICE float* out, u64 base, Exl3Acc<1, NC> acc, KX_THREADGROUP u32* ring,
+                                   u32 warp, u32 lane, u32 tid) {
+  const KX_THREADGROUP float* ys = exl3_gather_acc<1, NC, NW>(acc, ring, warp, lane);
+  for (u32 j = tid; j < 128; j += NW * 32) out[base + j] = exl3_ys_sum<1, EXL3_KG(NW, NC)>(ys, 0, j);
+}
 
 // h = bf16(weight * (silu(min(g, L)) * clamp(u, -L, L))), float32 math, no clamp for L <= 0
 // (model spec §4.5: the routing weight multiplies the SwiGLU product, before w2). g and u arrive

@@ -111,6 +111,7 @@ class Tuning:
 TUNING = Tuning()
 
 _HEADERS = ("exl3_decode.h", "exl3_matmul.h")
+_EXPERT_HEADERS = _HEADERS + ("exl3_experts.h",)
 
 # The example launches (CI) are defined at the end of this module, hence the lambdas.
 RECONSTRUCT = register(Kernel(
@@ -128,18 +129,18 @@ GEMV_OUT = register(Kernel(
 EXPERT_GATE_UP = register(Kernel(
     "exl3_expert_gate_up",
     ("x", "indices", "suh1", "t1", "p1", "suh3", "t3", "p3", "prev"), ("out",),
-    includes=_HEADERS, max_threads=512, examples=lambda: _example_gate_up(),
+    includes=_EXPERT_HEADERS, max_threads=512, examples=lambda: _example_gate_up(),
 ))
 EXPERT_SWIGLU = register(Kernel(
     "exl3_expert_swiglu", ("gu", "weights", "indices", "svh1", "svh3", "suh2"), ("xh",),
-    includes=_HEADERS + ("exl3_experts.h",), max_threads=256, examples=lambda: _example_swiglu(),
+    includes=_EXPERT_HEADERS, max_threads=256, examples=lambda: _example_swiglu(),
 ))
 EXPERT_DOWN = register(Kernel(
-    "exl3_expert_down", ("xh", "indices", "t2", "p2", "prev"), ("out",), includes=_HEADERS, max_threads=512,
+    "exl3_expert_down", ("xh", "indices", "t2", "p2", "prev"), ("out",), includes=_EXPERT_HEADERS, max_threads=512,
     examples=lambda: _example_down(),
 ))
 EXPERT_DOWN_FINISH = register(Kernel(
-    "exl3_expert_down_finish", ("partial", "indices", "svh2"), ("out",), includes=_HEADERS, max_threads=256,
+    "exl3_expert_down_finish", ("partial", "indices", "svh2"), ("out",), includes=_EXPERT_HEADERS, max_threads=256,
     examples=lambda: _example_down_finish(),
 ))
 
