@@ -50,9 +50,10 @@ def test_mixes_match_float64():
         np.testing.assert_allclose(np.array(g), r, rtol=2e-5, atol=2e-6, err_msg=name)
 
 
-def test_sinkhorn_is_nearly_doubly_stochastic():
+def test_sinkhorn_is_nearly_doubly_stochastic_and_matches_float64_on_peaked_inputs():
     fn, base, sc = _site(scale=4.0)  # peaked softmax rows: Sinkhorn has real work to do
-    streams = mx.array(_streams().astype(np.float32))
+    s64 = _streams()
+    streams = mx.array(s64.astype(np.float32))
     _, _, comb = hc_mixes(streams, mx.array(fn), mx.array(base),
                           mx.array(sc), iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
     comb = np.array(comb)
@@ -62,6 +63,12 @@ def test_sinkhorn_is_nearly_doubly_stochastic():
     _, _, one = hc_mixes(streams, mx.array(fn), mx.array(base),
                          mx.array(sc), iters=1, hc_eps=HC_EPS, norm_eps=NORM_EPS)
     assert rows < 0.1 * np.abs(np.array(one).sum(-1) - 1).max()
+    # Every one of the 20 iterations counts: 19 or 21 move peaked mixes by ~2e-3, 400x the
+    # fp32 error against the float64 transcription (measured 5e-7).
+    want = mixes_f64(s64, fn, base, sc)[2]
+    np.testing.assert_allclose(comb, want, rtol=0, atol=5e-6)
+    for iters in (ITERS - 1, ITERS + 1):
+        assert np.abs(mixes_f64(s64, fn, base, sc, iters=iters)[2] - want).max() > 100 * 5e-6
 
 
 def test_collapse_and_expand_match_float64_then_bf16():

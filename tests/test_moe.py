@@ -47,8 +47,9 @@ def _experts(n=E, lo_hi=None):
     return tensors, (w1, w3, w2)
 
 
-def test_router_matches_float64_and_bias_only_selects():
-    args = _args()
+@pytest.mark.parametrize("gate_temp", [1.0, 0.5, 2.5])  # the logits are divided by gate_temp
+def test_router_matches_float64_and_bias_only_selects(gate_temp):
+    args = _args(gate_temp=gate_temp)
     moe = MoE(args)
     T = 64
     x = rb(rng.standard_normal((T, D)))
@@ -60,7 +61,7 @@ def test_router_matches_float64_and_bias_only_selects():
     assert idx.dtype == mx.int32 and wts.dtype == mx.float32
     idx, wts = np.array(idx), np.array(wts)
 
-    scores = np.sqrt(np.log1p(np.exp(x @ w.T)))
+    scores = np.sqrt(np.log1p(np.exp(x @ w.T / gate_temp)))
     chosen = np.sort(np.argsort(-(scores + bias), axis=-1, kind="stable")[:, :K], axis=-1)
     assert np.array_equal(idx, chosen)  # ascending expert id = the reference's accumulation order
     sel = np.take_along_axis(scores, chosen, -1)
