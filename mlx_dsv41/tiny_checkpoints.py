@@ -71,7 +71,8 @@ class TinyCheckpoint:
     def _with_engram(self, model):
         from .model.engram import MemoryRowSource
 
-        model.set_engram(self.token_map, {layer: MemoryRowSource(t) for layer, t in self.tables.items()})
+        if self.args.engram_layer_ids:
+            model.set_engram(self.token_map, {layer: MemoryRowSource(t) for layer, t in self.tables.items()})
         mx.eval(model.parameters())
         return model
 

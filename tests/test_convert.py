@@ -92,7 +92,7 @@ def test_official_converts_exactly(official):
     model = load_converted(root / "out")
     assert np.array_equal(_logits(model), _logits(ck.source_model()))
     assert type(model.layers[3].ffn.experts).__name__ == "MXExperts"
-    assert type(model.layers[3].attn.wq_b).__name__ == "QuantizedLinear" and model.layers[3].attn.wq_b.mode == "mxfp8"
+    assert type(model.layers[3].attn.wq_b).__name__ == "MXLinear" and model.layers[3].attn.wq_b.mode == "mxfp8"
     assert model.layers[3].attn.wo_a.weight.dtype == mx.bfloat16  # dequantized with its scales (spec §3)
     bf16 = load_converted(root / "out_bf16")
     assert np.array_equal(_logits(bf16), _logits(ck.reference_model()))

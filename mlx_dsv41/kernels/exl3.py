@@ -10,8 +10,8 @@ On the CPU every op runs the plain-MLX reference (mlx_dsv41.exl3.reference). On 
   a threadgroup per 128 output columns and k range). A wide output (``dense_single_blocks`` or
   more 128-column blocks) is one launch that also applies the output transform; a narrow one
   splits k over enough threadgroups to fill the GPU (``dense_split_warps``) and exl3_gemv_out
-  finishes it (two launches). With more rows: reconstruct, then an fp16 matmul between the two
-  transforms (as exllamav3 does above its GEMV sizes);
+  finishes it (two launches). With more rows: reconstruct, then an fp32 matmul between the two
+  transforms (exllamav3 runs an fp16 GEMM there, rounding the product to fp16);
 - ``experts`` for at most FUSED_MAX_TOKENS tokens: exl3_expert_gate_up (k-split partials of w1 and
   w3 of each selected expert, k split to reach ``gate_up_split_warps``; one launch per (K,
   codebook) group present), one exl3_expert_swiglu (finishes g and u, the routed SwiGLU and w2's
@@ -19,6 +19,7 @@ On the CPU every op runs the plain-MLX reference (mlx_dsv41.exl3.reference). On 
   ``down_split_warps``; one launch per w2 group) and one exl3_expert_down_finish (the splits'
   sum and w2's output side); for more tokens: one expert at a time through exl3_gemv in chunks
   of GEMV_MAX_ROWS rows (``linear_row_invariant``).
+  Every path sums in fp32 and rounds once to the output dtype (xh is fp16 by the format).
   A slot's bytes never depend on the rest of the call: the path is chosen from the token count
   (which the expert-parallel slot split shares with one process), the k splits from the weight
   shapes, and the GEMV's arithmetic for a row does not depend on the other rows.
@@ -386,9 +387,10 @@ def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, ou
     if x.shape[0] <= GEMV_MAX_ROWS:
         y = _gemv(x, trellis, suh, svh, codebook, bias, out_dtype)
         return y if out_features == n else y[:, :out_features]
-    # Prefill: W̃ once per call, an fp16 GEMM (fp32 accumulation) between the two transforms.
-    w = reconstruct(trellis, codebook)
-    return reference.with_transforms(lambda xh: (xh @ w).astype(mx.float32), x, suh, svh, bias, out_features,
+    # Prefill: W̃ once per call, then the product in fp32 between the two transforms: an fp16 GEMM
+    # would round its fp32 sums to fp16 before the output transform (a second rounding; issue 15).
+    w = reconstruct(trellis, codebook).astype(mx.float32)
+    return reference.with_transforms(lambda xh: xh.astype(mx.float32) @ w, x, suh, svh, bias, out_features,
                                      out_dtype)
 
 

@@ -13,7 +13,7 @@ loader use:
 Each returns a module whose `parameters()` are what it reads at run time; the caller re-keys
 them under P (`module_tensors`). New formats are new branches of these three functions.
 
-Official FP8 linears become mxfp8 `QuantizedLinear`s and FP4 experts mxfp4 `MXExperts` (both exact
+Official FP8 linears become mxfp8 `MXLinear`s and FP4 experts mxfp4 `MXExperts` (both exact
 re-layouts, `official.py`); a grouped linear (`wo_a`) stored as FP8 is dequantized to bf16 (spec
 §3). A converted checkpoint stores the MX re-layouts themselves (`P.weight` uint32 + `P.scales`).
 """
@@ -54,10 +54,10 @@ class GroupedLinear(nn.Module):
         self.weight = mx.random.uniform(-scale, scale, (groups * out_features, in_features))
 
     def __call__(self, x: mx.array) -> mx.array:
-        # x [..., G, in] -> [..., G, out]
+        # x [..., G, in] -> [..., G, out]; einsum lowers to matmul (fp32 sums on every backend:
+        # quant/accumulation.py); a wider stored weight promotes x rather than being rounded to it.
         w = self.weight.reshape(self.groups, self.out_features, self.in_features)
-        y = mx.einsum("...gi,goi->...go", x, w.astype(x.dtype))
-        return y
+        return mx.einsum("...gi,goi->...go", x, w).astype(x.dtype)
 
 
 class DenseLinear(nn.Linear):

@@ -16,6 +16,7 @@ from typing import Mapping, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from .accumulation import quantized_input
 from .errors import FormatError
 from .experts import check_expert_range, check_routing, expert_projections, held_slots, swiglu, zero_unheld
 from .official import GROUP, MODES, mx_shapes
@@ -41,9 +42,12 @@ class MXProjection(nn.Module):
         self.in_features, self.out_features = in_features, out_features
 
     def __call__(self, x: mx.array, local: mx.array) -> mx.array:
-        """x [T, k or 1, 1, in] -> [T, k, 1, out] in x.dtype, expert `local[t, s]` per slot."""
-        return mx.gather_qmm(x, self.weight, self.scales, None, rhs_indices=local, transpose=True,
-                             group_size=GROUP, bits=self.bits, mode=self.mode)
+        """x [T, k or 1, 1, in] -> [T, k, 1, out] in x.dtype, expert `local[t, s]` per slot: fp32
+        sums, one rounding (quant/accumulation.py)."""
+        xs = quantized_input(x, "gather_qmm", self.bits, local.size)
+        y = mx.gather_qmm(xs, self.weight, self.scales, None, rhs_indices=local, transpose=True,
+                          group_size=GROUP, bits=self.bits, mode=self.mode)
+        return y.astype(x.dtype)
 
 
 class MXExperts(nn.Module):

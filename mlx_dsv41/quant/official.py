@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .accumulation import quantized_input
 from .errors import FormatError
 
 GROUP = 32  # MX block: 32 inputs share one E8M0 scale
@@ -86,12 +87,24 @@ def dequantize_fp4(weight, scale, dtype=mx.bfloat16, name: str = "fp4 weight") -
     return mx.dequantize(wq, rows, group_size=GROUP, bits=4, mode="mxfp4", dtype=dtype)
 
 
-def mx_quantized_linear(wq: mx.array, scales: mx.array, mode: str) -> nn.QuantizedLinear:
-    """An `nn.QuantizedLinear` holding already-quantized MX weights (no re-quantization)."""
+class MXLinear(nn.QuantizedLinear):
+    """An MX-quantized linear that sums in fp32 and rounds once to x.dtype (quant/accumulation.py:
+    MLX's quantized_matmul would keep bf16 partial sums for bf16 x on some backends)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = x.size // x.shape[-1] if x.ndim else 1
+        y = mx.quantized_matmul(quantized_input(x, "quantized_matmul", self.bits, rows), self["weight"],
+                                scales=self["scales"], transpose=True, group_size=self.group_size,
+                                bits=self.bits, mode=self.mode)
+        return y.astype(x.dtype)
+
+
+def mx_quantized_linear(wq: mx.array, scales: mx.array, mode: str) -> MXLinear:
+    """An `MXLinear` holding already-quantized MX weights (no re-quantization)."""
     bits = MODES[mode]
     out = wq.shape[0]
     inp = wq.shape[1] * 32 // bits
-    layer = nn.QuantizedLinear(GROUP, GROUP, bias=False, group_size=GROUP, bits=bits, mode=mode)
+    layer = MXLinear(GROUP, GROUP, bias=False, group_size=GROUP, bits=bits, mode=mode)
     layer.weight, layer.scales = wq, scales
     layer.input_dims, layer.output_dims = inp, out  # informational; the matmul reads the arrays
     return layer
