@@ -237,7 +237,15 @@ def ref_candidate_blocks(scores_row, visible, block, keep):
 
 
 class ReferenceStack:
-    """The attention stack of `build_stack` over one whole sequence (prefill semantics), float64."""
+    """The attention stack of `build_stack` over one whole sequence (prefill semantics), float64.
+
+    `bf16_probs` / `bf16_index_scores` model two roundings of DeepSeek's reference that the model
+    does not make (docs/design.md, "Linear arithmetic"): attention probabilities rounded to bf16
+    before P·V, and indexer scores formed in bf16 (q·k, the head weighting and the head sum each
+    rounded). benchmarks/reference_roundings.py measures what they change."""
+
+    bf16_probs = False
+    bf16_index_scores = False
 
     def __init__(self, args: ModelArgs, layers):
         self.args = args
@@ -287,7 +295,8 @@ class ReferenceStack:
             logits = q[t] @ keys.T * Dh**-0.5  # [H, N]
             m = np.maximum(logits.max(-1), w["attn_sink"])
             p = np.exp(logits - m[:, None])
-            out[t] = (p @ keys) / (p.sum(-1) + np.exp(w["attn_sink"] - m))[:, None]
+            denom = (p.sum(-1) + np.exp(w["attn_sink"] - m))[:, None]
+            out[t] = rb(p / denom) @ keys if self.bf16_probs else (p @ keys) / denom
         o = rb(ref_rope(rb(out), pos, fr, inverse=True))
         G = a.o_groups
         wo_a = w["wo_a.weight"].reshape(G, a.o_lora_rank, -1)
@@ -311,7 +320,11 @@ class ReferenceStack:
         K = shared[f"index_keys.{role.kv_source}"]
         qi = ref_fq4(rb(ref_rope(rb(qr @ w["indexer.wq_b.weight"].T).reshape(S, Hi, Di), np.arange(S), fr)), 32)
         wt = rb(x @ w["indexer.weights_proj.weight"].T) * Di**-0.5 * Hi**-0.5
-        scores = np.einsum("sh,shj->sj", wt, np.maximum(np.einsum("shd,jd->shj", qi, K), 0))
+        if self.bf16_index_scores:
+            dots = np.maximum(rb(np.einsum("shd,jd->shj", qi, K)), 0)
+            scores = rb((rb(wt[..., None] * dots)).sum(1))
+        else:
+            scores = np.einsum("sh,shj->sj", wt, np.maximum(np.einsum("shd,jd->shj", qi, K), 0))
         k = min(a.index_topk, len(K))
         out, blocks = [], []
         for t in range(S):

@@ -311,6 +311,21 @@ def _independent_row_ids(args, ids):
     return out
 
 
+def ref_engram(streams, raw, wkv, q_weight, k_weight, head_dim, dead):
+    """Spec §4.4e-f in float64 with the reference's roundings: streams [B, S, HC, D], raw rows
+    uint8 [B, S, columns, row_bytes], dead [B, S] -> the new streams (bf16 values)."""
+    *lead, hc, D = streams.shape
+    vals = raw[..., :head_dim].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    e = rb(vals * np.repeat(np.exp2(raw[..., head_dim:].astype(np.float64) - 127), 32, -1))
+    kv = rb(e.reshape(*lead, -1) @ wkv.T)
+    key, value = kv[..., : hc * D].reshape(*lead, hc, D), kv[..., hc * D :]
+    dot = (streams * q_weight * k_weight * key).sum(-1)
+    dot /= np.sqrt((streams**2).mean(-1) + 1e-20) * np.sqrt((key**2).mean(-1) + 1e-20) * np.sqrt(D)
+    gate = 1 / (1 + np.exp(-np.sign(dot) * np.sqrt(np.maximum(np.abs(dot), 1e-6))))
+    gate[dead] = 0
+    return rb(streams + gate[..., None] * value[..., None, :])
+
+
 def _reference(args, w, tables, ids, stubs, lag=True):
     """Spec §4.1 / §4.2 / §4.4f / §4.6 in float64 with the bf16 roundings of the reference."""
     hc, D = args.hc_mult, args.hidden_size
@@ -323,18 +338,9 @@ def _reference(args, w, tables, ids, stubs, lag=True):
     for i in range(args.num_hidden_layers):
         p = f"layers.{i}."
         if i in args.engram_layer_ids:
-            li = args.engram_layer_ids.index(i)
-            raw = tables[i][row_ids[:, :, li]]  # [B, S, cols, row_bytes]
-            hd = args.engram_head_dim
-            vals = raw[..., :hd].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-            e = rb(vals * np.repeat(np.exp2(raw[..., hd:].astype(np.float64) - 127), 32, -1))
-            kv = rb(e.reshape(*ids.shape, -1) @ w[p + "engram.wkv.weight"].T)
-            key, value = kv[..., : hc * D].reshape(*ids.shape, hc, D), kv[..., hc * D :]
-            dot = (streams * w[p + "engram.q_weight"] * w[p + "engram.k_weight"] * key).sum(-1)
-            dot /= np.sqrt((streams**2).mean(-1) + 1e-20) * np.sqrt((key**2).mean(-1) + 1e-20) * np.sqrt(D)
-            gate = 1 / (1 + np.exp(-np.sign(dot) * np.sqrt(np.maximum(np.abs(dot), 1e-6))))
-            gate[comp < 0] = 0
-            streams = rb(streams + gate[..., None] * value[:, :, None, :])
+            raw = tables[i][row_ids[:, :, args.engram_layer_ids.index(i)]]  # [B, S, cols, row_bytes]
+            streams = ref_engram(streams, raw, w[p + "engram.wkv.weight"], w[p + "engram.q_weight"],
+                                 w[p + "engram.k_weight"], args.engram_head_dim, comp < 0)
         a_pre, a_post, a_c = mixes_f64(streams, w[p + "hc_attn_fn"], w[p + "hc_attn_base"], w[p + "hc_attn_scale"])
         x = _ref_norm(rb(np.einsum("bsi,bsid->bsd", pre if lag else a_pre, streams)), w[p + "attn_norm.weight"])
         y = rb(np.tanh(x @ stubs[i][0]))

@@ -1,0 +1,119 @@
+"""What fp32 sums cost per linear (issue 15): device time and error of MLX's matmul kernels with the
+activation as it comes (bf16) against fp32 activations, and of our modules (quant/accumulation.py
+picks per backend, op, weight width and rows), at 1 and 512 rows.
+
+Square 5120 x 5120 layers, so each call's output feeds the next (a dependent chain of --chain calls
+between two device clock stamps, medians of --repeats; bench_sparse_attention.device_us), in the
+formats of the official release (FP8 -> mxfp8, FP4 -> mxfp4), dense bf16, and routed experts
+(mxfp4 `gather_qmm`, 6 slots per token, summed back to one row). The error column is the relative L2
+error of one call against float64 `x @ W` rounded once (W decoded exactly).
+
+    python3 benchmarks/bench_linear_arithmetic.py --out DIR        # GPU (CUDA)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sparse_attention import device_us  # noqa: E402
+
+from mlx_dsv41.kernels import backend  # noqa: E402
+from mlx_dsv41.quant import make_experts, make_linear  # noqa: E402
+from mlx_dsv41.tiny_checkpoints import decode_fp4, decode_fp8, quantize_fp4, quantize_fp8  # noqa: E402
+
+K = 5120
+E, TOPK = 16, 6
+
+
+def _layer(fmt: str, seed: int = 0):
+    w = np.random.default_rng(seed).standard_normal((K, K)) / np.sqrt(K)
+    if fmt == "mxfp8":
+        codes, scale = quantize_fp8(w)
+        return make_linear({"p.weight": mx.array(codes), "p.scale": mx.array(scale)}, "p", K, K), decode_fp8(codes, scale)
+    if fmt == "mxfp4":
+        packed, scale = quantize_fp4(w)
+        return make_linear({"p.weight": mx.array(packed), "p.scale": mx.array(scale)}, "p", K, K), decode_fp4(packed, scale)
+    wb = mx.array(w.astype(np.float32)).astype(mx.bfloat16)
+    return make_linear({"p.weight": wb}, "p", K, K), np.array(wb.astype(mx.float32), np.float64)
+
+
+def _raw(layer, x):
+    """MLX's own op on x as given (the state before the policy)."""
+    if hasattr(layer, "scales"):
+        return mx.quantized_matmul(x, layer.weight, layer.scales, transpose=True, group_size=32,
+                                   bits=layer.bits, mode=layer.mode).astype(mx.bfloat16)
+    return (x @ layer.weight.T).astype(mx.bfloat16)
+
+
+def _err(y, x, w) -> float:
+    want = np.array(x.astype(mx.float32), np.float64) @ w.T
+    got = np.array(y.astype(mx.float32), np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def linears(rows_list, chain, repeats) -> list[dict]:
+    out = []
+    for fmt in ("mxfp8", "mxfp4", "dense bf16"):
+        layer, w = _layer(fmt)
+        mx.eval(layer.parameters())
+        for rows in rows_list:
+            x = mx.array(np.random.default_rng(rows).standard_normal((rows, K)).astype(np.float32)).astype(mx.bfloat16)
+            variants = {"bf16 x (MLX as is)": lambda v: _raw(layer, v),
+                        "fp32 x": lambda v: _raw(layer, v.astype(mx.float32)),
+                        "ours (policy)": lambda v: layer(v)}
+            for name, fn in variants.items():
+                us = device_us(lambda i, prev: fn(prev), x, repeats, chain)
+                out.append({"what": fmt, "rows": rows, "variant": name, "us": us, "rel_err": _err(fn(x), x, w)})
+    return out
+
+
+def experts(rows_list, chain, repeats) -> list[dict]:
+    rng = np.random.default_rng(3)
+    tensors, dec = {}, {}
+    for e in range(E):
+        for p, (o, i) in (("w1", (2304, K)), ("w3", (2304, K)), ("w2", (K, 2304))):
+            packed, scale = quantize_fp4(rng.standard_normal((o, i)) / np.sqrt(i))
+            tensors[f"x.{e}.{p}.weight"], tensors[f"x.{e}.{p}.scale"] = mx.array(packed), mx.array(scale)
+    module = make_experts(tensors, "x", E, K, 2304, 10.0)
+    mx.eval(module.parameters())
+    out = []
+    for rows in rows_list:
+        idx = mx.array(np.sort(np.stack([rng.choice(E, TOPK, replace=False) for _ in range(rows)]), 1).astype(np.int32))
+        wts = mx.array(rng.uniform(0.1, 0.4, (rows, TOPK)).astype(np.float32))
+        x = mx.array(rng.standard_normal((rows, K)).astype(np.float32)).astype(mx.bfloat16)
+        us = device_us(lambda i, prev: module(prev, idx, wts).sum(1).astype(mx.bfloat16), x, repeats, chain)
+        out.append({"what": "experts mxfp4 (gather_qmm x3)", "rows": rows, "variant": "ours (policy)", "us": us,
+                    "rel_err": None})
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("gpu_out"))
+    ap.add_argument("--chain", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=7)
+    a = ap.parse_args()
+    if backend() != "cuda":
+        print("bench_linear_arithmetic: needs MLX's CUDA backend (device clock stamps); nothing measured")
+        return 0
+    rows = (1, 512)
+    results = linears(rows, a.chain, a.repeats) + experts(rows, a.chain, a.repeats)
+    lines = ["| layer | rows | variant | device µs / call | rel. error vs float64 |", "|---|---|---|---|---|"]
+    for r in results:
+        err = "—" if r["rel_err"] is None else f"{r['rel_err']:.2e}"
+        lines.append(f"| {r['what']} | {r['rows']} | {r['variant']} | {r['us']:.1f} | {err} |")
+    print("\n".join(lines))
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "bench_linear_arithmetic.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
