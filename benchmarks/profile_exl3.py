@@ -1,9 +1,10 @@
 """Where an EXL3 call's time goes on the GPU: device time per kernel vs MLX's host cost per launch.
 
 Two parts (CUDA):
-- ``--part host``: wall µs per launch of a trivial custom kernel (one thread copies one float) and
-  of MLX's own ops, chained (each call consumes the previous output) and independent, evaluated
-  together as bench_exl3.py does. A kernel faster than this is bound by the host.
+- ``--part host``: wall µs per launch (building the graph and evaluating it) of a trivial custom
+  kernel (one thread copies one float), of the same kernel behind a 33 KB source, of chains of
+  either under `mx.compile`, and of MLX's own ops, chained (each call consumes the previous
+  output) and independent. A kernel faster than this is bound by the host.
 Device time per call without a profiler (kernels plus the device's gaps, the anchor's method):
 bench_exl3.py's "device" column.
 - ``--part kernels``: each EXL3 case (m = 1 linears on the Flash shapes, the one-token MoE block)
@@ -51,31 +52,56 @@ SHAPE = {name: (k, n) for name, k, n in bench.SHAPES}
 TRIVIAL_SOURCE = "if (threadIdx.x == 0 && blockIdx.x == 0) y[0] = x[0] + 1.0f;"
 
 
-def host_part(calls: int, repeats: int):
-    k = mx.fast.cuda_kernel(name="profile_trivial", input_names=["x"], output_names=["y"], source=TRIVIAL_SOURCE)
+def _trivial_kernel(name: str, header: str = ""):
+    k = mx.fast.cuda_kernel(name=name, input_names=["x"], output_names=["y"], source=TRIVIAL_SOURCE, header=header)
 
-    def trivial(x):
+    def call(x):
         return k(inputs=[x], output_shapes=[(1,)], output_dtypes=[mx.float32], grid=(32, 1, 1),
                  threadgroup=(32, 1, 1))[0]
+
+    return call
+
+
+def _compiled_chain(fn, links: int):
+    """`links` dependent applications of fn as one mx.compile'd function (traced once)."""
+    def chain(x):
+        for _ in range(links):
+            x = fn(x)
+        return x
+
+    return mx.compile(chain)
+
+
+def host_part(calls: int, repeats: int):
+    trivial = _trivial_kernel("profile_trivial")
+    # The same one-line kernel behind a 33 KB header of comments: MLX builds (per call) and hashes
+    # (per launch) the whole source, so its size is part of every launch's host cost.
+    padded = _trivial_kernel("profile_trivial_padded", "".join(f"// {i:06d} {'x' * 60}\n" for i in range(480)))
+    links = 16
+    compiled_kernels = _compiled_chain(trivial, links)
+    compiled_adds = _compiled_chain(lambda x: x * 1.0001 + 1.0, links)
 
     w = mx.random.normal((512, 5120)).astype(mx.bfloat16)
     xb = mx.random.normal((1, 5120)).astype(mx.bfloat16)
     cases = {
-        "trivial custom kernel": (trivial, mx.zeros((1,))),
-        "mx add (1 element)": (lambda x: x + 1.0, mx.zeros((1,))),
-        "bf16 GEMV 5120x512 (MLX)": (lambda x: (x @ w.T)[:, :1].astype(mx.bfloat16) * 0 + xb, xb),
+        "trivial custom kernel": (trivial, mx.zeros((1,)), 1),
+        "trivial custom kernel, 33 KB source": (padded, mx.zeros((1,)), 1),
+        f"{links} trivial custom kernels in one mx.compile'd function (per kernel)": (compiled_kernels, mx.zeros((1,)), links),
+        "mx add (1 element)": (lambda x: x + 1.0, mx.zeros((1,)), 1),
+        f"{links} x (multiply, add) in one mx.compile'd function (per pair)": (compiled_adds, mx.zeros((1,)), links),
+        "bf16 GEMV 5120x512 (MLX)": (lambda x: (x @ w.T)[:, :1].astype(mx.bfloat16) * 0 + xb, xb, 1),
     }
-    for name, (fn, x0) in cases.items():
+    for name, (fn, x0, per_call) in cases.items():
         for chained in (True, False):
             samples = []
             for _ in range(repeats + 1):
                 outs, prev = [], x0
-                for _ in range(calls):
+                t0 = time.perf_counter()  # graph building (MLX builds a custom kernel's source per call) + eval
+                for _ in range(calls // per_call):
                     prev = fn(prev if chained else x0)
                     outs.append(prev)
-                t0 = time.perf_counter()
                 mx.eval(outs)
-                samples.append((time.perf_counter() - t0) / calls * 1e6)
+                samples.append((time.perf_counter() - t0) / (calls // per_call * per_call) * 1e6)
             print(f"host | {name} | {'chained' if chained else 'independent'} | {statistics.median(samples[1:]):.2f} µs")
 
 

@@ -140,7 +140,7 @@ def test_gemv_rows_and_splits(m, in_f, out_f, bits, dtype, out_dtype, splits, tu
 
 @pytest.mark.parametrize("m", [1, 7, 20])
 def test_linear_dispatch(m):
-    # Through EXL3Linear: m <= 8 takes exl3_gemv, m = 20 reconstruct + fp16 matmul.
+    # Through EXL3Linear: m <= 8 takes exl3_gemv, m = 20 reconstruct + an fp32 matmul.
     t = random_linear_tensors(1000, 900, 4, "mul1", seed=m, bias=True, prefix="p")
     lin = EXL3Linear.from_stored({k: mx.array(v) for k, v in t.items()}, "p", 1000, 900)
     x = (mx.random.normal((m, 1000), key=mx.random.key(m)) * 2).astype(mx.bfloat16)
