@@ -135,7 +135,7 @@ def register(kernel: Kernel) -> Kernel:
 
 
 # Op modules that register kernels; imported by load_all() so CI sees every kernel.
-_OP_MODULES = ("sparse_attention", "exl3")
+_OP_MODULES = ("sparse_attention", "exl3", "hyper_connections")
 
 
 def load_all() -> dict[str, Kernel]:

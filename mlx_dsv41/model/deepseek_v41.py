@@ -25,7 +25,7 @@ from ..config import ModelArgs
 from .attention import Attention
 from .engram import Engram, RowSource
 from .engram_hash import CompressedTokenMap, EngramHashLayout
-from .hyper_connections import collapse, expand, hc_mixes, initial_pre
+from .hyper_connections import collapse_norm, expand, hc_mixes, initial_pre
 from .moe import MoE
 from .norm import RMSNorm
 
@@ -64,10 +64,10 @@ class Block(nn.Module):
             streams = self.engram(streams, engram_rows, engram_live)
         # Single-pass mHC (spec §4.2, §8.1): each site collapses with the previous site's pre.
         a_pre, a_post, a_comb = self._mixes(streams, "attn")
-        x = self.attn(self.attn_norm(collapse(streams, pre)), cache, shared)
+        x = self.attn(collapse_norm(streams, pre, self.attn_norm.weight, self.norm_eps), cache, shared)
         streams = expand(x, streams, a_post, a_comb)
         f_pre, f_post, f_comb = self._mixes(streams, "ffn")
-        x = self.ffn(self.ffn_norm(collapse(streams, a_pre)))
+        x = self.ffn(collapse_norm(streams, a_pre, self.ffn_norm.weight, self.norm_eps))
         streams = expand(x, streams, f_post, f_comb)
         return streams, f_pre
 
@@ -179,7 +179,7 @@ class Model(nn.Module):
         shared: dict = {}  # one per forward: sources publish compressed KV, index keys, top-k
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             streams, pre = layer(streams, pre, layer_cache, shared, rows.get(i), live)
-        x = self.norm(collapse(streams, pre))  # the last FFN site's pre (spec §4.6)
+        x = collapse_norm(streams, pre, self.norm.weight, self.args.rms_norm_eps)  # the last FFN site's pre (spec §4.6)
         logits = self.head(x.astype(mx.float32))
         # Evaluating the logits also materialises every cache array, so a long generation never
         # builds a lazy chain through state the logits do not read (e.g. pending groups).
