@@ -23,9 +23,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_dsv41.config import ModelArgs
 from mlx_dsv41.exl3 import EXL3Linear
-from mlx_dsv41.exl3.experts import EXL3ExpertProjection, EXL3Experts
+from mlx_dsv41.exl3.experts import EXL3ExpertProjection, EXL3Experts, EXL3GroupedLinear
 from mlx_dsv41.model.deepseek_v41 import FP32_STORED, Model
-from mlx_dsv41.quant import GroupSlices
 
 HELD_EXPERTS = 16  # a token's routed work is top-6 of 2304-wide experts whatever the count
 
@@ -110,10 +109,11 @@ def build(args: ModelArgs, seed: int = 0, held=None) -> Model:
         if isinstance(module, nn.Linear):
             out_f, in_f = module.weight.shape
             swaps.append((name, exl3_linear(name, in_f, out_f, _bits(name, layer), seed)))
-        elif name.endswith(".attn.wo_a"):
-            swaps.append((name, GroupSlices([exl3_linear(f"{name}.slice.{g}", module.in_features,
-                                                         module.out_features, 5, seed)
-                                             for g in range(module.groups)])))
+        elif name.endswith(".attn.wo_a"):  # one EXL3 linear per group, as exllamav3 stores wo_a
+            trellis, suh, svh = random_exl3(name, module.in_features, module.out_features, 5, seed,
+                                            stack=module.groups)
+            swaps.append((name, EXL3GroupedLinear(EXL3ExpertProjection.from_stacked(
+                trellis, suh, svh, "mul1", module.in_features, module.out_features))))
         elif name.endswith(".ffn.experts"):
             bits = 2 if 18 <= layer <= 22 else 3
             swaps.append((name, exl3_experts(name, args, bits, seed, held)))

@@ -38,6 +38,7 @@ typedef long long i64;
 
 #define KX_FMA(a, b, c) __fmaf_rn((a), (b), (c))
 #define KX_EXP(x) expf(x)
+#define KX_LOG(x) logf(x)  // IEEE-accurate (no fast math)
 #define KX_SQRT(x) sqrtf(x)  // IEEE (NVRTC's default -prec-sqrt=true)
 #define KX_FMAX(a, b) fmaxf((a), (b))
 #define KX_ISNAN(x) isnan(x)

@@ -47,6 +47,7 @@ typedef long i64;
 // explicit fma, precise exp (kernels are compiled with math_mode="safe").
 #define KX_FMA(a, b, c) metal::fma((a), (b), (c))
 #define KX_EXP(x) metal::precise::exp(x)
+#define KX_LOG(x) metal::precise::log(x)
 #define KX_SQRT(x) metal::precise::sqrt(x)
 #define KX_FMAX(a, b) metal::fmax((a), (b))
 #define KX_ISNAN(x) metal::isnan(x)

@@ -6,6 +6,11 @@ compressor projections of recent tokens, older Engram ids) and can remove up to 
 (at least `trim_slack`; `max_trim()` says exactly how many), also inside a compression group. A
 larger trim raises instead of leaving a silently wrong cache.
 
+Buffers keep their shapes from one decode step to the next (rings of fixed size, compressed
+entries in a capacity that doubles), and index arithmetic reads the offset from an array: a
+decode step can be compiled once and replayed (Model; docs/design.md, "Compiled decode step").
+Batched generation over these caches is in batch_cache.py.
+
 Both classes follow the mlx-lm 0.32 cache contract (mlx-notes §8.4): `state` (arrays and Python
 scalars) get/set, `from_state`, `is_trimmable`, `trim`, `size`, `empty`, `nbytes`, and they are
 registered in `mlx_lm.models.cache` so `save_prompt_cache` / `load_prompt_cache` round-trip them.
@@ -13,9 +18,9 @@ registered in `mlx_lm.models.cache` so `save_prompt_cache` / `load_prompt_cache`
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import sys
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -67,24 +72,50 @@ class _PositionalCache:
         return obj
 
     @classmethod
-    def merge(cls, caches) -> "BatchCache":
+    def merge(cls, caches):
         """mlx-lm's BatchGenerator: the caches of several sequences, one per sequence."""
+        from .batch_cache import BatchCache
+
         return BatchCache.merge(caches)
 
 
+class LayerCacheState(NamedTuple):
+    """LayerCache.state (the mlx-lm cache contract): arrays, then the Python bookkeeping."""
+
+    ring: mx.array | None
+    kv: mx.array | None  # the valid compressed entries only (offset // ratio)
+    index_keys: mx.array | None
+    raw_kv: mx.array | None
+    raw_gate: mx.array | None
+    offset: int
+    ring_from: int
+    raw_from: int
+    window: int
+    ratio: int
+    owns_kv: bool
+    trim_slack: int
+
+
 class LayerCache(_PositionalCache):
-    """The state of one attention layer.
+    """The state of one attention layer, in buffers whose shapes change only when they grow.
 
     ring          [B, window + trim_slack, D] window KV; position p lives in slot p mod ring_size
                   (spec §4.3 "Sliding window"; the slack keeps rows a trim may bring back)
-    kv, index_keys  owners only: compressed KV [B, cap, D] and index keys [B, cap, Di], entry j =
-                  group j; `offset // ratio` entries are valid; grown in steps of `step`
-    raw_kv, raw_gate  ratio > 1 owners: fp32 wkv / wgate projections of the last tokens (positions
-                  raw_from .. offset-1); the open group is the last `offset % ratio` of them
-                  (spec §8.14), the rest lets a trim reopen a group
+    raw_kv, raw_gate  ratio > 1 owners: [B, trim_slack + ratio - 1, D] fp32 wkv / wgate
+                  projections of the latest tokens, position p in slot p mod raw_capacity: the open
+                  group (spec §8.14) and what lets a trim reopen a group
+    kv, index_keys  owners only: compressed KV [B, capacity, D] and index keys [B, capacity, Di],
+                  entry j = group j; `offset // ratio` are valid, the rest is never read (queries
+                  see entry j only once it is visible, spec §8.9); capacity doubles when it fills
+
+    A forward places its S tokens at positions offset .. offset+S-1. The index arithmetic of a
+    call uses `position`, an int32 array holding the offset that the Model binds once per forward
+    (`bind`), so a compiled decode step is not specialised on the offset; shapes and Python
+    branches depend only on S, the buffer shapes and `offset % ratio`. `advance(S)` does the
+    Python bookkeeping once the layer has run.
     """
 
-    step = 256
+    step = 256  # compressed-entry capacity grows to a multiple of this
 
     def __init__(self, window: int, ratio: int = 0, owns_kv: bool = False,
                  trim_slack: int = DEFAULT_TRIM_SLACK):
@@ -102,7 +133,8 @@ class LayerCache(_PositionalCache):
         self.index_keys: mx.array | None = None
         self.raw_kv: mx.array | None = None
         self.raw_gate: mx.array | None = None
-        self.raw_from = 0  # position of raw_kv[:, 0]
+        self.raw_from = 0  # lowest position still held by the raw ring
+        self._position: mx.array | None = None
 
     @property
     def ring_size(self) -> int:
@@ -112,9 +144,53 @@ class LayerCache(_PositionalCache):
     def raw_capacity(self) -> int:
         return self.trim_slack + self.ratio - 1 if self.owns_kv and self.ratio > 1 else 0
 
+    @property
+    def capacity(self) -> int:
+        return 0 if self.kv is None else self.kv.shape[1]
+
     # ------------------------------------------------------------ one forward (Attention calls)
-    # Every method places this call's tokens at positions offset .. offset+S-1; `advance(S)` moves
-    # the offset once the layer is done.
+
+    def bind(self, position: mx.array | None) -> None:
+        """The int32 array holding `offset` that this forward's index arithmetic uses."""
+        self._position = position
+
+    @property
+    def position(self) -> mx.array:
+        return mx.array(self.offset, mx.int32) if self._position is None else self._position
+
+    def reserve(self, batch: int, tokens: int, dim: int, index_dim: int, dtype: mx.Dtype) -> None:
+        """Allocate (or grow) every buffer the next `tokens` tokens need, before a forward: inside a
+        compiled step each buffer must already exist at its final shape."""
+        self._ensure_ring(batch, dim, dtype)
+        self._ensure_raw(batch, dim)
+        if self.owns_kv:
+            self._ensure_compressed(batch, tokens, dim, index_dim, dtype)
+
+    def _ensure_ring(self, batch: int, dim: int, dtype: mx.Dtype) -> None:
+        if self.ring is None:
+            self.ring = mx.zeros((batch, self.ring_size, dim), dtype)
+        elif self.ring.shape[0] != batch or self.ring.shape[2] != dim:
+            raise ValueError(f"LayerCache: got rows of batch {batch} and width {dim}; this cache holds batch "
+                             f"{self.ring.shape[0]} and width {self.ring.shape[2]}")
+
+    def _ensure_raw(self, batch: int, dim: int) -> None:
+        if self.raw_capacity and self.raw_kv is None:
+            self.raw_kv = mx.zeros((batch, self.raw_capacity, dim), mx.float32)
+            self.raw_gate = mx.zeros((batch, self.raw_capacity, dim), mx.float32)
+
+    def _ensure_compressed(self, batch: int, tokens: int, dim: int, index_dim: int, dtype: mx.Dtype) -> None:
+        need = (self.offset + tokens) // self.ratio
+        if self.kv is None:
+            self.kv = mx.zeros((batch, self._grown(0, need), dim), dtype)
+            self.index_keys = mx.zeros((batch, self.kv.shape[1], index_dim), dtype)
+        elif need > self.capacity:
+            cap = self._grown(self.capacity, need)
+            self.kv, self.index_keys = (mx.pad(a, [(0, 0), (0, cap - a.shape[1]), (0, 0)])
+                                        for a in (self.kv, self.index_keys))
+
+    def _grown(self, capacity: int, need: int) -> int:
+        """Capacity for `need` entries: doubled, in steps (a compiled step re-traces on growth)."""
+        return -(-max(need, 2 * capacity, 1) // self.step) * self.step
 
     def update_window(self, kv: mx.array) -> tuple[mx.array, mx.array]:
         """Store the window KV of the new tokens; return what their queries attend to.
@@ -124,80 +200,84 @@ class LayerCache(_PositionalCache):
         t - window + 1 + c (t = offset + s), or -1 when that position is before the start.
         """
         B, S, D = kv.shape
-        R, W, o = self.ring_size, self.window_size, self.offset
-        if self.ring is None:
-            self.ring = mx.zeros((B, R, D), kv.dtype)
-        elif self.ring.shape[0] != B or self.ring.shape[2] != D:
-            raise ValueError(f"LayerCache: got kv of shape {kv.shape}; this cache holds batch "
-                             f"{self.ring.shape[0]} and width {self.ring.shape[2]}")
+        R = self.ring_size
+        self._ensure_ring(B, D, kv.dtype)
         window = mx.concatenate([self.ring, kv], axis=1)
-        p = o + np.arange(S)[:, None] - W + 1 + np.arange(W)[None, :]
-        rows = np.where(p < 0, -1, np.where(p >= o, R + p - o, p % R))
+        rows = window_rows(self.position, S, self.window_size, R)
         # Only the last R new rows can survive in the ring; write them at their slots.
         keep = min(S, R)
-        first = o + S - keep
-        slot = first % R
-        split = min(keep, R - slot)
-        self.ring[:, slot : slot + split] = kv[:, S - keep : S - keep + split]
-        if split < keep:
-            self.ring[:, : keep - split] = kv[:, S - keep + split :]
-        self.ring_from = max(self.ring_from, o + S - R)
-        return window, mx.array(rows.astype(np.int32))
+        self.ring[:, ring_slots(self.position, S - keep, keep, R)] = kv[:, S - keep :]
+        return window, rows
 
     def group_inputs(self, kv: mx.array, gate: mx.array) -> tuple[mx.array, mx.array]:
         """Ratio > 1 owners: record the new raw projections; return the rows from the start of the
         open group on (the carried partial group, then the new tokens), fp32 [B, pending + S, D]."""
-        S = kv.shape[1]
-        pending = self.offset % self.ratio
-        if self.raw_kv is None:
-            all_kv, all_gate = kv, gate
-        else:
-            all_kv = mx.concatenate([self.raw_kv, kv], axis=1)
-            all_gate = mx.concatenate([self.raw_gate, gate], axis=1)
-        start = all_kv.shape[1] - S - pending
-        if start < 0:
+        B, S, D = kv.shape
+        Q, pending = self.raw_capacity, self.offset % self.ratio
+        self._ensure_raw(B, D)
+        if pending > self.offset - self.raw_from:
             raise ValueError(f"LayerCache: the open group needs {pending} raw rows before offset "
-                             f"{self.offset}, but only {all_kv.shape[1] - S} are held")
-        keep = min(all_kv.shape[1], self.raw_capacity)
-        cut = all_kv.shape[1] - keep
-        self.raw_kv, self.raw_gate = all_kv[:, cut:], all_gate[:, cut:]
-        self.raw_from = self.offset + S - keep
-        return all_kv[:, start:], all_gate[:, start:]
+                             f"{self.offset}, but only {self.offset - self.raw_from} are held")
+        all_kv, all_gate = kv, gate
+        if pending:
+            held = ring_slots(self.position, -pending, pending, Q)
+            all_kv = mx.concatenate([self.raw_kv[:, held], kv], axis=1)
+            all_gate = mx.concatenate([self.raw_gate[:, held], gate], axis=1)
+        keep = min(S, Q)
+        slots = ring_slots(self.position, S - keep, keep, Q)
+        self.raw_kv[:, slots] = kv[:, S - keep :]
+        self.raw_gate[:, slots] = gate[:, S - keep :]
+        return all_kv, all_gate
 
     def append_compressed(self, kv: mx.array | None, index_keys: mx.array | None
-                          ) -> tuple[mx.array | None, mx.array | None]:
-        """Owners: store the new compressed entries (None: no group completed in this call).
-        Returns the valid entries (kv [B, T, D], index keys [B, T, Di]), or (None, None) if T = 0."""
-        first = self.offset // self.ratio
+                          ) -> tuple[mx.array, mx.array]:
+        """Owners: store the entries completed by this call (None: none); return the whole buffers
+        (compressed KV [B, capacity, D], index keys [B, capacity, Di]). Entry j is valid once
+        j < (offset + S) // ratio; callers read entries only through visibility (spec §8.9)."""
         n = 0 if kv is None else kv.shape[1]
         if n:
-            self.kv = self._grow(self.kv, first, kv)
-            self.index_keys = self._grow(self.index_keys, first, index_keys)
-            self.kv[:, first : first + n] = kv
-            self.index_keys[:, first : first + n] = index_keys
-        count = first + n
-        if count == 0:
-            return None, None
-        return self.kv[:, :count], self.index_keys[:, :count]
-
-    def _grow(self, buf: mx.array | None, used: int, rows: mx.array) -> mx.array:
-        """A buffer with room for `rows` after the first `used` entries (grown in steps)."""
-        need = used + rows.shape[1]
-        if buf is not None and need <= buf.shape[1]:
-            return buf
-        B, _, D = rows.shape
-        cap = -(-need // self.step) * self.step
-        fresh = mx.zeros((B, cap - used, D), rows.dtype)
-        return fresh if buf is None or used == 0 else mx.concatenate([buf[:, :used], fresh], axis=1)
+            self._ensure_compressed(kv.shape[0], n * self.ratio, kv.shape[2], index_keys.shape[2], kv.dtype)
+            slots = self.position // self.ratio + mx.arange(n, dtype=mx.int32)
+            self.kv[:, slots] = kv
+            self.index_keys[:, slots] = index_keys
+        return self.kv, self.index_keys
 
     def advance(self, n: int) -> None:
+        """Bookkeeping after a forward of n tokens: the offset moves, the rings forget what their
+        writes replaced, the bound position is released."""
         self.offset += n
+        if self.ring is not None:
+            self.ring_from = max(self.ring_from, self.offset - self.ring_size)
+        if self.raw_capacity and self.raw_kv is not None:
+            self.raw_from = max(self.raw_from, self.offset - self.raw_capacity)
+        self._position = None
 
     def arrays(self) -> list[mx.array]:
         """The arrays this cache holds: evaluate them after each forward so a long generation does
         not build an ever longer lazy graph."""
         held = (self.ring, self.kv, self.index_keys, self.raw_kv, self.raw_gate)
         return [a for a in held if a is not None]
+
+    # ------------------------------------------------------------ compiled steps (Model)
+
+    _ARRAYS = ("ring", "kv", "index_keys", "raw_kv", "raw_gate")
+
+    def step_arrays(self) -> tuple[mx.array | None, ...]:
+        return tuple(getattr(self, name) for name in self._ARRAYS)
+
+    def set_step_arrays(self, arrays) -> None:
+        for name, a in zip(self._ARRAYS, arrays):
+            setattr(self, name, a)
+
+    def bookkeeping(self) -> tuple:
+        return (self.offset, self.ring_from, self.raw_from, self._position)
+
+    def restore_bookkeeping(self, saved: tuple) -> None:
+        self.offset, self.ring_from, self.raw_from, self._position = saved
+
+    def step_key(self) -> tuple:
+        """What a compiled step is specialised on besides its arrays' shapes: the open group."""
+        return (self.offset % self.ratio if self.ratio else 0,)
 
     # ------------------------------------------------------------ trim
 
@@ -210,45 +290,53 @@ class LayerCache(_PositionalCache):
         return max(limit, 0)
 
     def _drop(self, n: int) -> None:
-        # Ring rows past the new offset are never read again before they are rewritten, and
-        # compressed entries past (offset - n) // ratio are ignored and overwritten.
-        if self.raw_kv is not None:
-            keep = self.offset - n - self.raw_from
-            self.raw_kv, self.raw_gate = self.raw_kv[:, :keep], self.raw_gate[:, :keep]
+        # Ring and raw rows past the new offset are never read before they are rewritten, and
+        # compressed entries past (offset - n) // ratio are not visible until they are rewritten.
+        self._position = None
 
     # ------------------------------------------------------------ mlx-lm contract
 
     @property
-    def state(self):
+    def state(self) -> LayerCacheState:
         count = self.offset // self.ratio if self.owns_kv else 0
         kv = self.kv[:, :count] if self.kv is not None and count else None
         keys = self.index_keys[:, :count] if self.index_keys is not None and count else None
-        return (self.ring, kv, keys, self.raw_kv, self.raw_gate, self.offset, self.ring_from,
-                self.raw_from, self.window_size, self.ratio, self.owns_kv, self.trim_slack)
+        return LayerCacheState(self.ring, kv, keys, self.raw_kv, self.raw_gate, self.offset, self.ring_from,
+                               self.raw_from, self.window_size, self.ratio, self.owns_kv, self.trim_slack)
 
     @state.setter
     def state(self, v):
-        if len(v) != 12:
-            raise ValueError(f"LayerCache.state: expected 12 entries, got {len(v)}")
-        (self.ring, self.kv, self.index_keys, self.raw_kv, self.raw_gate, offset, ring_from,
-         raw_from, window, ratio, owns_kv, trim_slack) = v
-        self.offset, self.ring_from, self.raw_from = int(offset), int(ring_from), int(raw_from)
-        self.window_size, self.ratio, self.trim_slack = int(window), int(ratio), int(trim_slack)
-        self.owns_kv = bool(owns_kv)
+        if len(v) != len(LayerCacheState._fields):
+            raise ValueError(f"LayerCache.state: expected {len(LayerCacheState._fields)} entries, got {len(v)}")
+        v = LayerCacheState(*v)
+        self.ring, self.kv, self.index_keys, self.raw_kv, self.raw_gate = v.ring, v.kv, v.index_keys, v.raw_kv, v.raw_gate
+        self.offset, self.ring_from, self.raw_from = int(v.offset), int(v.ring_from), int(v.raw_from)
+        self.window_size, self.ratio, self.trim_slack = int(v.window), int(v.ratio), int(v.trim_slack)
+        self.owns_kv = bool(v.owns_kv)
+        self._position = None
         count = self.offset // self.ratio if self.owns_kv else 0
         held = 0 if self.kv is None else self.kv.shape[1]
         if held != count:
             raise ValueError(f"LayerCache.state: {held} compressed entries for offset {self.offset} "
                              f"and ratio {self.ratio} (expected {count})")
-        if self.raw_capacity:
-            raw = 0 if self.raw_kv is None else self.raw_kv.shape[1]
-            if raw != self.offset - self.raw_from or raw < self.offset % self.ratio:
-                raise ValueError(f"LayerCache.state: {raw} raw rows from position {self.raw_from} do not "
-                                 f"reach offset {self.offset} with its open group")
+        if self.raw_capacity and self.raw_kv is not None and self.raw_kv.shape[1] != self.raw_capacity:
+            raise ValueError(f"LayerCache.state: a raw ring of {self.raw_kv.shape[1]} rows; this cache "
+                             f"keeps {self.raw_capacity}")
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
+
+
+def ring_slots(position: mx.array, start: int, count: int, size: int) -> mx.array:
+    """Ring slots of positions position + start .. + count - 1 (int32 [count])."""
+    return (position + (start + mx.arange(count, dtype=mx.int32))) % size
+
+
+def window_rows(position: mx.array, length: int, window: int, ring: int) -> mx.array:
+    """rows [length, window] int32 of LayerCache.update_window for queries at position + s."""
+    p = position + (mx.arange(length, dtype=mx.int32)[:, None] - window + 1 + mx.arange(window, dtype=mx.int32)[None, :])
+    return mx.where(p < 0, -1, mx.where(p >= position, ring + p - position, p % ring)).astype(mx.int32)
 
 
 def make_layer_cache(args: ModelArgs, layer_id: int, trim_slack: int = DEFAULT_TRIM_SLACK) -> LayerCache:
@@ -256,6 +344,14 @@ def make_layer_cache(args: ModelArgs, layer_id: int, trim_slack: int = DEFAULT_T
     role = args.role(layer_id)
     _register_once()
     return LayerCache(args.sliding_window, role.ratio, role.owns_kv, trim_slack)
+
+
+class EngramHistoryState(NamedTuple):
+    ids: mx.array | None  # [B, m] int64: positions offset - m .. offset - 1
+    offset: int
+    kept_from: int
+    length: int
+    trim_slack: int
 
 
 class EngramHistory(_PositionalCache):
@@ -313,14 +409,14 @@ class EngramHistory(_PositionalCache):
         self.ids = self.ids[:, : self.offset - n - self.kept_from]
 
     @property
-    def state(self):
+    def state(self) -> "EngramHistoryState":
         ids = None if self.ids is None else mx.array(self.ids)
-        return (ids, self.offset, self.kept_from, self.length, self.trim_slack)
+        return EngramHistoryState(ids, self.offset, self.kept_from, self.length, self.trim_slack)
 
     @state.setter
     def state(self, v):
-        if len(v) != 5:
-            raise ValueError(f"EngramHistory.state: expected 5 entries, got {len(v)}")
+        if len(v) != len(EngramHistoryState._fields):
+            raise ValueError(f"EngramHistory.state: expected {len(EngramHistoryState._fields)} entries, got {len(v)}")
         ids, offset, kept_from, length, trim_slack = v
         self.ids = None if ids is None else np.array(ids, dtype=np.int64)
         self.offset, self.kept_from = int(offset), int(kept_from)
@@ -334,138 +430,6 @@ class EngramHistory(_PositionalCache):
 def make_engram_history(args: ModelArgs, trim_slack: int = DEFAULT_TRIM_SLACK) -> EngramHistory:
     """The history the n-gram hash needs: the last max_ngram_size - 1 ids (spec §4.4d)."""
     return EngramHistory(args.engram_max_ngram_size - 1, trim_slack)
-
-
-class BatchCache:
-    """One layer's caches of a batch of sequences, for mlx-lm's `BatchGenerator` (batch_generate,
-    the server): `merge`, `extend`, `filter`, `extract`, `prepare`, `finalize`, `state`, `nbytes`.
-
-    Every position-dependent piece of state here (ring slots, compression groups, RoPE, Engram
-    n-grams) follows absolute positions, so sequences at different positions cannot share one
-    forward the way left-padded KV caches do. Each sequence keeps its own cache (`rows`), and
-    `batched_forward` runs rows whose caches have the same layout (same positions, same shapes) as
-    one stacked batch (their state is copied in and out of the stack at each forward) and the
-    others separately: every row computes exactly what it computes alone. Prompts arrive
-    right-padded; `prepare` records the real lengths so padding is never run.
-    """
-
-    def __init__(self, rows: list):
-        self.rows = list(rows)
-        self.remaining: list[int] | None = None  # real prompt tokens left per row (right padding)
-
-    @classmethod
-    def merge(cls, caches) -> "BatchCache":
-        rows = list(caches)
-        kinds = {type(c) for c in rows}
-        if not rows or len(kinds) != 1 or not issubclass(kinds.pop(), _PositionalCache):
-            raise ValueError(f"BatchCache.merge: needs one or more caches of one kind (LayerCache or "
-                             f"EngramHistory), got {[type(c).__name__ for c in rows]}")
-        return cls(rows)
-
-    def extend(self, other: "BatchCache") -> None:
-        if self.remaining is not None or other.remaining is not None:
-            raise ValueError("BatchCache.extend: a batch in the middle of a padded prompt cannot grow")
-        self.rows += other.rows
-
-    def filter(self, keep) -> None:
-        self.rows = [self.rows[i] for i in keep]
-        if self.remaining is not None:
-            self.remaining = [self.remaining[i] for i in keep]
-
-    def extract(self, idx: int):
-        """Row `idx` as the cache of one sequence (a copy: the batch may keep using its own)."""
-        return copy.deepcopy(self.rows[idx])
-
-    def prepare(self, *, lengths=None, right_padding=None, left_padding=None) -> None:
-        if left_padding is not None and any(left_padding):
-            raise ValueError("BatchCache: left-padded prompts would shift every position; "
-                             "pass prompts right-padded with their lengths")
-        if right_padding is not None and any(right_padding):
-            if lengths is None or len(lengths) != len(self.rows):
-                raise ValueError(f"BatchCache.prepare: need one length per row ({len(self.rows)})")
-            self.remaining = [int(n) for n in lengths]
-
-    def finalize(self) -> None:
-        self.remaining = None
-
-    @property
-    def state(self):
-        return [row.state for row in self.rows]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(row.nbytes for row in self.rows)
-
-    def size(self) -> int:
-        return max((row.offset for row in self.rows), default=0)
-
-    def empty(self) -> bool:
-        return all(row.empty() for row in self.rows)
-
-    def is_trimmable(self) -> bool:
-        return False  # trim the sequences' own caches (extract), not a batch
-
-
-def _layout(cache) -> tuple:
-    """What must agree for caches to run stacked: every scalar of the state, array shapes and
-    dtypes past the batch axis, and where arrays are absent."""
-    return tuple((a.shape[1:], a.dtype) if isinstance(a, mx.array) else a for a in cache.state)
-
-
-def _stack(caches: list):
-    """Same-layout caches of single sequences -> one cache over their batch."""
-    states = [c.state for c in caches]
-    joined = [mx.concatenate([s[k] for s in states]) if isinstance(v, mx.array) else v
-              for k, v in enumerate(states[0])]
-    return type(caches[0]).from_state(tuple(joined))
-
-
-def _row(cache, b: int):
-    """Batch row b of a stacked cache, as the cache of one sequence."""
-    return type(cache).from_state(tuple(v[b : b + 1] if isinstance(v, mx.array) else v for v in cache.state))
-
-
-def batched_forward(forward, inputs: mx.array, caches: list[BatchCache],
-                    input_embeddings: mx.array | None = None) -> mx.array:
-    """`forward(inputs, caches, input_embeddings) -> logits` over a BatchCache list (one per layer
-    entry of the model's cache): rows grouped by real length and cache layout, each group run as
-    one batch. Logits at right-padding positions are 0 (mlx-lm never reads them)."""
-    B, S = inputs.shape[:2]
-    if any(len(c.rows) != B for c in caches):
-        raise ValueError(f"batched_forward: inputs have {B} rows, the caches hold "
-                         f"{sorted({len(c.rows) for c in caches})}")
-    remaining = caches[0].remaining
-    real = [S] * B if remaining is None else [min(S, r) for r in remaining]
-    groups: dict[tuple, list[int]] = {}
-    for b in range(B):
-        if real[b]:
-            key = (real[b],) + tuple(_layout(c.rows[b]) for c in caches)
-            groups.setdefault(key, []).append(b)
-    per_row: dict[int, mx.array] = {}
-    for rows in groups.values():
-        n = real[rows[0]]
-        pick = mx.array(rows)
-        embeds = None if input_embeddings is None else input_embeddings[pick, :n]
-        if len(rows) == 1:
-            group_caches = [c.rows[rows[0]] for c in caches]
-        else:
-            group_caches = [_stack([c.rows[b] for b in rows]) for c in caches]
-        logits = forward(inputs[pick, :n], group_caches, embeds)
-        if len(rows) > 1:
-            for c, stacked in zip(caches, group_caches):
-                for j, b in enumerate(rows):
-                    c.rows[b] = _row(stacked, j)
-        for j, b in enumerate(rows):
-            per_row[b] = logits[j]
-    if remaining is not None:
-        for c in caches:
-            c.remaining = [r - k for r, k in zip(remaining, real)]
-    if not per_row:
-        raise ValueError("batched_forward: no row has tokens to run")
-    first = next(iter(per_row.values()))
-    tail = [(0, 0)] * (first.ndim - 1)
-    return mx.stack([mx.pad(per_row[b], [(0, S - per_row[b].shape[0])] + tail) if b in per_row
-                     else mx.zeros((S, *first.shape[1:]), first.dtype) for b in range(B)])
 
 
 def register_with_mlx_lm() -> bool:

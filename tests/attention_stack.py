@@ -134,8 +134,8 @@ def check_against_reference(args: ModelArgs, layers, x: mx.array) -> None:
         kind = key.split(".")[0]
         if not ROWS_INDEPENDENT or kind == "scores":
             continue
-        if kind in ("kv", "index_keys"):
-            assert np.array_equal(f64(shared[key])[0], want), key
+        if kind in ("kv", "index_keys"):  # the published buffer's valid entries
+            assert np.array_equal(f64(shared[key])[0, : len(want)], want), key
         elif kind == "topk":
             assert np.array(shared[key])[0].tolist() == want, key
         elif kind == "candidates":

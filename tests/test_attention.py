@@ -253,19 +253,21 @@ def test_disabling_the_compressed_path_changes_the_output(args, stack):
 
 
 def test_owners_publish_their_running_index_keys_every_step(args, stack):
-    caches = make_caches(args)
+    def first_two(x, caches):  # layers 0 and 1 as run_stack runs them; layer 1's published state
+        shared: dict = {}
+        h = x + stack[0](x, caches[0], shared)
+        stack[1](h, caches[1], shared)
+        return shared
+
     x = random_input(args, 1, 6, seed=15)
-    run_stack(stack, caches, x[:, :5])  # offset 5: layer 1 (ratio 2) holds 2 groups + 1 pending
-    shared: dict = {}
-    stack[0](x[:, 5:6], caches[0], shared)
-    stack[1](x[:, 5:6], caches[1], shared)  # closes group 2
-    assert shared["index_keys.1"].shape[1] == 3
-    shared = {}
-    caches = make_caches(args)
-    run_stack(stack, caches, x[:, :4])
-    stack[0](x[:, 4:5], caches[0], shared)
-    stack[1](x[:, 4:5], caches[1], shared)  # opens group 2: no new key, the cache is still published
-    assert shared["index_keys.1"].shape[1] == 2 and mx.array_equal(shared["index_keys.1"], caches[1].index_keys[:, :2])
+    whole = first_two(x, make_caches(args))["index_keys.1"]  # entries 0..2
+    for done in (5, 4):  # the 6th token closes group 2; the 5th opens it (no new key)
+        caches = make_caches(args)
+        first_two(x[:, :done], caches)
+        published = first_two(x[:, done : done + 1], caches)["index_keys.1"]
+        assert published is caches[1].index_keys  # published on every call
+        n = (done + 1) // 2
+        assert mx.array_equal(published[:, :n], whole[:, :n])
 
 
 def test_reading_a_source_that_has_not_run_is_a_clear_error(args, stack):

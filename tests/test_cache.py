@@ -63,7 +63,10 @@ def test_open_groups_are_carried_across_calls():
         want = np.arange(start, o + S)
         assert np.array_equal(np.array(kv)[0, :, 0], want) and np.array_equal(np.array(gate)[0, :, 0], -want)
         cache.advance(S)
-        assert np.array(cache.raw_kv).shape[1] == min(cache.offset, cache.raw_capacity)
+        ring = np.array(cache.raw_kv)[0, :, 0]  # fixed size; position p in slot p mod capacity
+        Q = cache.raw_capacity
+        assert ring.shape == (Q,) and cache.raw_from == max(0, cache.offset - Q)
+        assert all(ring[p % Q] == p for p in range(cache.raw_from, cache.offset))
 
 
 def test_compressed_entries_grow_in_steps_and_keep_their_values():
@@ -74,10 +77,11 @@ def test_compressed_entries_grow_in_steps_and_keep_their_values():
         kv, keys = cache.append_compressed(_coded(cache.offset, n), _coded(cache.offset, n, width=2) * 2)
         cache.advance(n)
         capacities.append(cache.kv.shape[1])
-        assert np.array_equal(np.array(kv)[0, :, 0], np.arange(cache.offset))
-        assert np.array_equal(np.array(keys)[1, :, 0], 2 * (np.arange(cache.offset) + 1000))
-    assert capacities == [4, 8, 12, 12]
-    assert cache.append_compressed(None, None)[0].shape[1] == cache.offset
+        assert kv is cache.kv and kv.shape[1] == cache.capacity >= cache.offset  # the whole buffer
+        assert np.array_equal(np.array(kv)[0, : cache.offset, 0], np.arange(cache.offset))
+        assert np.array_equal(np.array(keys)[1, : cache.offset, 0], 2 * (np.arange(cache.offset) + 1000))
+    assert capacities == [4, 8, 16, 16]  # doubled, in steps: few shapes for a compiled step
+    assert cache.append_compressed(None, None)[0].shape[1] == 16
     assert LayerCache(window=4, ratio=2, owns_kv=True).append_compressed(None, None) == (None, None)
 
 

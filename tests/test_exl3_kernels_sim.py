@@ -307,3 +307,59 @@ def test_experts_match_reference(expert_runs, case):
     for t, s in zip(*np.nonzero(~outside)):
         # A bf16 boundary flip of g, u, h or y moves one element by 2^-8; the rest is summation order.
         assert rel_err(y[t, s], want[t, s]) < 1e-3 + 2**-8
+
+
+# ---------------------------------------------------------------------------------- grouped linear
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["mma", "fma"])
+def grouped_run(request):
+    """wo_a-like: 4 groups of 300 -> 200 (padded 384 -> 256), mixed K, through exl3_expert_input,
+    exl3_expert_down per (K, codebook) group and exl3_expert_down_finish, as ops.grouped issues them."""
+    from mlx_dsv41.exl3 import EXL3GroupedLinear
+    from mlx_dsv41.exl3.stored import linear_tensors
+
+    bits = (3, 2, 3, 4)
+    slices = [linear_tensors({k: mx.array(v) for k, v in random_linear_tensors(300, 200, b, "mul1", seed=40 + g,
+                                                                            prefix="s").items()}, "s")
+              for g, b in enumerate(bits)]
+    layer = EXL3GroupedLinear.from_slices(slices, 300, 200)
+    T, G = 3, len(bits)
+    x = mx.array(np.random.default_rng(5).normal(0, 2, (T, G, 300)).astype(np.float32)).astype(mx.bfloat16)
+    indices = mx.broadcast_to(mx.arange(G, dtype=mx.int32), (T, G))
+    proj = layer.proj
+    calls = [(ops.EXPERT_INPUT, ops.input_args(x.reshape(T * G, 300), indices, proj, 0, guard=1))]
+    xh = mx.zeros((T * G, proj.k // 2), mx.uint32)
+    prev = None
+    for group in proj.groups:
+        call = ops.down_args(xh, indices, proj, group, 0, prev=prev, guard=1)
+        calls.append((ops.EXPERT_DOWN, call))
+        shape = call["output_shapes"][0]
+        prev = mx.zeros((shape[0] - 1, *shape[1:]))
+    calls.append((ops.EXPERT_DOWN_FINISH, ops.down_finish_args(prev, indices, proj, 0, guard=1)))
+    program = exl3_sim.build(calls, mma=request.param)
+    xh = program.run(0)[0]
+    assert np.all(xh[-1] == 0xFFFFFFFF)  # guard untouched
+    partial = None
+    for i in range(1, len(calls) - 1):
+        call = with_input(calls[i][1], "xh", mx.array(xh[:-1]), ops.EXPERT_DOWN)
+        if partial is not None:
+            call = with_input(call, "prev", mx.array(partial), ops.EXPERT_DOWN)
+        out = program.run(i, call)[0]
+        assert np.all(np.isnan(out[-1])) and not np.any(np.isnan(out[:-1]))
+        partial = out[:-1]
+    y = program.run(len(calls) - 1, with_input(calls[-1][1], "partial", mx.array(partial), ops.EXPERT_DOWN_FINISH))[0]
+    assert np.all(np.isnan(y[-1]))
+    return layer, x, y[:-1, :200].reshape(T, G, 200), len(proj.groups)
+
+
+def test_grouped_linear_matches_each_group_alone(grouped_run):
+    """Every group's output is its own linear's (the reference, bf16): only summation order differs."""
+    layer, x, y, n_groups = grouped_run
+    assert n_groups == 3  # K 2, 3 and 4: one down launch each
+    for g in range(x.shape[1]):
+        want = np.array(reference.linear(x[:, g], *layer.proj.expert(g), out_features=200).astype(mx.float32))
+        assert rel_err(y[:, g], want) < 1e-3 + 2**-8
+    assert np.array_equal(np.array(layer(x).astype(mx.float32)),  # the CPU path is the reference itself
+                          np.stack([np.array(reference.linear(x[:, g], *layer.proj.expert(g), out_features=200)
+                                             .astype(mx.float32)) for g in range(x.shape[1])], axis=1))

@@ -149,7 +149,7 @@ def test_continuous_batching_joins_and_leaves_mid_generation(tiny):
 
 
 def test_extracted_cache_is_independent_and_continues_like_the_sequence(tiny):
-    from mlx_dsv41.cache import BatchCache
+    from mlx_dsv41.batch_cache import BatchCache
 
     rng = np.random.default_rng(4)
     a, b = rng.integers(3, 150, 11).tolist(), rng.integers(3, 150, 6).tolist()

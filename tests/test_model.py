@@ -87,10 +87,12 @@ def test_pool_exceeds_topk_and_candidate_blocks_filter(ids):
     model = tiny_model(seed=0)
     spy = _Spy(model.layers[7].attn)
     model.layers[7].attn = spy
-    model(ids, model.make_cache())
     args, bs = model.args, model.args.candidate_block_size
-    assert spy.seen["kv.4"].shape[1] == L > args.index_topk  # ratio-1 pool
-    assert spy.seen["kv.2"].shape[1] == L // 2 > args.index_topk  # ratio-2 pool
+    caches = model.make_cache()
+    model(ids, caches)
+    assert caches[4].offset // 1 == L > args.index_topk  # ratio-1 pool: valid entries
+    assert caches[2].offset // 2 == L // 2 > args.index_topk  # ratio-2 pool
+    assert spy.seen["kv.4"] is caches[4].kv and spy.seen["kv.2"] is caches[2].kv  # the buffers, published
     blocks = np.array(spy.seen["candidates.4"])  # [B, S, blocks] kept by the candidate source
     t = np.arange(L)
     visible_blocks = -(-(t + 1) // bs)

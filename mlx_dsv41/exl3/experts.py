@@ -161,3 +161,25 @@ class EXL3Experts(nn.Module):
         return exl3_ops.experts(
             x, indices, weights, self.w1, self.w3, self.w2, self.expert_range, self.swiglu_limit
         )
+
+
+class EXL3GroupedLinear(nn.Module):
+    """A grouped linear (spec §4.3 `wo_a`: group g maps x[..., g, :] to y[..., g, :]) stored as one
+    EXL3 linear per group (`P.slice.{g}`, as exllamav3 stores it): the groups as the "experts" of
+    one EXL3ExpertProjection, so a GPU serves them all in one set of launches (kernels.exl3.grouped)
+    instead of one GEMV per group. Each group's output is rounded as its own linear's is."""
+
+    def __init__(self, proj: EXL3ExpertProjection):
+        super().__init__()
+        self.proj = proj
+        self.groups, self.in_features, self.out_features = proj.n_local, proj.in_features, proj.out_features
+
+    @classmethod
+    def from_slices(cls, slices: Sequence[dict], in_features: int, out_features: int) -> "EXL3GroupedLinear":
+        """From each group's stored {trellis, suh, svh, codebook} (no bias)."""
+        return cls(EXL3ExpertProjection.from_experts(slices, in_features, out_features))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        lead = x.shape[:-2]
+        y = exl3_ops.grouped(x.reshape(-1, *x.shape[-2:]), self.proj)
+        return y.reshape(*lead, *y.shape[-2:])

@@ -149,7 +149,7 @@ def register(kernel: Kernel) -> Kernel:
 
 
 # Op modules that register kernels; imported by load_all() so CI sees every kernel.
-_OP_MODULES = ("sparse_attention", "exl3", "hyper_connections")
+_OP_MODULES = ("sparse_attention", "exl3", "hyper_connections", "moe_route")
 
 
 def load_all() -> dict[str, Kernel]:

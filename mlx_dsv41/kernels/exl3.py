@@ -40,7 +40,7 @@ from mlx_dsv41.exl3.hadamard import BLOCK
 from mlx_dsv41.exl3.stored import check_linear
 from mlx_dsv41.exl3.trellis import check_trellis, k2_from_trellis_shape
 from mlx_dsv41.kernels import Kernel, backend, float_bits, register
-from mlx_dsv41.quant.experts import check_routing
+from mlx_dsv41.quant.experts import check_routing, swiglu
 
 GEMV_MAX_ROWS = 8  # rows served by exl3_gemv (the M template: 1, 2, 4 or 8)
 FUSED_MAX_TOKENS = 10  # tokens served by the fused expert kernels (60 slots at Flash top-6)
@@ -143,6 +143,10 @@ EXPERT_DOWN = register(Kernel(
 EXPERT_DOWN_FINISH = register(Kernel(
     "exl3_expert_down_finish", ("partial", "indices", "svh2"), ("out",), includes=_EXPERT_HEADERS, max_threads=256,
     examples=lambda: _example_down_finish(),
+))
+EXPERT_INPUT = register(Kernel(
+    "exl3_expert_input", ("x", "indices", "suh"), ("xh",), includes=_EXPERT_HEADERS, max_threads=256,
+    examples=lambda: _example_input(),
 ))
 
 
@@ -350,6 +354,20 @@ def down_finish_args(partial, indices, w2, lo: int, guard: int = 0, init_value=N
     )
 
 
+def input_args(x, indices, proj, lo: int, guard: int = 0, init_value=None) -> dict:
+    """exl3_expert_input call kwargs: xh [slots, k / 2] (fp16 pairs) of x [slots, in] per slot's
+    expert (indices [T, G] or [slots])."""
+    slots = indices.size
+    return dict(
+        inputs=[x, indices, proj.suh],
+        output_shapes=[(slots + guard, proj.k // 2)],
+        output_dtypes=[mx.uint32],
+        **_block_per_simd_group_launch(proj.k // BLOCK, slots),
+        template=[("LO", int(lo))],
+        init_value=init_value,
+    )
+
+
 def gate_up_keys(w1, w3) -> list[tuple[int, str]]:
     """The (k2, codebook) groups of w1 and w3, in launch order: one exl3_expert_gate_up each."""
     return sorted({(g.k2, g.codebook) for g in (*w1.groups, *w3.groups)})
@@ -422,6 +440,53 @@ def experts(x, indices, weights, w1, w3, w2, expert_range, limit: float):
         return reference.experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit,
                                            linear_row_invariant)
     return _experts_fused(x, indices, weights, w1, w3, w2, expert_range[0], limit)
+
+
+def swiglu_mlp(x, w1, w3, w2, limit: float) -> mx.array:
+    """w2(bf16(silu(min(g, L)) · clamp(u, -L, L))), g = w1(x), u = w3(x), for EXL3Linear w1, w3, w2:
+    the shared expert (model spec §4.5, weight 1) -> [T, out] in x.dtype. On a GPU, up to
+    FUSED_MAX_TOKENS tokens run the fused expert kernels as one expert of weight 1 (w1 and w3 in one
+    launch, the SwiGLU and w2's input transform in another: 4 launches instead of 7, the same
+    roundings); otherwise, and on the CPU, the three linears."""
+    T = x.shape[0]
+    if backend() == "cpu" or not 0 < T <= FUSED_MAX_TOKENS:
+        return w2(swiglu(w1(x), w3(x), limit, dtype=x.dtype))
+    projections = [_single_expert(lin) for lin in (w1, w3, w2)]
+    y = _experts_fused(x, mx.zeros((T, 1), mx.int32), mx.ones((T, 1), mx.float32), *projections, 0, limit)
+    return y[:, 0].astype(x.dtype)
+
+
+def _single_expert(lin):
+    """An EXL3Linear as a one-expert EXL3ExpertProjection over the same arrays (made once)."""
+    if getattr(lin, "_single_expert", None) is None:
+        from mlx_dsv41.exl3.experts import EXL3ExpertProjection  # it imports this module
+
+        lin._single_expert = EXL3ExpertProjection.from_stacked(
+            lin.trellis[None], lin.suh[None], lin.svh[None], lin.codebook, lin.in_features, lin.out_features)
+    return lin._single_expert
+
+
+def grouped(x, proj) -> mx.array:
+    """A grouped linear whose group g is expert g of `proj` (an EXL3ExpertProjection over the groups'
+    linears, e.g. `wo_a`'s slices): x [T, G, in] -> [T, G, out] in x.dtype, each group's output
+    rounded as its own linear rounds it. On a GPU: exl3_expert_input, exl3_expert_down (one launch
+    per (K, codebook) group) and exl3_expert_down_finish for every group at once; on the CPU each
+    group through the reference linear."""
+    T, G, width = x.shape
+    if G != proj.n_local or width != proj.in_features:
+        raise ValueError(f"exl3 grouped: x must be [T, {proj.n_local}, {proj.in_features}], got {x.shape}")
+    if backend() == "cpu":
+        return mx.stack([reference.linear(x[:, g], *proj.expert(g), out_features=proj.out_features)
+                         for g in range(G)], axis=1)
+    if T == 0:
+        return mx.zeros((0, G, proj.out_features), x.dtype)
+    indices = mx.broadcast_to(mx.arange(G, dtype=mx.int32), (T, G))
+    xh = EXPERT_INPUT(**input_args(x.reshape(T * G, width), indices, proj, 0))[0]
+    partial = None
+    for group in proj.groups:
+        partial = EXPERT_DOWN(**down_args(xh, indices, proj, group, 0, prev=partial))[0]
+    y = EXPERT_DOWN_FINISH(**down_finish_args(partial, indices, proj, 0))[0]  # bf16-valued float32
+    return y[:, : proj.out_features].reshape(T, G, proj.out_features).astype(x.dtype)
 
 
 def linear_row_invariant(x, trellis, suh, svh, codebook: str, **kw):
@@ -528,6 +593,12 @@ def _example_down():
                            prev=mx.zeros((indices.size, down_plan(ex.w2)[0], ex.w2.n), mx.float32)))
     calls.append(down_args(xh, indices, ex.w2, ex.w2.groups[0], 1, tuning=Tuning(nc=2, down_warps=16)))
     return calls
+
+
+def _example_input():
+    ex, x, indices, weights = _example_experts()
+    return [input_args(mx.zeros((indices.size, ex.w2.in_features), mx.bfloat16), indices, ex.w2, 1),
+            input_args(mx.zeros((indices.size, 200), mx.float32), indices, ex.w1, 0)]
 
 
 def _example_down_finish():

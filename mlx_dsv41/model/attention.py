@@ -77,30 +77,32 @@ class Attention(nn.Module):
                              f"{self.layer_id}) (ratio {self.role.ratio}, owner {self.role.owns_kv}); got ratio "
                              f"{cache.ratio}, owner {cache.owns_kv}")
         B, S, _ = x.shape
-        offset = cache.offset
+        cache.reserve(B, S, self.head_dim, self.indexer.head_dim if self.role.owns_kv else 0, x.dtype)
+        position = cache.position  # an int32 array: a compiled step is not specialised on it
         qr = self.q_norm(self.wq_a(x))
-        q = self.rope(self.wq_b(qr).reshape(B, S, self.n_heads, self.head_dim), offset)
-        kv = fake_quant_fp8(self.rope(self.kv_norm(self.wkv(x)), offset), 32)
+        q = self.rope(self.wq_b(qr).reshape(B, S, self.n_heads, self.head_dim), position)
+        kv = fake_quant_fp8(self.rope(self.kv_norm(self.wkv(x)), position), 32)
 
         window, rows = cache.update_window(kv)
         indices = mx.broadcast_to(rows, (B, S, rows.shape[1]))
         pool = window[:, :0]
         if self.role.ratio:
-            selected, topk = self._compressed(x, qr, offset, cache, shared)
-            if selected is not None and self.attend_compressed:
+            selected, topk = self._compressed(x, qr, position, cache, shared)
+            if self.attend_compressed:
                 pool = selected  # index i >= window rows reads pool[i - window rows]
                 picks = mx.where(topk >= 0, topk + window.shape[1], -1)
                 indices = mx.concatenate([indices, picks], axis=-1)
 
         o = sparse_attention(q, window, pool, indices, self.attn_sink.astype(mx.float32), self.scale)
-        o = self.rope(o.astype(x.dtype), offset, inverse=True)  # conjugate rotation at the query position
+        o = self.rope(o.astype(x.dtype), position, inverse=True)  # conjugate rotation at the query position
         o = self.wo_a(o.reshape(B, S, self.o_groups, -1)).reshape(B, S, -1)
         cache.advance(S)
         return self.wo_b(o)
 
-    def _compressed(self, x, qr, offset: int, cache: LayerCache, shared: dict):
-        """Update / publish the shared state this layer owns; return (the compressed KV of its
-        KV source [B, T, D] or None if T = 0, the top-k it attends to [B, S, k])."""
+    def _compressed(self, x, qr, position: mx.array, cache: LayerCache, shared: dict):
+        """Update / publish the shared state this layer owns; return (the compressed-KV buffer of
+        its KV source [B, capacity, D], the top-k it attends to [B, S, k]; entries that are not yet
+        visible are never picked)."""
         role, me = self.role, self.layer_id
         if role.owns_kv:
             latent, first = self.compressor(x, cache)
@@ -112,7 +114,7 @@ class Attention(nn.Module):
         pool = _read(shared, "kv", role.kv_source, me)
         if role.runs_indexer:
             candidates = _read(shared, "candidates", self.candidate_source, me) if role.uses_candidates else None
-            topk, blocks = self.indexer(x, qr, _read(shared, "index_keys", role.kv_source, me), offset,
+            topk, blocks = self.indexer(x, qr, _read(shared, "index_keys", role.kv_source, me), position,
                                         candidates=candidates, build_candidates=role.builds_candidates)
             shared[f"topk.{me}"] = topk
             if role.builds_candidates:

@@ -36,10 +36,10 @@ class Compressor(nn.Module):
             self.wgate = nn.Linear(args.hidden_size, args.head_dim, bias=False)
         self.norm = RMSNorm(args.head_dim, args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: LayerCache) -> tuple[mx.array | None, int]:
+    def __call__(self, x: mx.array, cache: LayerCache) -> tuple[mx.array | None, mx.array]:
         """x [B, S, D_model] at positions cache.offset.. -> (latents [B, n, head_dim] of the groups
-        completed by these tokens, or None; index of the first of them)."""
-        first = cache.offset // self.ratio
+        completed by these tokens, or None; index of the first of them, an int32 array)."""
+        first = cache.position // self.ratio
         if self.ratio == 1:
             return self.norm(self.wkv(x)), first
         # The loader stores these weights in fp32 (spec §3); pooling stays in fp32.

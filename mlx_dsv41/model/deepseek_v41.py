@@ -20,8 +20,10 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from .. import quant
-from ..cache import BatchCache, EngramHistory, LayerCache, batched_forward, make_engram_history, make_layer_cache
+from ..batch_cache import BatchCache, batched_forward
+from ..cache import EngramHistory, LayerCache, make_engram_history, make_layer_cache
 from ..config import ModelArgs
+from . import compiled_step
 from .attention import Attention
 from .engram import Engram, RowSource
 from .engram_hash import CompressedTokenMap, EngramHashLayout
@@ -95,6 +97,7 @@ class Model(nn.Module):
         self._engram_hash: EngramHashLayout | None = None
         self._engram_map: CompressedTokenMap | None = None
         self._engram_rows: dict[int, RowSource] = {}
+        self._compiled: compiled_step.CompiledStep | None = None  # built at the first compiled step
 
     # ---------------------------------------------------------------- Engram inputs
 
@@ -158,6 +161,7 @@ class Model(nn.Module):
         """inputs [B, S] token ids -> logits [B, S, vocab] fp32.
 
         `input_embeddings` [B, S, D] replaces the embedding lookup (the ids still drive Engram).
+        A few tokens at a time (decode) run as a compiled step on a GPU (model/compiled_step.py).
         """
         if inputs.ndim != 2:
             raise ValueError(f"inputs must be token ids [B, S], got shape {inputs.shape}")
@@ -169,21 +173,39 @@ class Model(nn.Module):
         if len(cache) != expected:
             raise ValueError(f"cache has {len(cache)} entries; this model needs {expected} "
                              f"(one per layer{', then the Engram history' if self._engram_layers else ''})")
+        layer_caches = cache[:n]
+        offsets = {c.offset for c in layer_caches}
+        if len(offsets) != 1:
+            raise ValueError(f"the layer caches are at different offsets {sorted(offsets)}; they must move together")
         rows, live = self._engram_inputs(inputs, cache[n]) if self._engram_layers else ({}, None)
+        B, S = inputs.shape
+        dtype = self.embed.weight.dtype if input_embeddings is None else input_embeddings.dtype
+        for c in layer_caches:  # every buffer at its final shape before a (compiled) step
+            c.reserve(B, S, self.args.head_dim, self.args.index_head_dim, dtype)
+        if compiled_step.compiles(B * S):
+            if self._compiled is None:
+                self._compiled = compiled_step.CompiledStep(self._forward)
+            return self._compiled(layer_caches, inputs, input_embeddings, rows, live)
+        return self._forward(layer_caches, mx.array(offsets.pop(), mx.int32), inputs, input_embeddings, rows, live)
 
+    def _forward(self, caches: list, position: mx.array, inputs: mx.array, input_embeddings, rows: dict,
+                 live) -> mx.array:
+        """The forward at `position` (an int32 array: the caches' common offset) -> logits."""
+        for c in caches:
+            c.bind(position)
         h = self.embed(inputs) if input_embeddings is None else input_embeddings
         B, S, D = h.shape
         hc = self.args.hc_mult
         streams = mx.broadcast_to(h[:, :, None, :], (B, S, hc, D))
         pre = initial_pre(B, S, hc)
         shared: dict = {}  # one per forward: sources publish compressed KV, index keys, top-k
-        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, caches)):
             streams, pre = layer(streams, pre, layer_cache, shared, rows.get(i), live)
         x = collapse_norm(streams, pre, self.norm.weight, self.args.rms_norm_eps)  # the last FFN site's pre (spec §4.6)
         logits = self.head(x.astype(mx.float32))
         # Evaluating the logits also materialises every cache array, so a long generation never
         # builds a lazy chain through state the logits do not read (e.g. pending groups).
-        return mx.depends(logits, [a for c in cache[:n] for a in c.arrays()])
+        return mx.depends(logits, [a for c in caches for a in c.arrays()])
 
     # ---------------------------------------------------------------- loading
 

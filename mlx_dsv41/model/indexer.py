@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from ..config import ModelArgs
 from .fake_quant import fake_quant_fp4
@@ -34,19 +33,18 @@ from .rope import RoPE, make_rope
 _SCORE_CHUNK_ELEMENTS = 1 << 26
 
 
-def visible_counts(offset: int, length: int, ratio: int) -> np.ndarray:
-    """Compressed entries visible to the queries at offset .. offset+length-1: (t+1) // r."""
-    return (offset + 1 + np.arange(length)) // ratio
+def visible_counts(position: mx.array, length: int, ratio: int) -> mx.array:
+    """Compressed entries visible to the queries at position .. position+length-1: (t+1) // r
+    (int32 [length]; position an int32 array, so a compiled step is not specialised on it)."""
+    return (position + 1 + mx.arange(length, dtype=mx.int32)) // ratio
 
 
-def index_scores(q: mx.array, weights: mx.array, keys: mx.array, visible: np.ndarray) -> mx.array:
+def index_scores(q: mx.array, weights: mx.array, keys: mx.array, visible: mx.array) -> mx.array:
     """q [B, S, Hi, Di], weights [B, S, Hi] fp32, keys [B, T, Di], visible [S] -> scores [B, S, T]
-    fp32, -inf where an entry is not visible."""
+    fp32, -inf where an entry is not visible (keys past the visible count may be any values)."""
     dots = q.astype(mx.float32) @ keys.astype(mx.float32)[:, None].swapaxes(-1, -2)  # [B, S, Hi, T]
     scores = mx.sum(mx.maximum(dots, 0.0) * weights[..., None], axis=2)
-    if visible.min() >= keys.shape[1]:  # decode: the newest query sees every entry
-        return scores
-    seen = mx.array(np.arange(keys.shape[1])[None, :] < visible[:, None])
+    seen = mx.arange(keys.shape[1], dtype=mx.int32)[None, :] < visible[:, None]
     return mx.where(seen, scores, -mx.inf)
 
 
@@ -58,25 +56,25 @@ def _ranking_keys(scores: mx.array) -> mx.array:
     return ordered * (1 << 32) + (0xFFFFFFFF - mx.arange(scores.shape[-1], dtype=mx.int64))
 
 
-def select_topk(scores: mx.array, k: int, visible: np.ndarray) -> mx.array:
+def select_topk(scores: mx.array, k: int, visible: mx.array) -> mx.array:
     """The k best entries of each row of scores [B, S, T] -> int32 [B, S, k], ascending; picks at
     or past the row's visible count (visible [S]) are -1."""
     T = scores.shape[-1]
     picks = mx.argpartition(-_ranking_keys(scores), kth=k - 1, axis=-1)[..., :k].astype(mx.int32)
-    dropped = picks >= mx.array(visible.astype(np.int32))[:, None]
+    dropped = picks >= visible[:, None]
     picks = mx.sort(mx.where(dropped, T, picks), axis=-1)  # dropped picks sort last ...
     return mx.where(picks == T, -1, picks)  # ... and read -1
 
 
-def select_candidate_blocks(scores: mx.array, visible: np.ndarray, block: int, keep: int) -> mx.array:
+def select_candidate_blocks(scores: mx.array, visible: mx.array, block: int, keep: int) -> mx.array:
     """The candidate source's block mask: scores [B, S, T] -> bool [B, S, ceil(T / block)]."""
     B, S, T = scores.shape
     nb = -(-T // block)
     padded = mx.pad(scores, [(0, 0), (0, 0), (0, nb * block - T)], constant_values=-mx.inf)
     block_scores = mx.max(padded.reshape(B, S, nb, block), axis=-1)
     # Pin the block of the newest visible entry: it is only partly filled (spec §8.10).
-    newest = np.where(visible > 0, (visible - 1) // block, -1)
-    block_scores = mx.where(mx.array(np.arange(nb)[None, :] == newest[:, None]), mx.inf, block_scores)
+    newest = mx.where(visible > 0, (visible - 1) // block, -1)
+    block_scores = mx.where(mx.arange(nb, dtype=mx.int32)[None, :] == newest[:, None], mx.inf, block_scores)
     keep = min(keep, nb)
     ranks = _ranking_keys(block_scores)
     kth_best = mx.partition(ranks, kth=nb - keep, axis=-1)[..., nb - keep : nb - keep + 1]
@@ -104,12 +102,12 @@ class Indexer(nn.Module):
             self.wk = nn.Linear(args.head_dim, self.head_dim, bias=False)
             self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
 
-    def keys(self, latent: mx.array, first: int) -> mx.array:
+    def keys(self, latent: mx.array, first: mx.array | int) -> mx.array:
         """Index keys of compressed entries first.. from their pre-RoPE latents [B, n, head_dim]."""
         k = self.rope(self.k_norm(self.wk(latent)), first, step=self.ratio)
         return fake_quant_fp4(k, 32)
 
-    def __call__(self, x: mx.array, qr: mx.array, keys: mx.array | None, offset: int, *,
+    def __call__(self, x: mx.array, qr: mx.array, keys: mx.array | None, position: mx.array, *,
                  candidates: mx.array | None = None, build_candidates: bool = False
                  ) -> tuple[mx.array, mx.array | None]:
         """x [B, S, D_model], qr [B, S, q_lora_rank] (the q_norm output), keys [B, T, Di] or None.
@@ -123,10 +121,10 @@ class Indexer(nn.Module):
             return mx.zeros((B, S, 0), mx.int32), None
         T = keys.shape[1]
         q = self.wq_b(qr).reshape(B, S, self.n_heads, self.head_dim)
-        q = fake_quant_fp4(self.rope(q, offset), 32)
+        q = fake_quant_fp4(self.rope(q, position), 32)
         # Flash: 128^-0.5 · 32^-0.5 = 1/64, a power of two, so the fp32 product equals a bf16 one.
         weights = self.weights_proj(x).astype(mx.float32) * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        visible = visible_counts(offset, S, self.ratio)
+        visible = visible_counts(position, S, self.ratio)
         k = min(self.index_topk, T)
         rows = max(1, _SCORE_CHUNK_ELEMENTS // (B * self.n_heads * T))
         topks, blocks = [], []

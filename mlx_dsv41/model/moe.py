@@ -7,11 +7,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import ModelArgs
-from ..quant import DenseExperts, swiglu
-
-# The router renormalises with this literal, not with rms_norm_eps (spec §8.8).
-_RENORM_EPS = 1e-20
-
+from ..kernels.moe_route import route
+from ..quant import DenseExperts, swiglu_mlp
 
 def sum_slots(slots: mx.array) -> mx.array:
     """Per-slot outputs [T, k, D] fp32 -> [T, D], summed in slot order (the reference's order)."""
@@ -35,15 +32,7 @@ class Gate(nn.Module):
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x [T, D] -> indices [T, k] int32 (ascending expert id), weights [T, k] fp32."""
         logits = x.astype(mx.float32) @ self.weight.astype(mx.float32).T
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        scores = mx.sqrt(nn.softplus(logits))
-        chosen = mx.argpartition(-(scores + self.bias), self.top_k - 1, axis=-1)[..., : self.top_k]
-        # Ascending expert id is the order the reference accumulates expert outputs in.
-        indices = mx.sort(chosen, axis=-1).astype(mx.int32)
-        weights = mx.take_along_axis(scores, indices, axis=-1)
-        weights = weights / (mx.sum(weights, axis=-1, keepdims=True) + _RENORM_EPS)
-        return indices, weights * self.route_scale
+        return route(logits, self.bias, self.top_k, self.temperature, self.route_scale)
 
 
 class SharedExpert(nn.Module):
@@ -58,7 +47,8 @@ class SharedExpert(nn.Module):
         self.w2 = nn.Linear(inter, d, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit, dtype=x.dtype))
+        """x [T, D] -> [T, D] in x.dtype."""
+        return swiglu_mlp(x, self.w1, self.w3, self.w2, self.limit)
 
 
 class MoE(nn.Module):

@@ -44,7 +44,8 @@ class RoPE:
     """Interleaved RoPE on the last `dims` features of x [B, S, D] or [B, S, H, D].
 
     Row s of x sits at position (offset + s) · step: step is the compression ratio for compressed
-    entries (group j sits at position j·r, the first token of the group) and 1 otherwise.
+    entries (group j sits at position j·r, the first token of the group) and 1 otherwise. offset
+    is an int or an int32 array (the model passes arrays, so compiled steps are not specialised on it).
     `inverse=True` rotates by the negative angle (the output's conjugate rotation).
     """
 
@@ -54,7 +55,7 @@ class RoPE:
         # mx.fast.rope's `freqs` argument is the period of each pair: angle = position / period.
         self._periods = mx.array((1.0 / self.frequencies).astype(np.float32))
 
-    def __call__(self, x: mx.array, offset: int, *, step: int = 1, inverse: bool = False) -> mx.array:
+    def __call__(self, x: mx.array, offset: mx.array | int, *, step: int = 1, inverse: bool = False) -> mx.array:
         d = self.dims
         tail = x[..., -d:].astype(mx.float32)
         if x.ndim == 4:  # mx.fast.rope wants positions on axis -2

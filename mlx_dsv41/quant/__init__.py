@@ -20,6 +20,7 @@ re-layouts, `official.py`); a grouped linear (`wo_a`) stored as FP8 is dequantiz
 
 from __future__ import annotations
 
+import sys
 from typing import Mapping
 
 import mlx.core as mx
@@ -36,7 +37,7 @@ from .official import MODES as MX_MODES
 __all__ = [
     "DenseExperts", "DenseLinear", "FormatError", "GroupSlices", "GroupedLinear", "MXExperts", "check_expert_range",
     "make_experts", "make_grouped_linear", "make_linear", "module_tensors", "mx_parts",
-    "stored_format", "swiglu",
+    "stored_format", "swiglu", "swiglu_mlp",
 ]
 
 
@@ -175,8 +176,12 @@ def make_grouped_linear(tensors: Mapping[str, mx.array], prefix: str, groups: in
     """`P.weight [groups·out, in]` (dense, or official FP8 dequantized to bf16 with its scales:
     spec §3 says `wo_a` runs unquantized) or `P.slice.{g}` linears of any format."""
     if any(k.startswith(f"{prefix}.slice.") for k in tensors) and f"{prefix}.weight" not in tensors:
-        return GroupSlices([make_linear(tensors, f"{prefix}.slice.{g}", in_features, out_features)
-                            for g in range(groups)])
+        slices = [f"{prefix}.slice.{g}" for g in range(groups)]
+        if all(stored_format(tensors, p) == "exl3" and f"{p}.bias" not in tensors for p in slices):
+            from mlx_dsv41 import exl3  # every group in one set of launches on a GPU
+
+            return exl3.grouped_from_stored(tensors, prefix, groups, in_features, out_features)
+        return GroupSlices([make_linear(tensors, p, in_features, out_features) for p in slices])
     fmt = stored_format(tensors, prefix)
     shape = (groups * out_features, in_features)
     lin = GroupedLinear(groups, in_features, out_features)
@@ -190,6 +195,18 @@ def make_grouped_linear(tensors: Mapping[str, mx.array], prefix: str, groups: in
         raise FormatError(f"{prefix}: a grouped linear is stored dense, as official FP8 or as "
                           f"{prefix}.slice.{{g}} linears, not as {fmt}")
     return lin
+
+
+def swiglu_mlp(x: mx.array, w1: nn.Module, w3: nn.Module, w2: nn.Module, limit: float) -> mx.array:
+    """w2(swiglu(w1(x), w3(x))) in x.dtype (the shared expert, spec §4.5), each linear of its own
+    format; three EXL3 linears take the EXL3 path (fused expert kernels on a GPU)."""
+    if "mlx_dsv41.exl3" in sys.modules:  # only a model holding EXL3 tensors has imported it
+        from mlx_dsv41 import exl3
+        from mlx_dsv41.kernels import exl3 as exl3_ops
+
+        if all(isinstance(w, exl3.EXL3Linear) for w in (w1, w3, w2)):
+            return exl3_ops.swiglu_mlp(x, w1, w3, w2, limit)
+    return w2(swiglu(w1(x), w3(x), limit, dtype=x.dtype))
 
 
 def make_experts(tensors: Mapping[str, mx.array], prefix: str, n_experts: int, dim: int,

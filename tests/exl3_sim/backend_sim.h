@@ -111,6 +111,7 @@ inline T sim_shuffle_to(T v, u32 src_lane) {
 // ---- arithmetic -------------------------------------------------------------------------------
 #define KX_FMA(a, b, c) std::fmaf((a), (b), (c))
 #define KX_EXP(x) std::exp((float)(x))
+#define KX_LOG(x) std::log((float)(x))
 #define KX_SQRT(x) std::sqrt((float)(x))
 #define KX_FMAX(a, b) std::fmaxf((a), (b))
 #define KX_ISNAN(x) std::isnan(x)

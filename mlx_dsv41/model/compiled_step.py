@@ -1,0 +1,92 @@
+"""A forward of a few tokens (decode, a speculative verify) compiled with `mx.compile`, traced once
+per shape and replayed (docs/design.md, "Compiled decode step").
+
+What makes a step replayable: every cache buffer keeps its shape from one step to the next
+(LayerCache: fixed rings, a compressed capacity that doubles), all index arithmetic reads the
+offset from an int32 array, and what Python decides per call (the open compression group,
+`offset % ratio`; which buffers and inputs exist) is part of the trace key. A trace runs the
+model's ordinary forward on the model's own cache objects with traced arrays bound into them;
+afterwards the cache objects get the step's output arrays and their Python bookkeeping (offset,
+ring bounds) is advanced outside the trace, so a replay, which runs no Python, leaves them exactly
+as an eager call would.
+
+Replaying a graph costs no Python per operation and fuses elementwise chains: MLX's host cost per
+launch falls from ~5-13 µs to ~3-4 µs for a custom kernel and to ~1 µs for fused elementwise
+pairs (benchmarks/profile_exl3.py --part host, H200). By default a GPU compiles steps of up to
+MAX_TOKENS tokens and the CPU runs eagerly (its bytes are the project's CPU reference);
+MLX_DSV41_COMPILE=1 / 0 forces it on / off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from ..kernels import backend
+
+MAX_TOKENS = 10  # batch x tokens: decode and DSpark verify steps (the EXL3 fused-expert limit)
+ENV_VAR = "MLX_DSV41_COMPILE"
+
+
+def compiles(tokens: int) -> bool:
+    """Whether a forward over `tokens` (batch x length) tokens is run compiled."""
+    forced = os.environ.get(ENV_VAR, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1" and tokens <= MAX_TOKENS
+    return backend() != "cpu" and tokens <= MAX_TOKENS
+
+
+class CompiledStep:
+    """`step(caches, position, inputs, embeddings, rows, live)` with `forward` of the same signature
+    run compiled (`forward` reads and updates the caches' arrays and advances them)."""
+
+    def __init__(self, forward):
+        self._forward = forward
+        self._fn = mx.compile(self._traced)
+        self._caches: list | None = None
+
+    def __call__(self, caches, inputs, embeddings, rows: dict, live) -> mx.array:
+        tokens = inputs.shape[0] * inputs.shape[1]
+        saved = [c.bookkeeping() for c in caches]
+        buffers = [c.step_arrays() for c in caches]
+        layout = tuple(tuple(a is not None for a in b) for b in buffers)
+        engram = tuple(sorted(rows))
+        static = (tuple(c.step_key() for c in caches), layout, engram, embeddings is not None, live is not None)
+        flat = [inputs, mx.array(caches[0].offset, mx.int32), *(rows[k] for k in engram)]
+        flat += [a for a in (embeddings, live) if a is not None]
+        flat += [a for b in buffers for a in b if a is not None]
+        self._caches = caches
+        try:
+            logits, *arrays = self._fn(static, *flat)
+        except BaseException:
+            for c, b in zip(caches, buffers):
+                c.set_step_arrays(b)
+            raise
+        finally:
+            self._caches = None
+            for c, s in zip(caches, saved):
+                c.restore_bookkeeping(s)
+        it = iter(arrays)
+        for c, present in zip(caches, layout):
+            c.set_step_arrays([next(it) if p else None for p in present])
+            c.advance(tokens // inputs.shape[0])
+        return logits
+
+    def _traced(self, static, inputs, position, *rest):
+        _, layout, engram, has_embeddings, has_live = static
+        rest = list(rest)
+        rows = {k: rest.pop(0) for k in engram}
+        embeddings = rest.pop(0) if has_embeddings else None
+        live = rest.pop(0) if has_live else None
+        it = iter(rest)
+        for c, present in zip(self._caches, layout):
+            c.set_step_arrays([next(it) if p else None for p in present])
+        logits = self._forward(self._caches, position, inputs, embeddings, rows, live)
+        out = []
+        for c, present in zip(self._caches, layout):
+            arrays = c.step_arrays()
+            if tuple(a is not None for a in arrays) != present:
+                raise RuntimeError("a compiled step created a cache buffer; caches must be reserved first")
+            out += [a for a in arrays if a is not None]
+        return [logits, *out]

@@ -1,0 +1,78 @@
+"""The compiled decode step (model/compiled_step.py) forced on the CPU: it computes the same bytes as
+the eager forward (the same operations, traced once and replayed), traces once per open-group
+parity and never per offset, keeps the caches' bookkeeping as an eager call would (trim, then
+decode), and refuses to create buffers inside a trace. MLX compiles the CPU's fused kernels with
+the host compiler on first use (about a minute on a cold 2-core machine, cached afterwards)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_dsv41.cache import LayerCache
+from mlx_dsv41.model import compiled_step
+from mlx_dsv41.testing import tiny_model
+
+L, PREFILL = 22, 9
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return mx.array(np.random.default_rng(2).integers(0, 159, (2, L)))
+
+
+def _decode(model, ids, compiled: bool, monkeypatch, cache=None, start=0):
+    monkeypatch.setenv(compiled_step.ENV_VAR, "1" if compiled else "0")
+    cache = model.make_cache() if cache is None else cache
+    out = []
+    if start == 0:
+        monkeypatch.setenv(compiled_step.ENV_VAR, "0")  # the prompt: eager (more than MAX_TOKENS)
+        out.append(np.array(model(ids[:, :PREFILL], cache)))
+        monkeypatch.setenv(compiled_step.ENV_VAR, "1" if compiled else "0")
+        start = PREFILL
+    for t in range(start, ids.shape[1]):
+        out.append(np.array(model(ids[:, t : t + 1], cache)))
+    return np.concatenate(out, axis=1), cache
+
+
+def test_compiled_decode_gives_the_eager_bytes_and_traces_once_per_parity(model, ids, monkeypatch):
+    eager, eager_cache = _decode(model, ids, False, monkeypatch)
+    traces = []
+    traced = compiled_step.CompiledStep._traced
+    monkeypatch.setattr(compiled_step.CompiledStep, "_traced", lambda self, *a: traces.append(1) or traced(self, *a))
+    monkeypatch.setattr(model, "_compiled", None)  # a fresh CompiledStep, built on the counting method
+    got, cache = _decode(model, ids, True, monkeypatch)
+    assert np.array_equal(got.view(np.uint32), eager.view(np.uint32))
+    # 13 decode steps, positions 9..21: ratio-2 owners alternate between an open and a closed
+    # group, so two traces; nothing else (the offset is data, the buffers keep their shapes).
+    assert len(traces) == 2
+    assert [c.offset for c in cache] == [c.offset for c in eager_cache]
+    assert all(mx.array_equal(a, b).item() for c, e in zip(cache[:-1], eager_cache[:-1])
+               for a, b in zip(c.arrays(), e.arrays()))
+
+
+def test_trim_then_compiled_decode_equals_never_decoded(model, ids, monkeypatch):
+    _, cache = _decode(model, ids[:, :16], True, monkeypatch)
+    for c in cache:
+        assert c.trim(3) == 3
+    got, _ = _decode(model, ids, True, monkeypatch, cache=cache, start=13)
+    want, _ = _decode(model, ids, False, monkeypatch)
+    assert np.array_equal(got.view(np.uint32), want[:, 13:].view(np.uint32))
+
+
+def test_a_trace_may_not_create_buffers():
+    """A buffer made inside a trace would be a constant of the replayed graph: refused, and the
+    cache is left as it was."""
+    cache = LayerCache(window=4)
+
+    def forward(caches, position, *_):
+        caches[0].ring = mx.zeros((1, 4, 2))
+        return mx.zeros((1,))
+
+    with pytest.raises(RuntimeError, match="caches must be reserved first"):
+        compiled_step.CompiledStep(forward)([cache], mx.zeros((1, 1), mx.int32), None, {}, None)
+    assert cache.offset == 0 and cache.ring is None
