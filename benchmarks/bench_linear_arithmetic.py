@@ -99,12 +99,14 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("gpu_out"))
     ap.add_argument("--chain", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 512])
     a = ap.parse_args()
+    if a.chain < 1 or a.repeats < 1 or min(a.rows) < 1:
+        ap.error("--chain, --repeats and --rows must be >= 1")
     if backend() != "cuda":
         print("bench_linear_arithmetic: needs MLX's CUDA backend (device clock stamps); nothing measured")
         return 0
-    rows = (1, 512)
-    results = linears(rows, a.chain, a.repeats) + experts(rows, a.chain, a.repeats)
+    results = linears(a.rows, a.chain, a.repeats) + experts(a.rows, a.chain, a.repeats)
     lines = ["| layer | rows | variant | device µs / call | rel. error vs float64 |", "|---|---|---|---|---|"]
     for r in results:
         err = "—" if r["rel_err"] is None else f"{r['rel_err']:.2e}"

@@ -214,7 +214,8 @@ def test_exl3_tensors_load_through_the_seam(weights):
 
     model, reference = tiny_model(ARGS, weights=mixed), tiny_model(ARGS, weights=dense)
     assert isinstance(model.layers[0].attn.wq_a, exl3.EXL3Linear) and isinstance(model.head, exl3.EXL3Linear)
-    assert [type(s) for s in model.layers[0].attn.wo_a.slice] == [exl3.EXL3Linear] * 2
+    wo_a = model.layers[0].attn.wo_a  # the two slices as one grouped EXL3 linear (one K: one group)
+    assert isinstance(wo_a, exl3.EXL3GroupedLinear) and wo_a.groups == 2 and len(wo_a.proj.groups) == 1
     assert isinstance(model.layers[5].ffn.experts, exl3.EXL3Experts)
     assert type(model.layers[4].ffn.experts).__name__ == "DenseExperts"
     ids = IDS[:, :8]

@@ -51,7 +51,7 @@ def test_batch_generate_equals_each_prompt_alone(loaded):
 
 def test_batch_generate_stacks_rows_at_the_same_position(loaded, monkeypatch):
     """Two prompts of one length run as one stacked batch: still exactly what each gives alone."""
-    import mlx_dsv41.cache as cache_module
+    import mlx_dsv41.batch_cache as cache_module
 
     _, model, tokenizer = loaded
     a = tokenizer.encode("The cat sat on the mat.")

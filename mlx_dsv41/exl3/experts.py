@@ -164,7 +164,7 @@ class EXL3Experts(nn.Module):
 
 
 class EXL3GroupedLinear(nn.Module):
-    """A grouped linear (spec §4.3 `wo_a`: group g maps x[..., g, :] to y[..., g, :]) stored as one
+    """A grouped linear (model spec §4.3 `wo_a`: group g maps x[..., g, :] to y[..., g, :]) stored as one
     EXL3 linear per group (`P.slice.{g}`, as exllamav3 stores it): the groups as the "experts" of
     one EXL3ExpertProjection, so a GPU serves them all in one set of launches (kernels.exl3.grouped)
     instead of one GEMV per group. Each group's output is rounded as its own linear's is."""

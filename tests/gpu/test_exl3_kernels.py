@@ -272,3 +272,33 @@ def test_gemv_row_bytes_do_not_depend_on_the_other_rows(shape, bits):
             assert np.array_equal(to_np(ops.linear(x[i : i + m], *args)), rows[i : i + m]), (m, i)
     assert np.array_equal(to_np(ops.linear_row_invariant(mx.concatenate([x, x[:3]]), *args)),
                           np.concatenate([rows, rows[:3]]))
+
+
+# ------------------------------------------------------------------------------ grouped linear (wo_a)
+
+
+def test_grouped_linear_on_the_gpu_matches_each_group_and_its_contract():
+    """wo_a at Flash shape (8 groups of 4096 -> 1024, K = 5) and a mixed-K case: every group's
+    output is its own linear's (the GEMV's) up to summation order; poisoned outputs with guards
+    untouched, five repeats byte-identical, a token's bytes independent of the other tokens."""
+    from mlx_dsv41.exl3 import EXL3GroupedLinear
+    from mlx_dsv41.exl3.stored import linear_tensors
+
+    for groups, d_in, d_out, bits in ((8, 4096, 1024, (5,) * 8), (3, 300, 200, (2, 3, 4))):
+        slices = [linear_tensors({k: mx.array(v) for k, v in random_linear_tensors(
+            d_in, d_out, b, "mul1", seed=60 + g, prefix="s").items()}, "s") for g, b in enumerate(bits)]
+        layer = EXL3GroupedLinear.from_slices(slices, d_in, d_out)
+        x = (mx.random.normal((4, groups, d_in), key=mx.random.key(groups)) * 2).astype(mx.bfloat16)
+        y = to_np(layer(x))
+        assert y.shape == (4, groups, d_out)
+        for g in range(groups):
+            want = to_np(EXL3Linear(*(slices[g][k] for k in ("trellis", "suh", "svh", "codebook")),
+                                    in_features=d_in, out_features=d_out)(x[:, g]))
+            assert rel_err(y[:, g], want) < 1e-3 + 2**-8, g
+        runs = [to_np(layer(x)) for _ in range(5)]
+        assert all(np.array_equal(r, runs[0]) for r in runs)
+        assert np.array_equal(to_np(layer(x[1:2])), y[1:2])
+        indices = mx.broadcast_to(mx.arange(groups, dtype=mx.int32), (4, groups))
+        xh = ops.EXPERT_INPUT(**ops.input_args(x.reshape(4 * groups, d_in), indices, layer.proj, 0, guard=2,
+                                               init_value=7.0))[0]
+        assert np.all(to_np(xh)[4 * groups:] == 7) and not np.any(to_np(xh)[: 4 * groups] == 7)
