@@ -46,6 +46,6 @@ class EXL3Linear(nn.Module):
         lead = x.shape[:-1]
         y = exl3_ops.linear(
             x.reshape(-1, self.in_features), self.trellis, self.suh, self.svh, self.codebook,
-            bias=self.get("bias"), out_features=self.out_features,
+            bias=self.get("bias"), out_features=self.out_features, owner=self,
         )
         return y.reshape(*lead, self.out_features)

@@ -27,10 +27,35 @@ def pad_features(x: mx.array, k: int) -> mx.array:
     return x if extra == 0 else mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
-def linear(x, trellis, suh, svh, codebook, bias=None, out_features=None, out_dtype=None):
-    """y [m, out_features] = x [m, in] @ W (+ bias), spec §3.3 order, float32 accumulation."""
-    w = reconstruct(trellis, codebook).astype(mx.float32)
+def linear(x, trellis, suh, svh, codebook, bias=None, out_features=None, out_dtype=None, w_tilde=None):
+    """y [m, out_features] = x [m, in] @ W (+ bias), spec §3.3 order, float32 accumulation.
+    ``w_tilde``: W̃ already decoded to float32 (the same values: reconstruct is exact)."""
+    w = reconstruct(trellis, codebook).astype(mx.float32) if w_tilde is None else w_tilde
     return with_transforms(lambda xh: xh.astype(mx.float32) @ w, x, suh, svh, bias, out_features, out_dtype)
+
+
+def experts_gathered(x, indices, weights, w1, w3, w2, expert_range, limit, tildes):
+    """Per-slot expert outputs [T, k, D] float32 as ``experts_by_expert`` computes them, every slot at
+    once: per-slot input transforms, one ``gather_mm`` per projection over the experts' decoded W̃
+    (``tildes``: float32 [E, k, n] for w1, w3, w2) and per-slot output transforms. No host read of
+    the routing. The same bytes as one expert at a time wherever the CPU's GEMMs give each row the
+    same sums whatever the number of rows (tests/test_exl3_layers.py checks it)."""
+    T, top_k = indices.shape
+    lo, hi = expert_range
+    inside = (indices >= lo) & (indices < hi)
+    local = mx.where(inside, indices - lo, 0).reshape(-1)
+    rows = mx.repeat(x, top_k, axis=0)  # slot (t, s) -> x[t]
+
+    def project(v, proj, w, out_dtype):
+        xh = input_transform(pad_features(v, proj.k), proj.suh[local])
+        acc = mx.gather_mm(xh.astype(mx.float32)[:, None, :], w, rhs_indices=local).squeeze(1)
+        return output_transform(acc, proj.svh[local])[:, : proj.out_features].astype(out_dtype)
+
+    g = project(rows, w1, tildes[0], mx.bfloat16)
+    u = project(rows, w3, tildes[1], mx.bfloat16)
+    h = swiglu(g, u, limit, weights.reshape(-1, 1).astype(mx.float32))
+    y = project(h, w2, tildes[2], mx.bfloat16).astype(mx.float32)
+    return mx.where(inside.reshape(-1, 1), y, 0.0).reshape(T, top_k, -1)
 
 
 def with_transforms(product, x, suh, svh, bias=None, out_features=None, out_dtype=None):

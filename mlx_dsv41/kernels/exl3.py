@@ -391,8 +391,9 @@ def reconstruct(trellis: mx.array, codebook: str) -> mx.array:
     return RECONSTRUCT(**reconstruct_args(trellis, codebook))[0]
 
 
-def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, out_dtype=None):
-    """y [m, out_features] = x [m, in] · W (+ bias) in ``out_dtype`` (default x.dtype)."""
+def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, out_dtype=None, owner=None):
+    """y [m, out_features] = x [m, in] · W (+ bias) in ``out_dtype`` (default x.dtype). ``owner``
+    (the module holding the trellis) keeps the CPU path's decoded W̃ for the next call."""
     n = _check_linear_args(x, trellis, suh, svh, codebook, bias)
     out_features = n if out_features is None else out_features
     if out_dtype is not None and out_dtype not in _OUT_KIND:
@@ -400,7 +401,8 @@ def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, ou
     if x.shape[0] == 0:
         return mx.zeros((0, out_features), out_dtype or x.dtype)
     if backend() == "cpu":
-        return reference.linear(x, trellis, suh, svh, codebook, bias, out_features, out_dtype)
+        w = cpu_weight(trellis, codebook) if owner is None else _held_weight(owner, "linear", trellis, codebook)
+        return reference.linear(x, trellis, suh, svh, codebook, bias, out_features, out_dtype, w)
     out_dtype = out_dtype or x.dtype
     if x.shape[0] <= GEMV_MAX_ROWS:
         y = _gemv(x, trellis, suh, svh, codebook, bias, out_dtype)
@@ -435,6 +437,9 @@ def experts(x, indices, weights, w1, w3, w2, expert_range, limit: float):
     if indices.size == 0:
         return mx.zeros((*indices.shape, w2.out_features), mx.float32)
     if backend() == "cpu":
+        tildes = [_stacked_weight(p) for p in (w1, w3, w2)]
+        if all(t is not None for t in tildes):
+            return reference.experts_gathered(x, indices, weights, w1, w3, w2, expert_range, limit, tildes)
         return reference.experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit, reference.linear)
     if x.shape[0] > FUSED_MAX_TOKENS:
         return reference.experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit,
@@ -476,8 +481,9 @@ def grouped(x, proj) -> mx.array:
     if G != proj.n_local or width != proj.in_features:
         raise ValueError(f"exl3 grouped: x must be [T, {proj.n_local}, {proj.in_features}], got {x.shape}")
     if backend() == "cpu":
-        return mx.stack([reference.linear(x[:, g], *proj.expert(g), out_features=proj.out_features)
-                         for g in range(G)], axis=1)
+        stack = _stacked_weight(proj)
+        return mx.stack([reference.linear(x[:, g], *proj.expert(g), out_features=proj.out_features,
+                                          w_tilde=None if stack is None else stack[g]) for g in range(G)], axis=1)
     if T == 0:
         return mx.zeros((0, G, proj.out_features), x.dtype)
     indices = mx.broadcast_to(mx.arange(G, dtype=mx.int32), (T, G))
@@ -487,6 +493,40 @@ def grouped(x, proj) -> mx.array:
         partial = EXPERT_DOWN(**down_args(xh, indices, proj, group, 0, prev=partial))[0]
     y = EXPERT_DOWN_FINISH(**down_finish_args(partial, indices, proj, 0))[0]  # bf16-valued float32
     return y[:, : proj.out_features].reshape(T, G, proj.out_features).astype(x.dtype)
+
+
+# The CPU reference decodes W̃ (exact) for every call; a module keeps it, in float32, when it is at
+# most this many weights (the tiny and demo models; a real checkpoint on a GPU never takes this path).
+CPU_HELD_WEIGHTS = 1 << 24
+
+
+def cpu_weight(trellis, codebook: str) -> mx.array:
+    return reference.reconstruct(trellis, codebook).astype(mx.float32)
+
+
+def _held_weight(owner, key, trellis, codebook: str):
+    """W̃ of ``trellis`` in float32, kept on ``owner`` (under an underscore name: not a parameter)."""
+    if trellis.size // trellis.shape[-1] * 256 > CPU_HELD_WEIGHTS:  # k·n weights
+        return cpu_weight(trellis, codebook)
+    held = getattr(owner, "_w_tilde", None)
+    if held is None:
+        held = owner._w_tilde = {}
+    if key not in held:
+        held[key] = cpu_weight(trellis, codebook)
+    return held[key]
+
+
+def _stacked_weight(proj):
+    """float32 [E, k, n]: every local expert's W̃ of an EXL3ExpertProjection, kept on it; None when
+    over CPU_HELD_WEIGHTS (the caller then runs one expert at a time)."""
+    if proj.n_local * proj.k * proj.n > CPU_HELD_WEIGHTS:
+        return None
+    held = getattr(proj, "_w_tilde", None)
+    if held is None:
+        held = proj._w_tilde = {}
+    if "stack" not in held:
+        held["stack"] = mx.stack([cpu_weight(t, cb) for t, _, _, cb in (proj.expert(e) for e in range(proj.n_local))])
+    return held["stack"]
 
 
 def linear_row_invariant(x, trellis, suh, svh, codebook: str, **kw):
