@@ -78,11 +78,8 @@ class Attention(nn.Module):
                              f"{cache.ratio}, owner {cache.owns_kv}")
         B, S, _ = x.shape
         offset = cache.offset
-        qr = self.q_norm(self.wq_a(x))
-        q = self.rope(self.wq_b(qr).reshape(B, S, self.n_heads, self.head_dim), offset)
-        kv = fake_quant_fp8(self.rope(self.kv_norm(self.wkv(x)), offset), 32)
-
-        window, rows = cache.update_window(kv)
+        q, qr = self.queries(x, offset)
+        window, rows = cache.update_window(self.window_keys(x, offset))
         indices = mx.broadcast_to(rows, (B, S, rows.shape[1]))
         pool = window[:, :0]
         if self.role.ratio:
@@ -93,10 +90,25 @@ class Attention(nn.Module):
                 indices = mx.concatenate([indices, picks], axis=-1)
 
         o = sparse_attention(q, window, pool, indices, self.attn_sink.astype(mx.float32), self.scale)
-        o = self.rope(o.astype(x.dtype), offset, inverse=True)  # conjugate rotation at the query position
-        o = self.wo_a(o.reshape(B, S, self.o_groups, -1)).reshape(B, S, -1)
         cache.advance(S)
-        return self.wo_b(o)
+        return self.output(o.astype(x.dtype), offset)
+
+    def queries(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        """(q [B, S, H, head_dim] roped at offset.., qr [B, S, q_lora_rank]) of x [B, S, hidden]."""
+        B, S, _ = x.shape
+        qr = self.q_norm(self.wq_a(x))
+        return self.rope(self.wq_b(qr).reshape(B, S, self.n_heads, self.head_dim), offset), qr
+
+    def window_keys(self, x: mx.array, offset: int) -> mx.array:
+        """The window KV [B, S, head_dim] of x at positions offset..: kv_norm(wkv(x)), roped, FP8
+        fake-quantized over all dims (spec §4.3)."""
+        return fake_quant_fp8(self.rope(self.kv_norm(self.wkv(x)), offset), 32)
+
+    def output(self, o: mx.array, offset: int) -> mx.array:
+        """Attention output o [B, S, H, head_dim] at positions offset.. -> [B, S, hidden]."""
+        B, S = o.shape[:2]
+        o = self.rope(o, offset, inverse=True)  # conjugate rotation at the query position
+        return self.wo_b(self.wo_a(o.reshape(B, S, self.o_groups, -1)).reshape(B, S, -1))
 
     def _compressed(self, x, qr, offset: int, cache: LayerCache, shared: dict):
         """Update / publish the shared state this layer owns; return (the compressed KV of its
