@@ -1,5 +1,6 @@
 """`python -m mlx_dsv41.generate` through a subprocess, on the demo checkpoint: plain, chat and
-stdin prompts stream exactly the tokens of our own greedy loop; the statistics are printed; an
+stdin prompts stream exactly the tokens of our own greedy loop, with DSpark drafting (the default)
+or not (--draft 0); the statistics are printed; an
 EXL3 directory is converted when asked to; every bad input is one line on stderr, exit code 1,
 no traceback."""
 
@@ -48,6 +49,15 @@ def test_plain_prompt_streams_our_tokens_and_reports(env, loaded):
     columns = 2 * loaded[0].args.engram_columns
     assert rows >= (n_prompt + TOKENS - 1) * columns and rows % columns == 0
     assert re.search(r"Attention: (reference|serial|parallel) \d+", err)
+    assert re.search(r"DSpark: [\d.]+ tokens per main forward \(\d+ forwards\), acceptance by position "
+                     r"1: \d+%.*\(meaningless: synthetic weights\)", err)
+
+
+@pytest.mark.parametrize("draft", ["0", "auto"])
+def test_draft_options_give_the_same_tokens(env, loaded, draft):
+    r = ok(cli(env, "--demo", "--prompt", "The quick brown fox", "--max-tokens", str(TOKENS), "--draft", draft))
+    assert r.stdout == expected_text(loaded, loaded[1].encode("The quick brown fox")) + "\n"
+    assert ("DSpark:" in r.stderr) == (draft != "0")
 
 
 def test_chat_prompt_uses_the_official_encoding(env, loaded):
@@ -87,6 +97,8 @@ def one_line_error(result, pattern):
     (["--demo", "--system", "x", "--prompt", "hi"], r"--system needs --chat"),
     (["--demo", "--model", "x", "--prompt", "hi"], r"either --model or --demo"),
     (["--demo", "--prompt-file", "/nonexistent/p.txt"], r"--prompt-file /nonexistent/p.txt: .*No such file"),
+    (["--demo", "--draft", "many", "--prompt", "hi"], r"--draft many: expected a number of drafts"),
+    (["--demo", "--draft", "9", "--prompt", "hi"], r"--draft 9: this checkpoint drafts at most 5 tokens"),
 ])
 def test_bad_options_are_one_line_errors(env, args, pattern):
     one_line_error(cli(env, *args), pattern)

@@ -3,8 +3,9 @@
 Greedy: the output is plain greedy decoding's, token for token, whatever the drafts are: forced
 rejections at every draft position (the drafts replaced by the true continuation with position j
 corrupted), full acceptance (bonus token), the head's own drafts, fixed and confidence-chosen
-lengths, on the dense tiny model and the official-format checkpoint (mxfp8 / mxfp4). A rejected
-tail leaves every cache exactly as if it had never been decoded. Sampling: the acceptance rule
+lengths, on the dense tiny model, the official-format checkpoint (mxfp8 / mxfp4) and the demo
+(EXL3, compressed attention, Engram from SSD); `stream_generate` yields mlx-lm's responses. A
+rejected tail leaves every cache exactly as if it had never been decoded. Sampling: the acceptance rule
 draws the target distribution (chi-square on a tiny vocabulary, with a negative control), and a
 sampled round on the tiny model emits its first token with the main model's probabilities.
 """
@@ -16,9 +17,10 @@ import copy
 import mlx.core as mx
 import numpy as np
 import pytest
+from demo_helpers import detokenize, greedy, loaded  # noqa: F401 (module fixture)
 
 from mlx_dsv41.cache import DraftCache, EngramHistory, LayerCache
-from mlx_dsv41.speculative import AUTO, DraftStats, Sampling, SpeculativeDecoder, accept
+from mlx_dsv41.speculative import AUTO, DraftStats, Sampling, SpeculativeDecoder, accept, stream_generate
 from mlx_dsv41.testing import TINY_DSPARK, tiny_args, tiny_model
 
 ARGS = tiny_args(**TINY_DSPARK)  # window 8, block 5, three stages
@@ -46,14 +48,18 @@ def reference(model):
     return plain_greedy(model, PROMPT, N + ARGS.dspark_block_size)
 
 
-def oracle(decoder: SpeculativeDecoder, truth: list[int], emitted: list[int], wrong_at: int | None):
-    """Replace the drafts by the true continuation, position `wrong_at` (0-based) corrupted."""
+def oracle(decoder: SpeculativeDecoder, truth: list[int], emitted: list[int], wrong_at):
+    """Replace the drafts by the true continuation, position `wrong_at` (0-based; None: none; a
+    list: one per round, in turn) corrupted."""
+    rounds = [0]
 
     def replace(drafted):
         k, n = drafted.shape[1], len(emitted)
         tokens = list(truth[n : n + k])
-        if wrong_at is not None and wrong_at < k:
-            tokens[wrong_at] = (tokens[wrong_at] + 1) % ARGS.vocab_size
+        wrong = wrong_at[rounds[0] % len(wrong_at)] if isinstance(wrong_at, list) else wrong_at
+        rounds[0] += 1
+        if wrong is not None and wrong < k:
+            tokens[wrong] = (tokens[wrong] + 1) % decoder.model.args.vocab_size
         return mx.array([tokens], mx.int32)
 
     decoder.replace_drafts = replace
@@ -97,6 +103,35 @@ def test_official_formats_checkpoint_drafts_the_plain_greedy_tokens(tmp_path):
     truth = plain_greedy(model, PROMPT[:9], 12)
     assert run(SpeculativeDecoder(model), PROMPT[:9], 8, truth, wrong_at=2) == truth[:8]
     assert run(SpeculativeDecoder(model), PROMPT[:9], 8) == truth[:8]
+
+
+def test_the_demo_drafts_its_greedy_tokens_with_a_rejection_at_every_position(loaded):
+    """The demo (EXL3, compressed KV, Engram from SSD), three drafts per round: rounds rejecting
+    at positions 1, 2, 3 and accepting all, in turn."""
+    model, tokenizer = loaded
+    ids = tokenizer.encode("The quick brown fox")
+    truth = greedy(model, tokenizer, ids, 11)
+    assert len(truth) == 11  # no end of sentence: every round runs
+    decoder = SpeculativeDecoder(model, draft=3)
+    assert run(decoder, ids, 11, truth, wrong_at=[0, 1, 2, None]) == truth
+    assert decoder.stats.proposed == [4, 4, 4] and decoder.stats.accepted == [3, 2, 1]
+
+
+def test_stream_generate_yields_mlx_lm_responses(model, reference, loaded):
+    """Our generator of mlx-lm's GenerationResponse (the demo's tokenizer on the tiny model's
+    ids): the greedy tokens, the text streamed in pieces, and at the end the end-of-sentence
+    token with finish_reason "stop" (the tiny model emits it fifth), as mlx-lm's own loop."""
+    tokenizer = loaded[1]
+    want = reference[: reference.index(1) + 1]
+    assert len(want) < 8 and set(tokenizer.eos_token_ids) == {1}
+    responses = list(stream_generate(model, tokenizer, PROMPT, 8))
+    assert all(type(r).__name__ == "GenerationResponse" for r in responses)
+    assert [r.token for r in responses] == want and responses[-1].finish_reason == "stop"
+    assert "".join(r.text for r in responses) == detokenize(tokenizer, want[:-1])
+    assert responses[0].prompt_tokens == len(PROMPT) and not responses[0].from_draft
+    plain = list(stream_generate(model, tokenizer, PROMPT, 8, draft=0))  # mlx-lm's loop
+    assert [(r.token, r.text, r.finish_reason) for r in plain] == [(r.token, r.text, r.finish_reason) for r in responses]
+    assert [r.token for r in stream_generate(model, tokenizer, PROMPT, 3)] == want[:3]
 
 
 # ------------------------------------------------------------------------------ caches
