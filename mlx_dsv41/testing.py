@@ -2,6 +2,7 @@
 weights in the official checkpoint names and dtypes, Engram tables, and a checkpoint writer.
 
     args = tiny_args()                                # every layer role, two Engram layers
+    args = tiny_args(**TINY_DSPARK)                   # ... and a DSpark head of three stages
     weights = random_weights(args, seed=0)            # official names, bf16 / fp32 as released
     tables = random_engram_tables(args, seed=0)       # {layer: uint8 [rows, row_bytes]}
     write_checkpoint(dir, args, weights, tables)      # config.json + safetensors (+ index)

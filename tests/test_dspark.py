@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from convert_fixtures import edit_tensors, run_cli
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from convert import ConvertError, convert_checkpoint
 from mlx_dsv41 import layout
@@ -154,7 +155,7 @@ def test_a_draft_block_is_the_spec_written_out(model, length):
     assert [ring.offset for ring in cache.rings] == [length] * 3
 
 
-def test_draft_cache_trims_with_the_main_caches_and_rewrites_its_rings():
+def test_draft_cache_trims_with_the_main_caches_and_rewrites_its_rings(tmp_path):
     """The held rows trim exactly (window + slack kept); a ring past the trim point is trimmed
     too, one too far behind starts afresh from the held rows; state round-trips without rings."""
     args = ARGS
@@ -178,6 +179,10 @@ def test_draft_cache_trims_with_the_main_caches_and_rewrites_its_rings():
     assert np.array_equal(np.array(cache.rows_to_write()), np.array(rows[:, 29:30]))
     again = DraftCache.from_state(cache.state)
     assert again.offset == 30 and len(again.rings) == 3 and all(r.offset == 0 for r in again.rings)
+    save_prompt_cache(str(tmp_path / "cache.safetensors"), [cache])  # registered with mlx-lm
+    (loaded,) = load_prompt_cache(str(tmp_path / "cache.safetensors"))
+    assert isinstance(loaded, DraftCache) and loaded.offset == 30
+    assert np.array_equal(np.array(loaded.hidden), np.array(cache.hidden))
 
 
 # ------------------------------------------------------------------------------ loading

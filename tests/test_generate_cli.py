@@ -104,6 +104,18 @@ def test_bad_options_are_one_line_errors(env, args, pattern):
     one_line_error(cli(env, *args), pattern)
 
 
+def test_a_checkpoint_without_the_draft_head_runs_and_says_so_once(env, tmp_path_factory, tmp_path, loaded):
+    from convert_fixtures import edit_tensors
+
+    plain = shutil.copytree(demo_checkpoint(tmp_path_factory), tmp_path / "no-dspark")
+    index = (plain / "model.safetensors.index.json").read_text()
+    edit_tensors(plain, dict.fromkeys([n for n in re.findall(r'"(mtp\.[^"]+)"', index)]))
+    r = ok(cli(env, "--model", str(plain), "--prompt", "The quick brown fox", "--max-tokens", str(TOKENS)))
+    assert r.stdout == expected_text(loaded, loaded[1].encode("The quick brown fox")) + "\n"
+    assert r.stderr.count("no DSpark speculative decoding: the checkpoint has no DSpark weights (mtp.*)") == 1
+    assert "DSpark:" not in r.stderr
+
+
 def test_offline_hub_repo_is_a_clear_error(env, tmp_path):
     offline = {**env, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     one_line_error(cli(offline, "--model", "nobody-here/no-such-model", "--prompt", "hi"),

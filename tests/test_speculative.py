@@ -12,8 +12,6 @@ sampled round on the tiny model emits its first token with the main model's prob
 
 from __future__ import annotations
 
-import copy
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -359,4 +357,8 @@ def test_bad_draft_lengths_are_refused(model):
     model(mx.array([PROMPT[:3]]), cache)
     with pytest.raises(ValueError, match="draft cache is at position 0"):
         SpeculativeDecoder(model, cache=cache)
-    copy.deepcopy(model.make_draft_cache())  # the server's prompt cache deep-copies it
+    from mlx_dsv41.cache import make_layer_cache
+
+    short = [make_layer_cache(ARGS, i, trim_slack=4) for i in range(ARGS.num_hidden_layers)]
+    with pytest.raises(ValueError, match="trim_slack 4 cannot take back a rejected block of 5"):
+        SpeculativeDecoder(model, cache=short + [model.make_cache()[-1]])
