@@ -343,7 +343,8 @@ def _block(source: Source, steps: list[Step], weight_map: dict[str, str], engram
         "engram_source": None if source.engram_path is None else {
             "path": str(source.engram_path.resolve()), "fingerprint": source.engram_fingerprint},
         "dspark_source": None if source.dspark_path is None else {
-            "path": str(source.dspark_path.resolve()), "fingerprint": source.dspark_fingerprint or source.fingerprint},
+            "path": str(source.dspark_path.resolve()),
+            "fingerprint": source.dspark_fingerprint or source.fingerprint},
         "options": {"dtype": dtype},
         "formats": {k: sorted(v) for k, v in sorted(formats.items())},
         "weights": {"shards": len(files), "total_size": sum((work / f).stat().st_size for f in files)},

@@ -1,4 +1,5 @@
-"""Decode-time state (spec §5): one `LayerCache` per layer, and the Engram n-gram history.
+"""Decode-time state (spec §5): one `LayerCache` per layer, the Engram n-gram history, and the
+DSpark draft head's `DraftCache` (dspark spec §7).
 
 Every piece of state is indexed by absolute token position, so `trim(n)` is exact: a cache keeps
 `trim_slack` tokens more than decoding needs (window rows older than the window, the raw fp32
@@ -6,7 +7,7 @@ compressor projections of recent tokens, older Engram ids) and can remove up to 
 (at least `trim_slack`; `max_trim()` says exactly how many), also inside a compression group. A
 larger trim raises instead of leaving a silently wrong cache.
 
-Both classes follow the mlx-lm 0.32 cache contract (mlx-notes §8.4): `state` (arrays and Python
+The classes follow the mlx-lm 0.32 cache contract (mlx-notes §8.4): `state` (arrays and Python
 scalars) get/set, `from_state`, `is_trimmable`, `trim`, `size`, `empty`, `nbytes`, and they are
 registered in `mlx_lm.models.cache` so `save_prompt_cache` / `load_prompt_cache` round-trip them.
 """
@@ -412,7 +413,8 @@ class DraftCache(_PositionalCache):
         if len(v) != 7:
             raise ValueError(f"DraftCache.state: expected 7 entries, got {len(v)}")
         self.hidden, offset, kept_from, window, trim_slack, stages, ring_window = v
-        self.offset, self.kept_from, self.window, self.trim_slack = int(offset), int(kept_from), int(window), int(trim_slack)
+        self.offset, self.kept_from = int(offset), int(kept_from)
+        self.window, self.trim_slack = int(window), int(trim_slack)
         self.rings = [LayerCache(int(ring_window), 0, False, self.trim_slack) for _ in range(int(stages))]
 
     @property

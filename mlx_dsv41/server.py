@@ -47,7 +47,8 @@ from queue import Queue
 import typer
 
 from . import chat
-from .generate import Attention, CLIError, check_draft, engram_totals, load_for_generation, parse_draft, resolve_model
+from .generate import (Attention, CLIError, check_draft, engram_totals, load_for_generation, parse_draft,
+                       resolve_model)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   help="Serve DeepSeek-V4.1 over mlx-lm's OpenAI-compatible HTTP API.")
@@ -169,8 +170,8 @@ def _make_classes():
                                        prompt_cache=cache[:-1], draft_cache=cache[-1], stats=self.dspark,
                                        prefill_step_size=self.cli_args.prefill_step_size):
                 finish = "stop" if matcher.advance(gen.token) else gen.finish_reason
-                rqueue.put(server.Response(gen.text, gen.token, gen.logprobs[gen.token].item(), finish,
-                                           server._format_top_logprobs(gen.logprobs, args.top_logprobs, tokenizer)))
+                top = server._format_top_logprobs(gen.logprobs, args.top_logprobs, tokenizer)
+                rqueue.put(server.Response(gen.text, gen.token, gen.logprobs[gen.token].item(), finish, top))
                 seen.append(gen.token)
                 if ctx._should_stop or finish is not None:
                     break
@@ -429,7 +430,8 @@ def main_command(
             raise CLIError("the server runs as one process; use mlx_dsv41.generate under mlx.launch")
         check_draft(loaded, draft_value)
         if not loaded.mtp and draft_value != 0:
-            print(f"NOTE: no DSpark speculative decoding: {loaded.dspark_unavailable}", file=sys.stderr, flush=True)
+            print(f"NOTE: no DSpark speculative decoding: {loaded.dspark_unavailable}", file=sys.stderr,
+                  flush=True)
     except (CLIError, DemoError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(1)

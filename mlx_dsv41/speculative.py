@@ -91,8 +91,7 @@ def accept(drafted: mx.array, draft_logits: mx.array, target_logits: mx.array,
     k = drafted.shape[1]
     if sampling.greedy:
         choice = mx.argmax(target_logits, axis=-1).astype(mx.int32)  # [B, k+1]
-        agree = drafted.astype(mx.int32) == choice[:, :k]
-        n = mx.sum(mx.cumprod(agree.astype(mx.int32), axis=1), axis=1) if k else mx.zeros(choice.shape[:1], mx.int32)
+        n = _prefix_length(drafted.astype(mx.int32) == choice[:, :k])
         return n, mx.take_along_axis(choice, n[:, None], axis=1)[:, 0]
     p = sampling.probabilities(target_logits)  # [B, k+1, V]
     q = sampling.probabilities(draft_logits)  # [B, k, V]
@@ -100,8 +99,7 @@ def accept(drafted: mx.array, draft_logits: mx.array, target_logits: mx.array,
     p_d = mx.take_along_axis(p[:, :k], picked, axis=-1)[..., 0]
     q_d = mx.take_along_axis(q, picked, axis=-1)[..., 0]
     # u < min(1, p/q) without dividing: q_d > 0 for a token drawn from q.
-    ok = mx.random.uniform(shape=p_d.shape) * q_d < p_d
-    n = mx.sum(mx.cumprod(ok.astype(mx.int32), axis=1), axis=1) if k else mx.zeros(p.shape[:1], mx.int32)
+    n = _prefix_length(mx.random.uniform(shape=p_d.shape) * q_d < p_d)
     residual = mx.maximum(p[:, :k] - q, 0.0)
     # A residual with no mass (P == Q up to rounding: the rejection had probability ~0) is P.
     empty = mx.sum(residual, axis=-1, keepdims=True) <= 0
@@ -109,6 +107,13 @@ def accept(drafted: mx.array, draft_logits: mx.array, target_logits: mx.array,
     dist = mx.concatenate([residual, p[:, k:]], axis=1)  # row j: what to draw if n == j
     candidates = mx.random.categorical(mx.log(dist)).astype(mx.int32)  # [B, k+1]
     return n, mx.take_along_axis(candidates, n[:, None], axis=1)[:, 0]
+
+
+def _prefix_length(ok: mx.array) -> mx.array:
+    """[B, k] bool -> [B] int32: how many leading entries of each row are True."""
+    if ok.shape[1] == 0:
+        return mx.zeros(ok.shape[:1], mx.int32)
+    return mx.sum(mx.cumprod(ok.astype(mx.int32), axis=1), axis=1)
 
 
 @dataclass
@@ -151,8 +156,8 @@ class SpeculativeDecoder:
     draft: the number of drafts to verify per round (1 .. dspark_block_size), or "auto": the
     leading slots whose sigmoid(confidence) reaches `confidence` (at least one). `cache` and
     `draft_cache` may hold a prefix already (both at the same offset); by default they are new.
-    Timing API (benchmarks): after `prefill`, `draft()` runs one draft block and `verify(k)` one
-    main forward of 1 + k tokens; `rewind(k)` takes that forward back.
+    Timing API (benchmarks): after `prefill`, `draft()` runs one draft block and `verify(drafted)`
+    one main forward of 1 + k tokens; `rewind(k)` takes that forward back.
     """
 
     def __init__(self, model, *, draft: int | str | None = None, sampling: Sampling = Sampling(),
@@ -210,7 +215,7 @@ class SpeculativeDecoder:
 
     def verify(self, drafted: mx.array) -> tuple[mx.array, mx.array]:
         """One main forward over [x_{p+1}, drafted [1, k]] (lazy): (logits [1, 1+k, V], hidden
-        rows). The caches move on by 1 + k; `rewind(k)` or `settle` takes the rejected back."""
+        rows). The main caches move on by 1 + k (`round` trims the rejected, `rewind(k)` all)."""
         tokens = mx.concatenate([mx.array([[self.token]], mx.int32), drafted.astype(mx.int32)], axis=1)
         return self.model(tokens, self.cache, capture=True)
 
@@ -231,10 +236,11 @@ class SpeculativeDecoder:
         """One draft + verify round: [(token, log-probabilities, from_draft)], 1 to k + 1 of them
         (at most `limit`). The caches end at the last accepted position; the last token returned
         is x_{p'+1}, not yet run."""
-        k_max = self.model.args.dspark_block_size if limit is None else min(limit - 1, self.model.args.dspark_block_size)
-        if k_max < 1:
+        block = self.model.args.dspark_block_size
+        k_max = block if limit is None else min(limit - 1, block)
+        if k_max < 1:  # one token left: a plain step
             logits = self._forward(mx.array([[self.token]], mx.int32))[0]
-            return self._settle(mx.zeros((1, 0), mx.int32), logits, 0, self.sampling.choose(logits[-1:]))
+            return self._settle(mx.zeros((1, 0), mx.int32), logits, 0, self.sampling.choose(logits[-1:]), 0)
         draft = self.draft()
         mx.eval(draft.tokens, draft.confidence)
         k = min(self.draft_length(draft), k_max)
@@ -250,7 +256,7 @@ class SpeculativeDecoder:
         self.draft_cache.append(hidden[:, : n + 1])
         return self._settle(drafted, logits[0], n, token, k)
 
-    def _settle(self, drafted: mx.array, logits: mx.array, n: int, token: mx.array, k: int = 0):
+    def _settle(self, drafted: mx.array, logits: mx.array, n: int, token: mx.array, k: int):
         """Record the round and return its tokens; x_{p'+1} becomes the next round's input."""
         self.stats.add(k, n)
         logprobs = logits[: n + 1] - mx.logsumexp(logits[: n + 1], axis=-1, keepdims=True)
@@ -284,6 +290,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, draft: i
     from mlx_lm.generate import stream_generate as plain_stream_generate
     from mlx_lm.sample_utils import make_sampler
 
+    if max_tokens == 0:
+        raise ValueError("max_tokens must be non-zero (-1: no limit)")
     if draft == 0 or not model.mtp:
         sampler = make_sampler(sampling.temp, top_p=sampling.top_p, min_p=sampling.min_p, top_k=sampling.top_k)
         yield from plain_stream_generate(model, tokenizer, prompt, max_tokens, sampler=sampler,

@@ -60,7 +60,8 @@ def test_config_keys_and_when_drafting_is_refused():
     (dict(dspark_target_layer_ids=(6, 6)), "dspark_target_layer_ids has duplicates"),
     (dict(dspark_noise_token_id=160), "dspark_noise_token_id 160 is not a token id"),
     (dict(dspark_num_experts_per_tok=5), "dspark_num_experts_per_tok must be in 1..dspark_n_routed_experts"),
-    (dict(compress_ratios=TINY["compress_ratios"][:8] + (0, 1, 0)), "compress_ratios of the DSpark stages must be 0"),
+    (dict(compress_ratios=TINY["compress_ratios"][:8] + (0, 1, 0)),
+     "compress_ratios of the DSpark stages must be 0"),
 ])
 def test_bad_dspark_config_is_one_clear_error(change, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):

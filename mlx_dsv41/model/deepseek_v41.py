@@ -5,6 +5,9 @@
 Module attributes carry the official checkpoint names (spec §6.2), so a plain checkpoint loads
 without renaming; `sanitize` only re-lays formats through `mlx_dsv41.quant`.
 
+The DSpark draft head's stages (`mtp.{s}`, model/dspark.py) are built here when the config can
+draft; `__call__(..., capture=True)` also returns the hidden rows they draft from.
+
 Engram (spec §4.4) runs partly on the host: the n-gram hash needs the token ids, and its row ids
 pick rows to read from SSD. The model therefore holds a compressed-token map and one row source per
 Engram layer, set with `set_engram(...)`; they are not parameters.
