@@ -176,9 +176,9 @@ class SpeculativeDecoder:
             raise ValueError(f"the draft cache is at position {self.draft_cache.offset}, the main "
                              f"cache at {self.cache[0].offset}")
         slack = min(c.trim_slack for c in [*self.cache, self.draft_cache])
-        if slack < block:  # a verify of 1 + k tokens may have to take k of them back
-            raise ValueError(f"caches with trim_slack {slack} cannot take back a rejected block of "
-                             f"{block} drafts; build them with trim_slack >= {block}")
+        if slack < block + 1:  # a verify of 1 + k tokens is taken back whole by `rewind`
+            raise ValueError(f"caches with trim_slack {slack} cannot take back a verify of 1 + {block} "
+                             f"tokens; build them with trim_slack >= {block + 1}")
         self.token: int | None = None  # x_{p+1}: chosen, emitted, not yet run
         self.stats = DraftStats()
         # Test hook: drafted [1, k] int32 -> the tokens to verify instead (greedy only: under

@@ -364,5 +364,5 @@ def test_bad_draft_lengths_are_refused(model):
     from mlx_dsv41.cache import make_layer_cache
 
     short = [make_layer_cache(ARGS, i, trim_slack=4) for i in range(ARGS.num_hidden_layers)]
-    with pytest.raises(ValueError, match="trim_slack 4 cannot take back a rejected block of 5"):
+    with pytest.raises(ValueError, match=r"trim_slack 4 cannot take back a verify of 1 \+ 5 tokens"):
         SpeculativeDecoder(model, cache=short + [model.make_cache()[-1]])
