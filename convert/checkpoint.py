@@ -36,7 +36,7 @@ from convert.engram_rows import write_engram_rows
 from convert.plan import Step, plan_steps
 from convert.safetensors_io import SafetensorsError
 from convert.safetensors_writer import SafetensorsWriter, sync_dir, sync_file
-from convert.source import ConvertError, Source, open_source
+from convert.source import DSPARK_HINT, ConvertError, Source, open_source
 from mlx_dsv41 import __version__, layout
 from mlx_dsv41.config import ConfigError
 from mlx_dsv41.engram_store import EngramStoreError, open_row_file
@@ -48,29 +48,36 @@ _LOCK = ".lock"
 
 def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *,
                        engram_from: str | os.PathLike | None = None, dtype: str | None = None,
-                       progress: bool = True) -> Path:
+                       progress: bool = True, dspark_from: str | os.PathLike | None = None) -> Path:
     """Convert `src` into `out` (see the module docstring); returns `out`.
 
     `engram_from`: a directory (or shard) with the official Engram tables, for sources without
-    them. `dtype="bf16"` dequantizes official FP8/FP4 weights (exactly) instead of re-laying them
-    as MLX mxfp8/mxfp4. Every bad input raises ConvertError with a one-line message.
+    them. `dspark_from`: the official release (or the shards of it holding `mtp.*`), for sources
+    without the DSpark draft head. `dtype="bf16"` dequantizes official FP8/FP4 weights (exactly)
+    instead of re-laying them as MLX mxfp8/mxfp4. Every bad input raises ConvertError with a
+    one-line message.
     """
     started = time.perf_counter()
     out = Path(out)
     report = _Reporter(progress)
     if dtype not in (None, "bf16"):
         raise ConvertError(f"dtype {dtype!r} is not supported: bf16, or none for MLX mxfp8 / mxfp4")
-    source = open_source(src, engram_from)
+    source = open_source(src, engram_from, dspark_from)
     try:
         if dtype is not None and source.kind == "exl3":
             raise ConvertError(f"{source.path}: --dtype applies to official FP8/FP4 sources; "
                                "EXL3 tensors are kept as stored")
         fingerprint = hashlib.sha256(json.dumps(
-            [source.fingerprint, source.engram_fingerprint, dtype, layout.FORMAT_VERSION]).encode()).hexdigest()
+            [source.fingerprint, source.engram_fingerprint, dtype, layout.FORMAT_VERSION]
+            + (["dspark", source.dspark_fingerprint] if source.dspark_ckpt is not None else [])
+        ).encode()).hexdigest()
         if _finished(out, fingerprint):
             report.say(f"{out}: already converted from this source; nothing to do")
             return out
         report.say(f"checking {source.path} ({source.kind}, {len(source.ckpt.shards())} shards)")
+        if source.dspark_ckpt is None and source.args.dspark_stages:
+            report.say(f"{source.path}: no DSpark draft head (mtp.*): the converted model decodes without "
+                       f"speculation; {DSPARK_HINT}")
         steps = plan_steps(source, dtype)
         token_map = _token_map(source)
         with _Workdir(layout.partial_dir(out), fingerprint, report) as work:
@@ -264,8 +271,12 @@ def _write_shards(source: Source, steps: list[Step], work: _Workdir, report: "_R
     """One output shard per source shard that has tensors to keep; returns the weight map."""
     ckpt = source.ckpt
     groups: dict[Path, list[Step]] = {}
+    origins: dict[Path, object] = {}  # source shard -> the checkpoint it belongs to
     for step in steps:
-        groups.setdefault(ckpt.weight_map[step.primary], []).append(step)
+        origin = step.origin or ckpt
+        shard = origin.weight_map[step.primary]
+        groups.setdefault(shard, []).append(step)
+        origins[shard] = origin
     crash_after = int(os.environ.get(CRASH_ENV) or 0)
     weight_map, written = {}, 0
     total = sum(step.out_bytes for step in steps)
@@ -280,12 +291,12 @@ def _write_shards(source: Source, steps: list[Step], work: _Workdir, report: "_R
             specs = [spec for step in shard_steps for spec in step.outputs]
             with SafetensorsWriter(work.path / name, specs, {"format": "mlx"}) as writer:
                 for step in shard_steps:
-                    for out_name, data in step.run(ckpt):
+                    for out_name, data in step.run(origins[src_shard]):
                         writer.write(out_name, data)
                         bar.update(data.nbytes)
                     mx.clear_cache()
             work.record_shard(name, src_shard.name, (work.path / name).stat().st_size)
-            ckpt.release(src_shard)
+            origins[src_shard].release(src_shard)
             written += 1
             if crash_after and written >= crash_after:
                 sys.stderr.flush()
@@ -331,6 +342,9 @@ def _block(source: Source, steps: list[Step], weight_map: dict[str, str], engram
                    "quantization_config": source.quantization, "fingerprint": source.fingerprint},
         "engram_source": None if source.engram_path is None else {
             "path": str(source.engram_path.resolve()), "fingerprint": source.engram_fingerprint},
+        "dspark_source": None if source.dspark_path is None else {
+            "path": str(source.dspark_path.resolve()),
+            "fingerprint": source.dspark_fingerprint or source.fingerprint},
         "options": {"dtype": dtype},
         "formats": {k: sorted(v) for k, v in sorted(formats.items())},
         "weights": {"shards": len(files), "total_size": sum((work / f).stat().st_size for f in files)},

@@ -13,9 +13,10 @@ the quant seam's own detection (`quant.stored_format`, run on header stand-ins),
     mx           `P.weight` U32 + `P.scales` U8 (already MLX)            -> as stored
     grouped fp8  `wo_a` F8_E4M3 [G·out, in] + scale                       -> bf16 (spec §3), always
 
-Tensors the text model never reads (`Model.sanitize`'s drop list: MTP, vision, `gate.bias_vl`,
-the Engram tables) are skipped; any other tensor the model has no place for is an error, as is a
-missing one, so a checkpoint that converts also loads.
+Tensors the text model never reads (`Model.sanitize`'s drop list: vision, `gate.bias_vl`, the
+Engram tables) are skipped, and so is the DSpark head (`mtp.*`) when the source has none to convert
+(`Source.dspark_ckpt`; it may be another checkpoint, `--dspark-from`); any other tensor the model has
+no place for is an error, as is a missing one, so a checkpoint that converts also loads.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from convert.source import ConvertError, Source
 from mlx_dsv41 import exl3, quant
 from mlx_dsv41.loading import FP32_STORED
 from mlx_dsv41.model.deepseek_v41 import _DROP as DROPPED  # what Model.sanitize drops: one list
-from mlx_dsv41.model.deepseek_v41 import Model
+from mlx_dsv41.model.deepseek_v41 import MTP, Model
 from mlx_dsv41.quant import official
 
 PASS_CHUNK_BYTES = 16 << 20  # large tensors are copied / converted in row chunks of about this size
@@ -82,6 +83,7 @@ class Step:
     site_class: str | None  # e.g. "attn.wq_a" (None for non-linear parameters)
     fmt: str  # output format: "exl3", "mxfp8", "mxfp4", "bf16", "f16", "f32"
     run: Callable[[SafetensorsCheckpoint], Iterator[tuple[str, np.ndarray]]]
+    origin: SafetensorsCheckpoint | None = None  # the checkpoint `run` reads from; None: the source
 
     @property
     def out_bytes(self) -> int:
@@ -100,7 +102,7 @@ def model_sites(args) -> tuple[list[Site], dict[str, tuple[int, ...]]]:
             sites.append(Site(name, "grouped", module.in_features, module.out_features, module.groups))
         elif name.endswith(".ffn.experts"):
             sites.append(Site(name, "experts", args.hidden_size, args.moe_intermediate_size,
-                              args.n_routed_experts))
+                              module.n_experts))
         else:
             continue
         covered.append(name + ".")
@@ -110,8 +112,10 @@ def model_sites(args) -> tuple[list[Site], dict[str, tuple[int, ...]]]:
 
 
 def site_class(prefix: str) -> str:
-    """The per-layer-independent name of a site: "layers.3.ffn.experts.7.w1" -> "ffn.experts.w1"."""
-    return re.sub(r"\.(experts|slice)\.\d+", r".\1", re.sub(r"^layers\.\d+\.", "", prefix))
+    """The per-layer-independent name of a site: "layers.3.ffn.experts.7.w1" -> "ffn.experts.w1",
+    "mtp.1.attn.wq_a" -> "mtp.attn.wq_a" (the DSpark stages)."""
+    prefix = re.sub(r"^mtp\.\d+\.", "mtp.", re.sub(r"^layers\.\d+\.", "", prefix))
+    return re.sub(r"\.(experts|slice)\.\d+", r".\1", prefix)
 
 
 # ------------------------------------------------------------------------------ step builders
@@ -185,8 +189,14 @@ def _official_step(prefix: str, fmt: str, out_features: int, in_features: int, t
 class _Planner:
     def __init__(self, source: Source, dtype: str | None):
         self.source, self.dtype = source, dtype
-        ckpt = source.ckpt
-        self.infos = {n: ckpt.info(n) for n in ckpt.weight_map if not DROPPED.search(n)}
+        ckpt, dspark = source.ckpt, source.dspark_ckpt
+        self.infos = {n: ckpt.info(n) for n in ckpt.weight_map if not DROPPED.search(n) and not MTP.match(n)}
+        self.origins: dict[str, SafetensorsCheckpoint] = {}  # tensors read from another checkpoint
+        for n in dspark.weight_map if dspark is not None else ():
+            if MTP.match(n) and not DROPPED.search(n):
+                self.infos[n] = dspark.info(n)
+                if dspark is not ckpt:
+                    self.origins[n] = dspark
         self.stored = {n: Stored(i.shape, _MX_DTYPE[i.dtype]) for n, i in self.infos.items()}
         self.used: set[str] = set()
 
@@ -241,6 +251,7 @@ class _Planner:
             self.need(f"{prefix}.scales", ("U8",), s_shape, f"MLX {mode}")
             step = _pass_through([f"{prefix}.weight", f"{prefix}.scales"], self.infos, site, mode)
         self.used.update(step.sources)
+        step.origin = self.origins.get(step.primary)
         return fmt, step
 
     def exl3(self, prefix: str, in_features: int, out_features: int, kind: str) -> Step:
@@ -256,7 +267,8 @@ class _Planner:
         for marker in ("mul1", "mcg"):
             if f"{prefix}.{marker}" in self.infos:
                 self.need(f"{prefix}.{marker}", ("I32",), (), "EXL3 codebook marker")
-                view[f"{prefix}.{marker}"] = self.source.ckpt.read(f"{prefix}.{marker}")
+                name = f"{prefix}.{marker}"
+                view[name] = self.origins.get(name, self.source.ckpt).read(name)
         if f"{prefix}.bias" in self.infos and kind == "expert":
             self.fail(f"{prefix}.bias: routed experts have no bias")
         self.need(f"{prefix}.trellis", ("I16",), None, "EXL3 trellis")
@@ -299,10 +311,15 @@ class _Planner:
         what = "fp32 in the release, spec §3" if fp32 else "a float tensor"
         info = self.need(name, ("F32",) if fp32 else _FLOATS, shape, what)
         self.used.add(name)
-        return _pass_through([name], self.infos, None, info.dtype.lower())
+        step = _pass_through([name], self.infos, None, info.dtype.lower())
+        step.origin = self.origins.get(name)
+        return step
 
     def plan(self) -> list[Step]:
         sites, params = model_sites(self.source.args)
+        if self.source.dspark_ckpt is None:  # no draft head to convert: the stages are left out
+            sites = [site for site in sites if not MTP.match(site.prefix)]
+            params = {name: shape for name, shape in params.items() if not MTP.match(name)}
         steps = [step for site in sites for step in self.site(site)]
         steps += [self.parameter(name, shape) for name, shape in sorted(params.items())]
         unexpected = sorted(set(self.infos) - self.used)
@@ -314,7 +331,11 @@ class _Planner:
 
 
 def plan_steps(source: Source, dtype: str | None) -> list[Step]:
-    """Every output step, in source order (shard, then offset): reads are sequential."""
+    """Every output step, in source order (checkpoint, shard, then offset): reads are sequential."""
     steps = _Planner(source, dtype).plan()
-    ckpt = source.ckpt
-    return sorted(steps, key=lambda s: (ckpt.weight_map[s.primary].name, ckpt.info(s.primary).offset))
+
+    def order(s: Step):
+        ckpt = s.origin or source.ckpt
+        return s.origin is not None, ckpt.weight_map[s.primary].name, ckpt.info(s.primary).offset
+
+    return sorted(steps, key=order)

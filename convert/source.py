@@ -1,10 +1,14 @@
-"""Open a checkpoint to convert: config, kind, shard headers, Engram tables, tokenizer, fingerprint.
+"""Open a checkpoint to convert: config, kind, shard headers, Engram tables, DSpark tensors,
+tokenizer, fingerprint.
 
 Only headers are read here (strictly: truncated files and sizes that lie are refused on open), so
 every problem with the source is found before anything is written. The Engram tables come from
 the source itself (the official release) or from ``--engram-from`` (a directory holding the
 official release's last two shards, or the whole release); an index whose shards are not all
-present is fine there. Errors are ``ConvertError`` with one line naming the file and tensor.
+present is fine there. The DSpark draft head (``mtp.*``, dspark spec §2) comes from the source
+when it holds it, or from ``--dspark-from`` (the official release: only the shards its index
+lists for ``mtp.*`` are opened); without either, the conversion has no draft head and the model
+decodes without speculation. Errors are ``ConvertError`` with one line naming the file and tensor.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from mlx_dsv41 import layout
 from mlx_dsv41.config import ConfigError, ModelArgs
 from mlx_dsv41.engram_store import WHERE_TO_GET, EngramStoreError
 from mlx_dsv41.loading import LoadError, checkpoint_kind, read_config, source_quantization
+from mlx_dsv41.model.deepseek_v41 import MTP
 
 
 class ConvertError(ValueError):
@@ -28,6 +33,8 @@ class ConvertError(ValueError):
 
 
 _ENGRAM_TABLE = "layers.{}.engram.embed.{}"
+DSPARK_HINT = ("the DSpark draft head is mtp.* in the official DeepSeek-V4.1-Flash release; add it with "
+               "`python -m mlx_dsv41.convert SRC OUT --dspark-from OFFICIAL_DIR`")
 
 
 @dataclass
@@ -43,6 +50,9 @@ class Source:
     tokenizer: Path  # tokenizer.json
     fingerprint: str  # SHA-256 of config.json and every shard's name, size and header
     engram_fingerprint: str
+    dspark_ckpt: SafetensorsCheckpoint | None = None  # where mtp.* is read from (may be `ckpt`); None: no DSpark
+    dspark_path: Path | None = None
+    dspark_fingerprint: str = ""
 
     @property
     def quantization(self) -> dict | None:
@@ -50,8 +60,9 @@ class Source:
 
     def close(self) -> None:
         self.ckpt.close()
-        if self.engram_ckpt is not None:
-            self.engram_ckpt.close()
+        for other in (self.engram_ckpt, self.dspark_ckpt):
+            if other is not None and other is not self.ckpt:
+                other.close()
 
 
 def shard_fingerprint(files: list[Path]) -> str:
@@ -104,10 +115,43 @@ def _engram_tables(args: ModelArgs, ckpt: SafetensorsCheckpoint, src: Path,
     return tables, origin
 
 
-def open_source(src: str | os.PathLike, engram_from: str | os.PathLike | None = None) -> Source:
+def _dspark_origin(args: ModelArgs, ckpt: SafetensorsCheckpoint, src: Path,
+                   dspark_from: Path | None) -> SafetensorsCheckpoint | None:
+    """Where the DSpark tensors are read from: the source, --dspark-from (only the shards holding
+    mtp.* are opened), or nowhere (None: the conversion has no draft head)."""
+    in_source = any(MTP.match(n) for n in ckpt.weight_map)
+    if dspark_from is None:
+        return ckpt if in_source and args.dspark_stages else None
+    if not args.dspark_stages:
+        raise ConvertError(f"--dspark-from {dspark_from}: {src} cannot draft ({args.dspark_unavailable})")
+    if in_source:
+        raise ConvertError(f"--dspark-from {dspark_from}: {src} holds the DSpark tensors (mtp.*) itself; "
+                           f"drop --dspark-from")
+    if not dspark_from.exists():
+        raise ConvertError(f"--dspark-from {dspark_from}: no such file or directory; {DSPARK_HINT}")
+    origin = SafetensorsCheckpoint(dspark_from, allow_missing=True)
+    try:
+        missing = {n: shard for n, shard in origin.missing.items() if MTP.match(n)}
+        if missing:
+            name, shard = next(iter(missing.items()))
+            raise ConvertError(f"--dspark-from {dspark_from}: shard {shard} holding {name} is missing")
+        names = [n for n in origin.weight_map if MTP.match(n)]
+        if not names:
+            raise ConvertError(f"--dspark-from {dspark_from}: no DSpark tensors (mtp.*); {DSPARK_HINT}")
+        for name in names:
+            origin.info(name)  # opens (strictly) just the shards that hold them
+    except BaseException:
+        origin.close()
+        raise
+    return origin
+
+
+def open_source(src: str | os.PathLike, engram_from: str | os.PathLike | None = None,
+                dspark_from: str | os.PathLike | None = None) -> Source:
     """Everything the converter needs to know about ``src``, checked from headers."""
     src = Path(src)
     engram_from = None if engram_from is None else Path(engram_from)
+    dspark_from = None if dspark_from is None else Path(dspark_from)
     try:
         kind = checkpoint_kind(src)
         if kind == "converted":
@@ -126,6 +170,7 @@ def open_source(src: str | os.PathLike, engram_from: str | os.PathLike | None = 
             raise ConvertError(f"{src}: shard {shard} is missing ({count} tensors, e.g. {name!r}, "
                                f"are listed in it)")
         tables, origin = _engram_tables(args, ckpt, src, engram_from)
+        dspark = _dspark_origin(args, ckpt, src, dspark_from)
         tokenizer = next((d / "tokenizer.json" for d in (src, engram_from)
                           if d is not None and d.is_dir() and (d / "tokenizer.json").is_file()), None)
         if tokenizer is None:
@@ -136,6 +181,8 @@ def open_source(src: str | os.PathLike, engram_from: str | os.PathLike | None = 
         engram_fp = "" if origin is None else shard_fingerprint(
             sorted({origin.weight_map[_ENGRAM_TABLE.format(layer, part)]
                     for layer in tables for part in ("weight", "scale")}))
+        dspark_fp = "" if dspark is None or dspark is ckpt else shard_fingerprint(
+            sorted({f for n, f in dspark.weight_map.items() if MTP.match(n)}))
     except (SafetensorsError, EngramStoreError) as e:
         ckpt.close()
         raise ConvertError(str(e)) from None
@@ -143,5 +190,6 @@ def open_source(src: str | os.PathLike, engram_from: str | os.PathLike | None = 
         ckpt.close()
         raise
     return Source(src, kind, config, args, ckpt, tables, origin, engram_from if origin is not ckpt else src,
-                  tokenizer, fingerprint, engram_fp)
+                  tokenizer, fingerprint, engram_fp, dspark, None if dspark is None else
+                  (src if dspark is ckpt else dspark_from), dspark_fp)
 

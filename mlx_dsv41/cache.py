@@ -1,4 +1,5 @@
-"""Decode-time state (spec §5): one `LayerCache` per layer, and the Engram n-gram history.
+"""Decode-time state (spec §5): one `LayerCache` per layer, the Engram n-gram history, and the
+DSpark draft head's `DraftCache` (dspark spec §7).
 
 Every piece of state is indexed by absolute token position, so `trim(n)` is exact: a cache keeps
 `trim_slack` tokens more than decoding needs (window rows older than the window, the raw fp32
@@ -11,7 +12,7 @@ entries in a capacity that doubles), and index arithmetic reads the offset from 
 decode step can be compiled once and replayed (Model; docs/design.md, "Compiled decode step").
 Batched generation over these caches is in batch_cache.py.
 
-Both classes follow the mlx-lm 0.32 cache contract (mlx-notes §8.4): `state` (arrays and Python
+The classes follow the mlx-lm 0.32 cache contract (mlx-notes §8.4): `state` (arrays and Python
 scalars) get/set, `from_state`, `is_trimmable`, `trim`, `size`, `empty`, `nbytes`, and they are
 registered in `mlx_lm.models.cache` so `save_prompt_cache` / `load_prompt_cache` round-trip them.
 """
@@ -432,6 +433,99 @@ def make_engram_history(args: ModelArgs, trim_slack: int = DEFAULT_TRIM_SLACK) -
     return EngramHistory(args.engram_max_ngram_size - 1, trim_slack)
 
 
+class DraftCache(_PositionalCache):
+    """The DSpark state of a batch of sequences at one position (dspark spec §7, §10.4).
+
+    hidden  [B, m, F] the main model's captured rows (`Model(..., capture=True)`, dspark spec §3)
+            of positions offset - m .. offset - 1, m <= window + trim_slack; `offset` follows
+            the main caches (`append` after each main forward, `trim` with them)
+    rings   one LayerCache per stage, holding the entries of the positions below its own offset.
+            An entry is a pure function of its hidden row, so the rings are written only when a
+            draft runs (`rows_to_write`), and never for a position a trim took back: a ring past
+            the new offset is trimmed too, or emptied and rewritten from the held rows.
+    """
+
+    def __init__(self, window: int, rings: list[LayerCache], trim_slack: int = DEFAULT_TRIM_SLACK):
+        if window < 1 or trim_slack < 0:
+            raise ValueError(f"DraftCache: need window >= 1 and trim_slack >= 0, got {window} and {trim_slack}")
+        self.window, self.rings, self.trim_slack = window, list(rings), trim_slack
+        self.offset = 0
+        self.hidden: mx.array | None = None
+        self.kept_from = 0  # position of hidden[:, 0]
+
+    def append(self, rows: mx.array) -> None:
+        """The captured rows [B, S, F] of the main model's next S positions."""
+        held = rows if self.hidden is None else mx.concatenate([self.hidden, rows], axis=1)
+        keep = min(held.shape[1], self.window + self.trim_slack)
+        self.hidden = held[:, held.shape[1] - keep :]
+        self.offset += rows.shape[1]
+        self.kept_from = self.offset - keep
+
+    def rows_to_write(self) -> mx.array:
+        """The hidden rows every ring must write before a draft at p = offset - 1: from each ring's
+        offset (moved back to p if it is past it, so p is always rewritten, as the reference
+        does; a ring too far behind starts afresh at p - window + 1) to p."""
+        if self.offset < 1:
+            raise ValueError("DraftCache: no main position yet (append the prefill's rows first)")
+        p, first = self.offset - 1, max(0, self.offset - self.window)
+        for i, ring in enumerate(self.rings):
+            if ring.offset > p:
+                ring.trim(ring.offset - p)
+            elif ring.offset < first:
+                self.rings[i] = ring = LayerCache(ring.window_size, 0, False, ring.trim_slack)
+                ring.advance(first)
+        start = self.rings[0].offset if self.rings else p
+        if any(ring.offset != start for ring in self.rings):
+            raise ValueError(f"DraftCache: rings at different positions {[r.offset for r in self.rings]}")
+        return self.hidden[:, start - self.kept_from :]
+
+    def arrays(self) -> list[mx.array]:
+        held = [] if self.hidden is None else [self.hidden]
+        return held + [a for ring in self.rings for a in ring.arrays()]
+
+    def max_trim(self) -> int:
+        if self.kept_from == 0:
+            return self.offset
+        return max(self.offset - (self.kept_from + self.window), 0)
+
+    def _drop(self, n: int) -> None:
+        offset = self.offset - n
+        self.hidden = self.hidden[:, : offset - self.kept_from]
+        for i, ring in enumerate(self.rings):
+            if ring.offset > offset:
+                if ring.offset - offset <= ring.max_trim():
+                    ring.trim(ring.offset - offset)
+                else:
+                    self.rings[i] = LayerCache(ring.window_size, 0, False, ring.trim_slack)
+
+    @property
+    def state(self):
+        """The held rows and positions; the rings are not saved (they are rewritten from the rows)."""
+        return (self.hidden, self.offset, self.kept_from, self.window, self.trim_slack, len(self.rings),
+                self.rings[0].window_size if self.rings else self.window)
+
+    @state.setter
+    def state(self, v):
+        if len(v) != 7:
+            raise ValueError(f"DraftCache.state: expected 7 entries, got {len(v)}")
+        self.hidden, offset, kept_from, window, trim_slack, stages, ring_window = v
+        self.offset, self.kept_from = int(offset), int(kept_from)
+        self.window, self.trim_slack = int(window), int(trim_slack)
+        self.rings = [LayerCache(int(ring_window), 0, False, self.trim_slack) for _ in range(int(stages))]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+
+def make_draft_cache(args: ModelArgs, trim_slack: int = DEFAULT_TRIM_SLACK) -> DraftCache:
+    """The DSpark state of a model whose config drafts: one ring per stage (dspark spec §7)."""
+    if args.dspark_unavailable:
+        raise ValueError(f"no DSpark draft cache: {args.dspark_unavailable}")
+    rings = [make_layer_cache(args, args.num_hidden_layers + s, trim_slack) for s in range(args.dspark_stages)]
+    return DraftCache(args.sliding_window, rings, trim_slack)
+
+
 def register_with_mlx_lm() -> bool:
     """Put the cache classes into `mlx_lm.models.cache`, where `load_prompt_cache` looks classes up
     by name (mlx-notes §8.4 pitfall). Returns False when mlx-lm is not installed."""
@@ -439,7 +533,7 @@ def register_with_mlx_lm() -> bool:
         import mlx_lm.models.cache as mlx_lm_cache
     except ImportError:
         return False
-    for cls in (LayerCache, EngramHistory):
+    for cls in (LayerCache, EngramHistory, DraftCache):
         existing = getattr(mlx_lm_cache, cls.__name__, None)
         if existing is not None and existing is not cls and existing.__module__ != cls.__module__:
             raise RuntimeError(f"mlx_lm.models.cache already defines a different {cls.__name__} "

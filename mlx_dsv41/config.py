@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -102,6 +103,15 @@ class ModelArgs:
     engram_pad_token_id: int = 2
     engram_compressed_vocab_size: int = 99092
     num_nextn_predict_layers: int = 3
+    # DSpark draft head (dspark spec §1). The defaults are the reference's for a config without
+    # these keys (no stages, no noise id); the Flash config.json sets 5, 128799, [37, 38, 39], 256,
+    # 128 and 3. Expert counts of 0 fall back to the backbone's.
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int | None = None
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 0
+    dspark_num_experts_per_tok: int = 0
     bos_token_id: int = 0
     eos_token_id: int | list[int] = 1
     pad_token_id: int = 2
@@ -125,7 +135,7 @@ class ModelArgs:
         names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in merged.items() if k in names}
         for k in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids",
-                  "engram_layer_ids", "engram_num_embeddings"):
+                  "engram_layer_ids", "engram_num_embeddings", "dspark_target_layer_ids"):
             if k in kwargs and kwargs[k] is not None:
                 if not isinstance(kwargs[k], (list, tuple)):
                     raise ConfigError(f"{k} must be a list, got {kwargs[k]!r}")
@@ -180,6 +190,30 @@ class ModelArgs:
         if self.num_hidden_layers <= layer < len(self.compress_ratios):
             return LayerRole(layer, 0, "window", None, None, False, False, False)
         raise ValueError(f"layer {layer} is not in 0..{len(self.compress_ratios) - 1}")
+
+    @property
+    def dspark_unavailable(self) -> str | None:
+        """Why this config cannot draft with DSpark, or None when it can (dspark spec §1: the
+        reference would draft with token 0 when the noise id is missing; we refuse instead)."""
+        if self.dspark_block_size <= 0 or self.num_nextn_predict_layers <= 0:
+            return "the config has no DSpark head (dspark_block_size / num_nextn_predict_layers)"
+        if self.dspark_noise_token_id is None:
+            return "the config has no dspark_noise_token_id"
+        if not self.dspark_target_layer_ids:
+            return "the config has no dspark_target_layer_ids"
+        return None
+
+    @property
+    def dspark_stages(self) -> int:
+        """Number of DSpark stages the model builds (0 when it cannot draft)."""
+        return 0 if self.dspark_unavailable else self.num_nextn_predict_layers
+
+    def dspark_stage_args(self) -> "ModelArgs":
+        """The args a stage's modules are built from: the backbone's, with the stage's own expert
+        count and top-k (dspark spec §5.4; 0 falls back to the backbone's)."""
+        return dataclasses.replace(
+            self, n_routed_experts=self.dspark_n_routed_experts or self.n_routed_experts,
+            num_experts_per_tok=self.dspark_num_experts_per_tok or self.num_experts_per_tok)
 
     # ---------------------------------------------------------------- checks
 
@@ -238,6 +272,29 @@ class ModelArgs:
             need(self.engram_head_dim % 32 == 0,
                  "engram_head_dim must be a multiple of 32 (one e8m0 scale per 32 values)")
         _derive_roles(self)  # raises ConfigError on inconsistent source ids
+        self._validate_dspark(need)
+
+    def _validate_dspark(self, need) -> None:
+        """Values that are present must make sense; missing ones only turn drafting off."""
+        targets = self.dspark_target_layer_ids
+        for i in targets:
+            need(0 <= i < self.num_hidden_layers, f"dspark_target_layer_ids: {i} is not a backbone layer")
+            # The capture is the block input after Engram (dspark spec §3); ours is taken before the
+            # block, which runs Engram first: exact only for targets without Engram.
+            need(i not in self.engram_layer_ids, f"dspark_target_layer_ids: {i} is an Engram layer")
+        need(len(set(targets)) == len(targets), f"dspark_target_layer_ids has duplicates: {list(targets)}")
+        if self.dspark_noise_token_id is not None:
+            need(0 <= self.dspark_noise_token_id < self.vocab_size,
+                 f"dspark_noise_token_id {self.dspark_noise_token_id} is not a token id")
+        need(self.dspark_markov_rank > 0, f"dspark_markov_rank must be positive, got {self.dspark_markov_rank}")
+        need(self.dspark_n_routed_experts >= 0, "dspark_n_routed_experts must be >= 0")
+        stage = self.dspark_stage_args()
+        need(0 < stage.num_experts_per_tok <= stage.n_routed_experts,
+             "dspark_num_experts_per_tok must be in 1..dspark_n_routed_experts")
+        if self.dspark_stages:
+            stage_ratios = self.compress_ratios[self.num_hidden_layers:]
+            need(not any(stage_ratios), f"compress_ratios of the DSpark stages must be 0 (dspark spec §1), "
+                                        f"got {list(stage_ratios)}")
 
 
 def _derive_roles(args: ModelArgs) -> tuple[LayerRole, ...]:

@@ -1,4 +1,4 @@
-"""`python -m mlx_dsv41.convert SRC OUT [--engram-from DIR] [--dtype bf16]`
+"""`python -m mlx_dsv41.convert SRC OUT [--engram-from DIR] [--dspark-from DIR] [--dtype bf16]`
 
 Converts an EXL3 (exllamav3) or official FP8/FP4 DeepSeek-V4.1-Flash checkpoint into the layout
 `mlx_dsv41.load` and `mlx_lm.load(OUT, trust_remote_code=True)` read (`mlx_dsv41/layout.py`).
@@ -24,6 +24,9 @@ def convert(
     engram_from: Optional[Path] = typer.Option(
         None, "--engram-from", help="A directory with the official Engram tables: the official "
         "release's shards model-00047-of-00048 and model-00048-of-00048 (EXL3 packs have none)."),
+    dspark_from: Optional[Path] = typer.Option(
+        None, "--dspark-from", help="A directory with the official release's DSpark draft head "
+        "(mtp.*), for sources without it (only the shards holding it are read)."),
     dtype: Optional[str] = typer.Option(
         None, "--dtype", help="bf16: dequantize official FP8/FP4 weights (exact) instead of "
         "re-laying them as MLX mxfp8 / mxfp4."),
@@ -34,7 +37,8 @@ def convert(
     from convert.source import ConvertError
 
     try:
-        convert_checkpoint(src, out, engram_from=engram_from, dtype=dtype, progress=not quiet)
+        convert_checkpoint(src, out, engram_from=engram_from, dtype=dtype, progress=not quiet,
+                           dspark_from=dspark_from)
     except ConvertError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None

@@ -1,15 +1,17 @@
 """The built-in demo checkpoint: a small DeepSeek-V4.1 in the real formats, built on first use.
 
-`ensure_demo()` returns a converted directory, made once under `$MLX_DSV41_CACHE/demo-v1` (default
-`~/.cache/mlx_dsv41/demo-v1`) by the same path a real checkpoint takes:
+`ensure_demo()` returns a converted directory, made once under `$MLX_DSV41_CACHE/demo-v2` (default
+`~/.cache/mlx_dsv41/demo-v2`) by the same path a real checkpoint takes:
 
     exl3/             an exllamav3-layout checkpoint (mlx_dsv41.tiny_checkpoints.exl3_tensors):
                       EXL3 trellises (`.trellis/.suh/.svh` + codebook marker) for every linear
                       exllamav3 quantizes (attention, `wo_a.slice.G`, compressor, indexer,
                       per-expert `ffn.experts.E.w1/w3/w2` with ragged K in w2, shared experts, one
                       Engram `wkv`, head) at the 2.9 bpw recipe's K per tensor class (exl3 spec §5.4),
+                      the DSpark draft head `mtp.0..2` at its K of 4 (linears, `main_proj`, experts),
                       native tensors for the rest (embedding, norms, router, sinks, mHC, indexer
-                      `weights_proj`, Engram `q_weight`/`k_weight`, the other Engram `wkv` in fp16);
+                      `weights_proj`, Engram `q_weight`/`k_weight`, the other Engram `wkv` in fp16,
+                      the DSpark markov and confidence heads);
                       config.json with an exl3 quantization_config, quantization_config.json; a
                       byte-level BPE tokenizer with the DeepSeek control tokens
     official-engram/  the two Engram tables as the official release stores them (F8_E4M3 values +
@@ -23,7 +25,8 @@ KV sources, candidate source, Reindex, Reuse) with head_dim 512, so the attentio
 their real head size. Everything is seeded: two builds are byte-identical.
 
 THE WEIGHTS ARE SYNTHETIC (random trellises and tensors): the demo shows that the whole path
-runs, not what the model knows. Its text is meaningless.
+runs, not what the model knows. Its text is meaningless, and so is its DSpark acceptance rate (a
+random draft head rarely guesses a random model's tokens).
 """
 
 from __future__ import annotations
@@ -40,19 +43,23 @@ import numpy as np
 
 from . import chat
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2  # 2: the DSpark draft head
 CACHE_ENV = "MLX_DSV41_CACHE"
 
 # The tiny layer schedule of mlx_dsv41.testing (every role, spec §2.3), at head_dim 512.
 DEMO_CONFIG = dict(
     hidden_size=256, num_hidden_layers=8, num_attention_heads=4, head_dim=512, qk_rope_head_dim=64,
     q_lora_rank=128, o_lora_rank=128, o_groups=2, moe_intermediate_size=128, n_routed_experts=8,
-    num_experts_per_tok=2, sliding_window=16, num_nextn_predict_layers=1,
-    compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1, 0), kv_source_layer_ids=(2, 4),
+    num_experts_per_tok=2, sliding_window=16, num_nextn_predict_layers=3,
+    compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1, 0, 0, 0), kv_source_layer_ids=(2, 4),
     index_source_layer_ids=(2, 4, 6), candidate_source_layer_id=4, candidate_topk_blocks=2,
     candidate_block_size=4, index_n_heads=2, index_head_dim=128, index_topk=8, hc_mult=4,
     engram_layer_ids=(1, 2), engram_max_ngram_size=4, engram_vocab_size=512, engram_n_heads=2,
     engram_head_dim=64, engram_pad_token_id=2,
+    # DSpark (dspark spec §1): three stages of 4 experts top-2 drafting blocks of 5 from the inputs
+    # of the last three layers (the noise id is set by demo_args).
+    dspark_block_size=5, dspark_target_layer_ids=(5, 6, 7), dspark_markov_rank=32,
+    dspark_n_routed_experts=4, dspark_num_experts_per_tok=2,
 )
 
 _BPE_VOCAB = 1016  # BPE part of the vocabulary; the control tokens come after it
@@ -138,12 +145,14 @@ def tokenizer_config() -> dict:
 
 
 def demo_args(tokenizer):
-    """The demo's ModelArgs: DEMO_CONFIG, the tokenizer's vocabulary, Engram sizes from both."""
+    """The demo's ModelArgs: DEMO_CONFIG, the tokenizer's vocabulary, Engram sizes from both, and
+    `</think>` as the DSpark noise token (its id, 128799, in the release; dspark spec §1)."""
     from .model.engram_hash import compressed_keys
     from .testing import tiny_args
 
     return tiny_args(**DEMO_CONFIG, vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
                      image_token_id=tokenizer.token_to_id(IMAGE),
+                     dspark_noise_token_id=tokenizer.token_to_id(chat.END_THINK),
                      engram_compressed_vocab_size=len(set(compressed_keys(tokenizer))))
 
 

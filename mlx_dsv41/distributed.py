@@ -250,18 +250,19 @@ def apply(model, cluster: Cluster | None) -> None:
                   key=lambda item: [int(t) if t.isdigit() else t for t in item[0].split(".")])
     if not moes:
         raise ValueError("apply: the model has no MoE layers")
-    n_experts, size, partition = model.args.n_routed_experts, cluster.size, cluster.partition
-    want = held_experts(cluster.rank, size, partition, n_experts)
+    size, partition = cluster.size, cluster.partition
+    # Each MoE's share of its own experts (the DSpark stages have fewer than the backbone).
+    wants = [held_experts(cluster.rank, size, partition, moe.gate.weight.shape[0]) for _, moe in moes]
     layout = [-1, 0, 0]  # first MoE layer holding the wrong experts, and what it holds
     for i, (_, moe) in enumerate(moes):
         held = tuple(getattr(moe.experts, "expert_range", None) or (-1, -1))
-        if held != want:
+        if held != wants[i]:
             layout = [i, *held]
             break
     act = model.embed(mx.array([[0]])).dtype  # the activation dtype the MoE hands its experts
     rounded = layout[0] >= 0 or mx.all(mx.stack([
-        rounds_to(moe.experts, want, model.args.hidden_size, model.args.num_experts_per_tok, act)
-        for _, moe in moes])).item()
+        rounds_to(moe.experts, want, model.args.hidden_size, moe.gate.top_k, act)
+        for want, (_, moe) in zip(wants, moes)])).item()
     digests = model_digests(model)
     row = [*layout, int(rounded), *(int(v) for d in digests.values() for v in np.frombuffer(d, np.int32))]
     rows = _gather_rows(cluster.group, row)
@@ -278,12 +279,13 @@ def apply(model, cluster: Cluster | None) -> None:
     for r in range(size):
         i, lo, hi = (int(v) for v in rows[r, :3])
         if i >= 0:
+            n_experts = moes[i][1].gate.weight.shape[0] if i < len(moes) else model.args.n_routed_experts
             w = held_experts(r, size, partition, n_experts)
             name = moes[i][0] if i < len(moes) else f"MoE layer {i}"
             raise DistributedError(
                 f"rank {r} of {size} ({partition!r} partition) must hold experts {w[0]}..{w[1] - 1} "
                 f"but its {name}.experts holds {lo}..{hi - 1}: load with "
-                f"expert_range=distributed.expert_range(cluster, {n_experts})")
+                f"expert_range=distributed.expert_range(cluster, {model.args.n_routed_experts})")
     check("the loaded tensors (names, shapes, dtypes)")
     check("the routed-expert formats")
 

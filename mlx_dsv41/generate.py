@@ -5,10 +5,13 @@ repo, an EXL3 / official directory it offers to convert, or the built-in `--demo
     python -m mlx_dsv41.generate --model ~/models/dsv41-mlx --chat --effort max --prompt "Why?"
     echo "text" | python -m mlx_dsv41.generate --model ~/models/dsv41-mlx
 
-The loop is mlx-lm's `stream_generate` with its samplers (our model follows the mlx-lm model
-contract); it stops at the end-of-sentence token or after --max-tokens. Text goes to stdout as it
-is generated; notes, the loading bar and the end statistics go to stderr. A bad model path, a
-broken checkpoint or a bad option is one line on stderr and exit code 1.
+When the checkpoint has the DSpark draft head, decoding is speculative (mlx_dsv41.speculative:
+the same tokens as plain greedy decoding, or the same distribution when sampling); `--draft 0`
+turns it off, `--draft N` verifies N drafts per main forward, `--draft auto` lets the confidence
+head choose. Otherwise the loop is mlx-lm's `stream_generate` with its samplers (our model follows
+the mlx-lm model contract). Either stops at the end-of-sentence token or after --max-tokens. Text
+goes to stdout as it is generated; notes, the loading bar and the end statistics go to stderr. A
+bad model path, a broken checkpoint or a bad option is one line on stderr and exit code 1.
 
 Under `mlx.launch` (two or more processes), `--moe-partition` splits the routed experts between
 the ranks (mlx_dsv41.distributed); every rank computes the same tokens and rank 0 prints.
@@ -69,7 +72,7 @@ def fetch_repo(repo_id: str) -> Path:
 
 
 def convert_source(src: Path, kind: str, convert_to: Path | None, engram_from: Path | None,
-                   interactive: bool) -> Path:
+                   interactive: bool, dspark_from: Path | None = None) -> Path:
     """An EXL3 / official checkpoint -> a converted directory (after the user agrees)."""
     from convert import convert_checkpoint
 
@@ -84,11 +87,13 @@ def convert_source(src: Path, kind: str, convert_to: Path | None, engram_from: P
                              default=False, err=True):
             raise CLIError(f"not converted; convert it with: {how}")
     _note(f"Converting {src} -> {convert_to} ...")
-    return Path(convert_checkpoint(src, convert_to, engram_from=engram_from, progress=True))
+    return Path(convert_checkpoint(src, convert_to, engram_from=engram_from, progress=True,
+                                   dspark_from=dspark_from))
 
 
 def resolve_model(model: str | None, demo: bool, convert_to: Path | None = None,
-                  engram_from: Path | None = None, interactive: bool = False) -> Path:
+                  engram_from: Path | None = None, interactive: bool = False,
+                  dspark_from: Path | None = None) -> Path:
     """The converted directory to load for these options."""
     from .loading import checkpoint_kind
 
@@ -112,7 +117,7 @@ def resolve_model(model: str | None, demo: bool, convert_to: Path | None = None,
     kind = checkpoint_kind(path)
     if kind == "converted":
         return path
-    return convert_source(path, kind, convert_to, engram_from, interactive)
+    return convert_source(path, kind, convert_to, engram_from, interactive, dspark_from)
 
 
 def materialize(model, show: bool) -> None:
@@ -122,16 +127,17 @@ def materialize(model, show: bool) -> None:
     if not show:
         mx.eval(model.parameters())
         return
-    parts = [model.embed, *model.layers, model.norm, model.head]
+    parts = [model.embed, *model.layers, *model.mtp, model.norm, model.head]
     with typer.progressbar(parts, label="Loading weights", file=sys.stderr, show_eta=False) as bar:
         for part in bar:
             mx.eval(part.parameters())
 
 
 def load_for_generation(path: Path, *, partition: str = "experts", engram_mode: str | None = None,
-                        show_progress: bool = True):
+                        show_progress: bool = True, draft: int | str | None = None):
     """(model, tokenizer, cluster): under mlx.launch with several ranks, only this rank's experts
-    are loaded (cluster None in one process). Any failure is one CLIError line."""
+    are loaded (cluster None in one process); with draft 0 the DSpark head is not loaded. Any
+    failure is one CLIError line."""
     import mlx_dsv41
     from . import distributed
     from .config import ModelArgs
@@ -143,6 +149,8 @@ def load_for_generation(path: Path, *, partition: str = "experts", engram_mode: 
             n_experts = ModelArgs.from_file(path / "config.json").n_routed_experts
             expert_range = distributed.expert_range(cluster, n_experts)
         model, tokenizer = mlx_dsv41.load(path, lazy=True, engram_mode=engram_mode, expert_range=expert_range)
+        if draft == 0 and model.mtp:
+            model.drop_dspark("turned off (--draft 0)")
         materialize(model, show_progress and (cluster is None or cluster.rank == 0))
         distributed.apply(model, cluster)
         tokenizer.add_eos_token(chat.EOS)  # stop at the end-of-sentence token whatever the files say
@@ -197,7 +205,7 @@ def _bytes(n: int) -> str:
         n /= 1000
 
 
-def statistics(last, engram: tuple[int, int], attention: dict[str, int]) -> str:
+def statistics(last, engram: tuple[int, int], attention: dict[str, int], dspark: str | None = None) -> str:
     rows, nbytes = engram
     ran = ", ".join(f"{k} {v}" for k, v in attention.items() if v) or "none"
     return "\n".join([
@@ -207,18 +215,39 @@ def statistics(last, engram: tuple[int, int], attention: dict[str, int]) -> str:
         f"Peak memory: {last.peak_memory:.3f} GB",
         f"Engram: {rows} rows, {_bytes(nbytes)} read",
         f"Attention: {ran} calls",
-    ])
+    ] + ([dspark] if dspark else []))
+
+
+def parse_draft(value: str | None) -> int | str | None:
+    """--draft: None (whole blocks), 0 (off), a number of drafts, or "auto"."""
+    from .speculative import AUTO
+
+    if value is None or value == AUTO:
+        return value
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise CLIError(f"--draft {value}: expected a number of drafts (0: off) or {AUTO!r}")
+    return number
+
+
+def check_draft(model, draft: int | str | None) -> None:
+    block = model.args.dspark_block_size
+    if model.mtp and isinstance(draft, int) and draft > block:
+        raise CLIError(f"--draft {draft}: this checkpoint drafts at most {block} tokens (dspark_block_size)")
 
 
 def run(model, tokenizer, tokens: list[int], *, max_tokens: int, temp: float, top_p: float,
-        top_k: int, min_p: float, write) -> object:
-    """Stream the completion through `write(text)`; returns the last GenerationResponse."""
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
+        top_k: int, min_p: float, write, draft: int | str | None = None, stats=None) -> object:
+    """Stream the completion through `write(text)`; returns the last GenerationResponse. DSpark
+    drafts when the model has its weights and draft is not 0 (`stats`: a DraftStats to fill)."""
+    from .speculative import Sampling, stream_generate
 
-    sampler = make_sampler(temp, top_p=top_p, min_p=min_p, top_k=top_k)
     last = None
-    for last in stream_generate(model, tokenizer, tokens, max_tokens=max_tokens, sampler=sampler):
+    for last in stream_generate(model, tokenizer, tokens, max_tokens, draft=draft, stats=stats,
+                                sampling=Sampling(temp, top_p, top_k, min_p)):
         write(last.text)
     return last
 
@@ -253,6 +282,11 @@ def generate(
                                     "into this directory without asking."),
     engram_from: Path = typer.Option(None, "--engram-from", help="With a conversion: the official "
                                      "release directory holding the Engram tables."),
+    dspark_from: Path = typer.Option(None, "--dspark-from", help="With a conversion: the official "
+                                     "release directory holding the DSpark draft head (mtp.*)."),
+    draft: str = typer.Option(None, "--draft", help="DSpark speculative decoding: drafts verified per "
+                              "main forward (default: the whole block), 'auto' (the confidence head "
+                              "chooses) or 0 (off)."),
 ):
     import mlx.core as mx
 
@@ -265,10 +299,12 @@ def generate(
             raise CLIError("--system needs --chat")
         text, from_stdin = read_prompt(prompt, prompt_file)
         effort_value = chat.parse_effort(effort)
+        draft_value = parse_draft(draft)
         path = resolve_model(model, demo, convert_to, engram_from,
-                             interactive=sys.stdin.isatty() and not from_stdin)
+                             interactive=sys.stdin.isatty() and not from_stdin, dspark_from=dspark_from)
         model_obj, tokenizer, cluster = load_for_generation(path, partition=moe_partition.value,
-                                                            engram_mode=engram_mode)
+                                                            engram_mode=engram_mode, draft=draft_value)
+        check_draft(model_obj, draft_value)
         tokens = prompt_tokens(tokenizer, text, chat_mode=chat_mode, thinking=thinking,
                                effort=effort_value, system=system)
     except (CLIError, DemoError, ValueError) as e:
@@ -280,6 +316,8 @@ def generate(
         _note(f"NOTE: --demo uses a small checkpoint with SYNTHETIC RANDOM WEIGHTS ({path}): it runs "
               f"the real path (EXL3 + Engram formats, convert, lazy load, SSD Engram), but its text "
               f"is meaningless.")
+    if rank0 and not model_obj.mtp and draft_value != 0:
+        _note(f"NOTE: no DSpark speculative decoding: {model_obj.dspark_unavailable}")
     if seed is not None:
         mx.random.seed(seed)
     elif cluster is not None:  # every rank must draw the same samples
@@ -290,13 +328,18 @@ def generate(
         if rank0:
             print(piece, end="", flush=True)
 
+    from .speculative import DraftStats
+
+    stats = DraftStats() if model_obj.mtp else None
     last = run(model_obj, tokenizer, tokens, max_tokens=max_tokens, temp=temp, top_p=top_p,
-               top_k=top_k, min_p=min_p, write=write)
+               top_k=top_k, min_p=min_p, write=write, draft=draft_value, stats=stats)
     if rank0:
         print(flush=True)
-        _note(statistics(last, engram_totals(model_obj), sparse_attention.variant_counts()))
+        dspark = None if stats is None else stats.line() + (" (meaningless: synthetic weights)" if demo else "")
+        _note(statistics(last, engram_totals(model_obj), sparse_attention.variant_counts(), dspark))
         if demo:
-            _note("NOTE: the demo's weights are synthetic: the text above is meaningless by design.")
+            _note("NOTE: the demo's weights are synthetic: the text above is meaningless by design"
+                  + (", and so is the DSpark acceptance rate." if stats is not None else "."))
 
 
 def main() -> None:

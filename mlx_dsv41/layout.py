@@ -17,16 +17,18 @@ Weights keep the official tensor names; `Model.sanitize` and the quant seam deci
 format from what is stored: EXL3 tensors as exllamav3 wrote them (`.trellis/.suh/.svh` + marker,
 per-expert, `wo_a.slice.G`), official FP8 linears as mxfp8 (`weight` uint32 [out, in/4] +
 `scales` uint8 [out, in/32]) or bf16, `wo_a` as bf16 (dequantized with its scales), FP4 experts
-per expert as mxfp4 (`weight` uint32 [out, in/8] + `scales`), everything else as stored. Tensors
-the text model never reads (MTP, vision, `gate.bias_vl`, the Engram tables) are not copied.
+per expert as mxfp4 (`weight` uint32 [out, in/8] + `scales`), everything else as stored. The
+DSpark head (`mtp.*`) is copied the same way when the source or --dspark-from has it. Tensors
+the text model never reads (vision, `gate.bias_vl`, the Engram tables) are not copied.
 
 The "mlx_dsv41" block of config.json:
 
     format: "mlx_dsv41.converted", format_version: 1, converter: package version
     source: {kind: "exl3" | "official", path, quantization_config (the source's), fingerprint}
     engram_source: {path, fingerprint} (the --engram-from directory, or the source)
+    dspark_source: {path, fingerprint} (the --dspark-from directory, or the source), or null
     options: {dtype: null | "bf16"}
-    formats: {site class (e.g. "attn.wq_a", "ffn.experts.w1"): [stored formats]}
+    formats: {site class (e.g. "attn.wq_a", "ffn.experts.w1", "mtp.main_proj"): [stored formats]}
     weights: {shards, total_size}
     engram: {token_map: file, tokenizer_sha256, layers: {"L": {file, rows, row_bytes, data_sha256}}}
 

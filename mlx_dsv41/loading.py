@@ -4,7 +4,8 @@
 `*.safetensors` in the official tensor names, in any format the quant seam recognises per tensor
 (plain bf16 / fp32, EXL3, official FP8/FP4, converted MX). Tensors are loaded lazily (`mx.load`):
 nothing is read until the parameters are evaluated, and tensors the model drops (the Engram
-tables, vision, MTP) or experts outside `expert_range` are never read.
+tables, vision; the DSpark head `mtp.*` when the config cannot draft) or experts outside
+`expert_range` are never read.
 
 `load(path)` is the user entry point for a directory written by `python -m mlx_dsv41.convert`
 (layout: `mlx_dsv41/layout.py`): the model with its Engram token map and SSD row stores

@@ -18,6 +18,11 @@ client disconnect). What this module changes, by subclassing mlx-lm's classes:
 - A client that disconnects mid-generation stops its generation: the connection is checked
   before every token is sent (mlx-lm only notices a failed write, and never in non-streaming
   mode).
+- DSpark speculative decoding (mlx_dsv41.speculative) per request when the checkpoint has the
+  draft head: a request's `num_draft_tokens` (mlx-lm's field; default --draft, the whole block)
+  sets the drafts verified per main forward, 0 turns it off. Drafting requests are decoded one at
+  a time (speculation is batch-1); the others, and those with logits processors or XTC, take
+  mlx-lm's batched path. Greedy replies are the same either way.
 - The prompt cache never hands mlx-lm an empty remainder (an exact cache hit used to kill the
   generation thread: "Sequence N has an empty prompt") and never trims our caches further than
   they can be trimmed exactly (`LayerCache.max_trim`).
@@ -42,7 +47,8 @@ from queue import Queue
 import typer
 
 from . import chat
-from .generate import Attention, CLIError, engram_totals, load_for_generation, resolve_model
+from .generate import (Attention, CLIError, check_draft, engram_totals, load_for_generation, parse_draft,
+                       resolve_model)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   help="Serve DeepSeek-V4.1 over mlx-lm's OpenAI-compatible HTTP API.")
@@ -62,6 +68,10 @@ def _make_classes():
     """Subclasses of mlx-lm's server classes (built on first use: importing mlx-lm is slow)."""
     server = _mlx_lm_server()
     from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+    import mlx.core as mx
+
+    from .speculative import DraftStats, Sampling, stream_generate
 
     class PromptCache(LRUPromptCache):
         """mlx-lm's LRU prompt cache, safe for our caches and for exact hits."""
@@ -112,7 +122,68 @@ def _make_classes():
         def __init__(self, model_provider, prompt_cache):
             self.stopped_by_disconnect = 0
             self.restarts = 0
+            self.dspark = DraftStats()  # over every drafting request
             super().__init__(model_provider, prompt_cache)
+
+        def _drafts(self, args) -> bool:
+            """Whether this request decodes with DSpark: the model drafts, the request did not turn
+            it off, and nothing in it changes the logits (those stay on mlx-lm's path)."""
+            return (bool(getattr(self.model_provider.model, "mtp", None)) and args.num_draft_tokens != 0
+                    and not server._make_logits_processors(args) and args.sampling.xtc_probability <= 0)
+
+        def _is_batchable(self, args):
+            return super()._is_batchable(args) and not self._drafts(args)
+
+        def _serve_single(self, request, stream):
+            if not self._drafts(request[2]):
+                return super()._serve_single(request, stream)
+            rqueue, request, args = request
+            try:
+                self._serve_dspark(rqueue, request, args)
+            except Exception as e:
+                rqueue.put(e)
+
+        def _serve_dspark(self, rqueue, request, args):
+            """One request with DSpark: mlx-lm's single-request protocol (context, then Responses,
+            then None) and prompt cache, our speculative generator."""
+            provider = self.model_provider
+            model, tokenizer = provider.model, provider.tokenizer
+            prompt, _, _, initial_state, _ = self._tokenize(tokenizer, request, args)
+            stop_sequences, text_sm = self._make_state_machine(provider.model_key, tokenizer, args.stop_words)
+            ctx = server.GenerationContext(
+                has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
+                tool_parser=tokenizer.tool_parser, text_sm=text_sm, initial_state=initial_state, prompt=prompt)
+            rqueue.put(ctx)
+            if args.seed is not None:
+                mx.random.seed(args.seed)
+            key = (*provider.model_key, "dspark")  # entries with a DraftCache, apart from the batched ones
+            cache, rest = self.prompt_cache.fetch_nearest_cache(key, prompt)
+            ctx.prompt_cache_count = len(prompt) - len(rest)
+            if cache is None:
+                cache = model.make_cache() + [model.make_draft_cache()]
+            sampling = Sampling(args.sampling.temperature, args.sampling.top_p, args.sampling.top_k,
+                                args.sampling.min_p)
+            draft = self.cli_args.dspark_draft if args.num_draft_tokens == self.cli_args.num_draft_tokens \
+                else min(args.num_draft_tokens, model.args.dspark_block_size)
+            seen, matcher = list(prompt), stop_sequences.matcher()
+            for gen in stream_generate(model, tokenizer, rest, args.max_tokens, draft=draft, sampling=sampling,
+                                       prompt_cache=cache[:-1], draft_cache=cache[-1], stats=self.dspark,
+                                       prefill_step_size=self.cli_args.prefill_step_size):
+                finish = "stop" if matcher.advance(gen.token) else gen.finish_reason
+                top = server._format_top_logprobs(gen.logprobs, args.top_logprobs, tokenizer)
+                rqueue.put(server.Response(gen.text, gen.token, gen.logprobs[gen.token].item(), finish, top))
+                seen.append(gen.token)
+                if ctx._should_stop or finish is not None:
+                    break
+            rqueue.put(None)
+            # The cache must hold exactly the tokens of its key: a round may have run past the last
+            # token sent (trim it back), and the last token sent is not run yet (leave it out).
+            extra = cache[0].offset - len(seen)
+            if extra > min(c.max_trim() for c in cache):
+                return
+            for c in cache:
+                c.trim(max(extra, 0))
+            self.prompt_cache.insert_cache(key, seen[: cache[0].offset], cache)
 
         @property
         def requests(self):
@@ -264,8 +335,11 @@ def _make_classes():
             from .kernels import sparse_attention
 
             rows, nbytes = engram_totals(self.response_generator.model_provider.model)
+            dspark = self.response_generator.dspark
             return {"engram_rows_read": rows, "engram_bytes_read": nbytes,
                     "attention_calls": sparse_attention.variant_counts(),
+                    "dspark": {"main_forwards": dspark.forwards, "tokens": dspark.emitted,
+                               "acceptance_by_position": dspark.rates()},
                     "stopped_by_disconnect": self.response_generator.stopped_by_disconnect,
                     "generation_restarts": self.response_generator.restarts}
 
@@ -296,6 +370,7 @@ def server_args(**overrides) -> argparse.Namespace:
         temp=0.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=512, decode_concurrency=32,
         prompt_concurrency=8, prefill_step_size=2048, prompt_cache_size=10, prompt_cache_bytes=None,
         kv_bits=None, kv_group_size=64, quantized_kv_start=5000, pipeline=False,
+        dspark_draft=None,  # ours: --draft for requests that do not set num_draft_tokens
     )
     unknown = set(overrides) - set(args)
     if unknown:
@@ -334,6 +409,8 @@ def main_command(
     attention: Attention = typer.Option(Attention.auto, "--attention", help="Sparse-attention variant (GPU)."),
     engram_mode: str = typer.Option(None, "--engram-mode", help="Engram row reads: pread, mmap, ram, auto."),
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING or ERROR."),
+    draft: str = typer.Option(None, "--draft", help="DSpark drafts per main forward for requests "
+                              "without num_draft_tokens: default the whole block, 'auto', or 0 (off)."),
 ):
     from .demo import DemoError
     from .kernels import sparse_attention
@@ -343,21 +420,30 @@ def main_command(
     try:
         sparse_attention.set_default_variant(attention.value)
         effort_value = chat.parse_effort(effort)
+        draft_value = parse_draft(draft)
         path = resolve_model(model, demo)
         if demo:
             print(f"NOTE: serving the demo checkpoint ({path}): SYNTHETIC RANDOM WEIGHTS, meaningless text.",
                   file=sys.stderr, flush=True)
-        loaded, tokenizer, cluster = load_for_generation(path, engram_mode=engram_mode)
+        loaded, tokenizer, cluster = load_for_generation(path, engram_mode=engram_mode, draft=draft_value)
         if cluster is not None:
             raise CLIError("the server runs as one process; use mlx_dsv41.generate under mlx.launch")
+        check_draft(loaded, draft_value)
+        if not loaded.mtp and draft_value != 0:
+            print(f"NOTE: no DSpark speculative decoding: {loaded.dspark_unavailable}", file=sys.stderr,
+                  flush=True)
     except (CLIError, DemoError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(1)
     name = "mlx_dsv41-demo" if demo else Path(path).name
+    # A request without num_draft_tokens gets this default, which stands for --draft (auto included).
+    block = loaded.args.dspark_block_size if loaded.mtp else 0
+    default = block if draft_value in (None, "auto") else draft_value
     cli_args = server_args(model=str(path), temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                            max_tokens=max_tokens, decode_concurrency=decode_concurrency,
                            prompt_concurrency=prompt_concurrency, prefill_step_size=prefill_step_size,
-                           prompt_cache_size=prompt_cache_size)
+                           prompt_cache_size=prompt_cache_size, num_draft_tokens=default,
+                           dspark_draft=draft_value)
     serve(loaded, tokenizer, name, cli_args, host, port, thinking=thinking, effort=effort_value)
 
 

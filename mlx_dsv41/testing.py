@@ -2,6 +2,7 @@
 weights in the official checkpoint names and dtypes, Engram tables, and a checkpoint writer.
 
     args = tiny_args()                                # every layer role, two Engram layers
+    args = tiny_args(**TINY_DSPARK)                   # ... and a DSpark head of three stages
     weights = random_weights(args, seed=0)            # official names, bf16 / fp32 as released
     tables = random_engram_tables(args, seed=0)       # {layer: uint8 [rows, row_bytes]}
     write_checkpoint(dir, args, weights, tables)      # config.json + safetensors (+ index)
@@ -41,6 +42,14 @@ TINY = dict(
     engram_compressed_vocab_size=120, image_token_id=159,
 )
 
+# The tiny config with a DSpark head (dspark spec §2): three stages of 4 experts top-2, a block of 5
+# drafting from the inputs of the last three layers.
+TINY_DSPARK = dict(
+    num_nextn_predict_layers=3, compress_ratios=TINY["compress_ratios"][:8] + (0, 0, 0),
+    dspark_block_size=5, dspark_noise_token_id=157, dspark_target_layer_ids=(5, 6, 7),
+    dspark_markov_rank=16, dspark_n_routed_experts=4, dspark_num_experts_per_tok=2,
+)
+
 
 def tiny_args(**overrides) -> ModelArgs:
     """The tiny config (see the module docstring); `engram_num_embeddings` follows the primes."""
@@ -73,50 +82,67 @@ def hf_config(args: ModelArgs) -> dict:
 def official_shapes(args: ModelArgs) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
     """Name -> (shape, dtype) of every dense tensor the text model reads (spec §6.2, in bf16/fp32
     where the release has FP8/FP4; `wo_a` is the dequantized bf16 the official converter makes)."""
-    D, H, Dh, hc = args.hidden_size, args.num_attention_heads, args.head_dim, args.hc_mult
-    bf, f32 = mx.bfloat16, mx.float32
-    mix = (2 + hc) * hc
+    D, bf = args.hidden_size, mx.bfloat16
     out = {"embed.weight": ((args.vocab_size, D), bf), "head.weight": ((args.vocab_size, D), bf),
            "norm.weight": ((D,), bf)}
     for role in args.roles:
-        p = f"layers.{role.layer}"
-        t = {
-            "attn.attn_sink": ((H,), f32), "attn.q_norm.weight": ((args.q_lora_rank,), bf),
-            "attn.kv_norm.weight": ((Dh,), bf), "attn.wq_a.weight": ((args.q_lora_rank, D), bf),
-            "attn.wq_b.weight": ((H * Dh, args.q_lora_rank), bf), "attn.wkv.weight": ((Dh, D), bf),
-            "attn.wo_a.weight": ((args.o_groups * args.o_lora_rank, H * Dh // args.o_groups), bf),
-            "attn.wo_b.weight": ((D, args.o_groups * args.o_lora_rank), bf),
-            "attn_norm.weight": ((D,), bf), "ffn_norm.weight": ((D,), bf),
-            "ffn.gate.weight": ((args.n_routed_experts, D), bf),
-            "ffn.gate.bias": ((args.n_routed_experts,), f32),
-            "ffn.shared_experts.w1.weight": ((args.moe_intermediate_size, D), bf),
-            "ffn.shared_experts.w3.weight": ((args.moe_intermediate_size, D), bf),
-            "ffn.shared_experts.w2.weight": ((D, args.moe_intermediate_size), bf),
-        }
-        for site in ("attn", "ffn"):
-            t[f"hc_{site}_fn"] = ((mix, hc * D), f32)
-            t[f"hc_{site}_base"] = ((mix,), f32)
-            t[f"hc_{site}_scale"] = ((3,), f32)
-        for e in range(args.n_routed_experts):
-            t[f"ffn.experts.{e}.w1.weight"] = ((args.moe_intermediate_size, D), bf)
-            t[f"ffn.experts.{e}.w3.weight"] = ((args.moe_intermediate_size, D), bf)
-            t[f"ffn.experts.{e}.w2.weight"] = ((D, args.moe_intermediate_size), bf)
-        if role.owns_kv:
-            t["attn.compressor.norm.weight"] = ((Dh,), bf)
-            t["attn.compressor.wkv.weight"] = ((Dh, D), bf)
-            if role.ratio > 1:
-                t["attn.compressor.wgate.weight"] = ((Dh, D), bf)
-            t["attn.indexer.wk.weight"] = ((args.index_head_dim, Dh), bf)
-            t["attn.indexer.k_norm.weight"] = ((args.index_head_dim,), bf)
-        if role.runs_indexer:
-            t["attn.indexer.wq_b.weight"] = ((args.index_n_heads * args.index_head_dim, args.q_lora_rank), bf)
-            t["attn.indexer.weights_proj.weight"] = ((args.index_n_heads, D), bf)
-        if role.engram:
-            t["engram.wkv.weight"] = (((hc + 1) * D, args.engram_columns * args.engram_head_dim), bf)
-            t["engram.q_weight"] = ((hc, D), bf)
-            t["engram.k_weight"] = ((hc, D), bf)
-        out.update({f"{p}.{k}": v for k, v in t.items()})
+        out.update({f"layers.{role.layer}.{k}": v for k, v in _block_shapes(args, role).items()})
+    stages, rank = args.dspark_stages, args.dspark_markov_rank
+    for s in range(stages):  # dspark spec §2
+        t = _block_shapes(args.dspark_stage_args(), args.role(args.num_hidden_layers + s))
+        if s == 0:
+            t["main_proj.weight"] = ((D, len(args.dspark_target_layer_ids) * D), bf)
+            t["main_norm.weight"] = ((D,), bf)
+        if s == stages - 1:
+            t["norm.weight"] = ((D,), bf)
+            t["markov_head.embed.weight"] = ((args.vocab_size, rank), bf)
+            t["markov_head.head.weight"] = ((args.vocab_size, rank), bf)
+            t["confidence_head.proj.weight"] = ((1, D + rank), bf)
+        out.update({f"mtp.{s}.{k}": v for k, v in t.items()})
     return out
+
+
+def _block_shapes(args: ModelArgs, role) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
+    """The tensors of one block (a backbone layer or a DSpark stage), named within it."""
+    D, H, Dh, hc = args.hidden_size, args.num_attention_heads, args.head_dim, args.hc_mult
+    bf, f32 = mx.bfloat16, mx.float32
+    mix = (2 + hc) * hc
+    t = {
+        "attn.attn_sink": ((H,), f32), "attn.q_norm.weight": ((args.q_lora_rank,), bf),
+        "attn.kv_norm.weight": ((Dh,), bf), "attn.wq_a.weight": ((args.q_lora_rank, D), bf),
+        "attn.wq_b.weight": ((H * Dh, args.q_lora_rank), bf), "attn.wkv.weight": ((Dh, D), bf),
+        "attn.wo_a.weight": ((args.o_groups * args.o_lora_rank, H * Dh // args.o_groups), bf),
+        "attn.wo_b.weight": ((D, args.o_groups * args.o_lora_rank), bf),
+        "attn_norm.weight": ((D,), bf), "ffn_norm.weight": ((D,), bf),
+        "ffn.gate.weight": ((args.n_routed_experts, D), bf),
+        "ffn.gate.bias": ((args.n_routed_experts,), f32),
+        "ffn.shared_experts.w1.weight": ((args.moe_intermediate_size, D), bf),
+        "ffn.shared_experts.w3.weight": ((args.moe_intermediate_size, D), bf),
+        "ffn.shared_experts.w2.weight": ((D, args.moe_intermediate_size), bf),
+    }
+    for site in ("attn", "ffn"):
+        t[f"hc_{site}_fn"] = ((mix, hc * D), f32)
+        t[f"hc_{site}_base"] = ((mix,), f32)
+        t[f"hc_{site}_scale"] = ((3,), f32)
+    for e in range(args.n_routed_experts):
+        t[f"ffn.experts.{e}.w1.weight"] = ((args.moe_intermediate_size, D), bf)
+        t[f"ffn.experts.{e}.w3.weight"] = ((args.moe_intermediate_size, D), bf)
+        t[f"ffn.experts.{e}.w2.weight"] = ((D, args.moe_intermediate_size), bf)
+    if role.owns_kv:
+        t["attn.compressor.norm.weight"] = ((Dh,), bf)
+        t["attn.compressor.wkv.weight"] = ((Dh, D), bf)
+        if role.ratio > 1:
+            t["attn.compressor.wgate.weight"] = ((Dh, D), bf)
+        t["attn.indexer.wk.weight"] = ((args.index_head_dim, Dh), bf)
+        t["attn.indexer.k_norm.weight"] = ((args.index_head_dim,), bf)
+    if role.runs_indexer:
+        t["attn.indexer.wq_b.weight"] = ((args.index_n_heads * args.index_head_dim, args.q_lora_rank), bf)
+        t["attn.indexer.weights_proj.weight"] = ((args.index_n_heads, D), bf)
+    if role.engram:
+        t["engram.wkv.weight"] = (((hc + 1) * D, args.engram_columns * args.engram_head_dim), bf)
+        t["engram.q_weight"] = ((hc, D), bf)
+        t["engram.k_weight"] = ((hc, D), bf)
+    return t
 
 
 def random_weights(args: ModelArgs, seed: int = 0) -> dict[str, mx.array]:

@@ -50,7 +50,8 @@ EXL3_QUANTIZATION = {"quant_method": "exl3", "version": "1.4.2", "bits": 3.9, "h
 
 # spec §3: the FP8 linears of the release (wo_a too: the converter dequantizes it)
 _FP8_SITES = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.indexer.wq_b",
-              "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3", "engram.wkv")
+              "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3", "engram.wkv",
+              "main_proj")  # main_proj: DSpark stage 0 (dspark spec §2)
 _FP8_MAX, _FP4_MAX = 448.0, 6.0
 
 
@@ -186,7 +187,7 @@ def official_format(name: str) -> str | None:
     """How the release stores a text-model tensor (given in official names): "fp8", "fp4" or None
     (bf16 / fp32 as is)."""
     prefix = name.removesuffix(".weight")
-    site = prefix.split(".", 2)[-1] if prefix.startswith("layers.") else prefix
+    site = prefix.split(".", 2)[-1] if prefix.startswith(("layers.", "mtp.")) else prefix
     if name.endswith(".weight") and ".ffn.experts." in name:
         return "fp4"
     return "fp8" if name.endswith(".weight") and site in _FP8_SITES else None
@@ -212,15 +213,21 @@ def official_tensors(args: ModelArgs, seed: int = 0) -> tuple[dict[str, tuple[st
 
 
 def _dropped_extras(args: ModelArgs, seed: int) -> dict[str, tuple[str, np.ndarray]]:
-    """Release tensors the text model drops: bias_vl, an MTP block's pieces, vision, aligner, image."""
+    """Release tensors the text model drops: bias_vl, vision, aligner, image, and an MTP block's
+    pieces when the config cannot draft (with a DSpark head, its stages' bias_vl)."""
     rng = np.random.default_rng(seed + 7)
     d, n = args.hidden_size, args.n_routed_experts
     out = {f"layers.{i}.ffn.gate.bias_vl": ("F32", rng.standard_normal(n).astype(np.float32))
            for i in range(args.num_hidden_layers)}
-    packed, scale = quantize_fp4(rng.standard_normal((args.moe_intermediate_size, d)) / np.sqrt(d))
+    stage_experts = args.dspark_stage_args().n_routed_experts
+    out.update({f"mtp.{s}.ffn.gate.bias_vl": ("F32", rng.standard_normal(stage_experts).astype(np.float32))
+                for s in range(args.dspark_stages)})
+    if not args.dspark_stages:
+        packed, scale = quantize_fp4(rng.standard_normal((args.moe_intermediate_size, d)) / np.sqrt(d))
+        out.update({"mtp.0.attn_norm.weight": _raw(mx.ones((d,), mx.bfloat16)),
+                    "mtp.0.ffn.experts.0.w1.weight": ("I8", packed),
+                    "mtp.0.ffn.experts.0.w1.scale": ("F8_E8M0", scale)})
     out.update({
-        "mtp.0.attn_norm.weight": _raw(mx.ones((d,), mx.bfloat16)),
-        "mtp.0.ffn.experts.0.w1.weight": ("I8", packed), "mtp.0.ffn.experts.0.w1.scale": ("F8_E8M0", scale),
         "vision.blocks.0.norm1.weight": _raw(mx.ones((16,), mx.bfloat16)),
         "aligner.w1.weight": _raw(mx.ones((8, 16), mx.bfloat16)),
         "image_newline": _raw(mx.ones((d,), mx.bfloat16)),
@@ -269,11 +276,13 @@ def write_official_checkpoint(path: str | Path, args: ModelArgs | None = None, s
     half = args.num_hidden_layers // 2
     first = {k: v for k, v in stored.items()
              if k == "embed.weight" or (k.startswith("layers.") and int(k.split(".")[1]) < half)}
-    second = {k: v for k, v in stored.items() if k not in first}
+    draft = {k: v for k, v in stored.items() if k.startswith("mtp.") and args.dspark_stages}
+    second = {k: v for k, v in stored.items() if k not in first and k not in draft}
     # A companion in another shard than its weight (the index allows it; the converter must cope).
     moved = f"layers.{half - 1}.attn.wq_b.scale"
     second[moved] = first.pop(moved)
-    _write_shards(path, [first, second, *engram_table_tensors(args, tables)])
+    # The DSpark stages in a shard of their own (what --dspark-from reads, alone).
+    _write_shards(path, [first, second, *([draft] if draft else []), *engram_table_tensors(args, tables)])
     write_config(path, args, OFFICIAL_QUANTIZATION)
     write_tokenizer(path, args)
     return TinyCheckpoint(path, args, reference, tables)
@@ -308,20 +317,26 @@ def _exl3_dtype(a: np.ndarray) -> str:
     return {np.dtype(np.int16): "I16", np.dtype(np.float16): "F16", np.dtype(np.int32): "I32"}[a.dtype]
 
 
-def exl3_tensors(args: ModelArgs, seed: int = 0) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, mx.array]]:
-    """(stored tensors, reference float weights) of an exllamav3-quantized text model."""
-    native = random_weights(args, seed)
+def exl3_tensors(args: ModelArgs, seed: int = 0, with_dspark: bool = True
+                 ) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, mx.array]]:
+    """(stored tensors, reference float weights) of an exllamav3-quantized text model; with_dspark
+    False leaves the DSpark head (`mtp.*`) out, as a pack quantized without it."""
+    native = {k: v for k, v in random_weights(args, seed).items() if with_dspark or not k.startswith("mtp.")}
     q: dict[str, np.ndarray] = {}
     reference: dict[str, mx.array] = {}
     stored: dict[str, tuple[str, np.ndarray]] = {}
     d, inter = args.hidden_size, args.moe_intermediate_size
     # K per tensor class, most specific prefix first (the Mia-AiLab 2.9 bpw recipe, exl3 spec §5.4)
     bits = {"attn.indexer.wk": 8, "attn": 5, "ffn.shared_experts": 4, "engram.wkv": 4, "head": 6}
-    native_linears = ("ffn.gate", "attn.indexer.weights_proj")  # exl3 spec §5.2-5.4: never quantized
+    # exl3 spec §5.2-5.4: never quantized; the DSpark markov and confidence heads neither (§5.3)
+    native_linears = ("ffn.gate", "attn.indexer.weights_proj", "markov_head.embed", "markov_head.head",
+                      "confidence_head.proj")
     for k, (name, w) in enumerate(native.items()):
         prefix = name.removesuffix(".weight")
         parts = prefix.split(".")
-        layer, site = (int(parts[1]), ".".join(parts[2:])) if parts[0] == "layers" else (-1, prefix)
+        layer, site = (int(parts[1]), ".".join(parts[2:])) if parts[0] in ("layers", "mtp") else (-1, prefix)
+        if parts[0] == "mtp":
+            layer += args.num_hidden_layers
         if ".ffn.experts." in name:
             continue  # below: per expert, ragged K
         if site == "engram.wkv" and layer != args.engram_layer_ids[0]:
@@ -332,7 +347,7 @@ def exl3_tensors(args: ModelArgs, seed: int = 0) -> tuple[dict[str, tuple[str, n
             stored[name], reference[name] = _raw(w), w  # norms, embed, router, sinks, mHC, q/k_weight
             continue
         out_f, in_f = w.shape
-        kbits = next((b for key, b in bits.items() if site.startswith(key)), 5)
+        kbits = 4 if parts[0] == "mtp" else next((b for key, b in bits.items() if site.startswith(key)), 5)
         codebook = "mcg" if layer == 3 else "3inst" if layer == 5 and site.startswith("ffn.") else "mul1"
         if site == "attn.wo_a":  # exllamav3 slices wo_a's rows into o_groups linears (exl3 spec §5.2)
             rows = out_f // args.o_groups
@@ -341,12 +356,18 @@ def exl3_tensors(args: ModelArgs, seed: int = 0) -> tuple[dict[str, tuple[str, n
                 for g in range(args.o_groups)])
         else:
             reference[name] = _exl3_linear(prefix, in_f, out_f, kbits, codebook, seed * 10000 + k * 10, q)
-    for layer in range(args.num_hidden_layers):  # routed experts, w2 ragged (2 and 3 bits)
-        prefix = f"layers.{layer}.ffn.experts"
+    # Routed experts: w2 ragged (2 and 3 bits) in the backbone, the stages' at mtp_bits 4 (§5.4).
+    stage_experts = args.dspark_stage_args().n_routed_experts
+    blocks = [(f"layers.{i}", args.n_routed_experts, {"w1": 3, "w3": 3, "w2": (2, 3)})
+              for i in range(args.num_hidden_layers)]
+    blocks += [(f"mtp.{s}", stage_experts, {"w1": 4, "w3": 4, "w2": 4})
+               for s in range(args.dspark_stages if with_dspark else 0)]
+    for layer, (block, n_experts, expert_bits) in enumerate(blocks):
+        prefix = f"{block}.ffn.experts"
         codebook = "3inst" if layer == 5 else "mul1"
-        t = random_experts_tensors(args.n_routed_experts, d, inter, bits={"w1": 3, "w3": 3, "w2": (2, 3)},
+        t = random_experts_tensors(n_experts, d, inter, bits=expert_bits,
                                    codebook=codebook, seed=seed * 100 + layer, prefix=prefix)
-        for e in range(args.n_routed_experts):
+        for e in range(n_experts):
             for proj, (d_in, d_out) in {"w1": (d, inter), "w3": (d, inter), "w2": (inter, d)}.items():
                 p = f"{prefix}.{e}.{proj}"
                 part = {key: v for key, v in t.items() if key.startswith(p + ".")}
@@ -355,13 +376,15 @@ def exl3_tensors(args: ModelArgs, seed: int = 0) -> tuple[dict[str, tuple[str, n
     return stored, reference
 
 
-def write_exl3_checkpoint(path: str | Path, args: ModelArgs | None = None, seed: int = 0) -> TinyCheckpoint:
+def write_exl3_checkpoint(path: str | Path, args: ModelArgs | None = None, seed: int = 0,
+                          with_dspark: bool = True) -> TinyCheckpoint:
     """An exllamav3-style checkpoint in `path` (no Engram tables: write them with
-    `write_engram_shards(dir, ck.args, ck.tables)` for --engram-from)."""
+    `write_engram_shards(dir, ck.args, ck.tables)` for --engram-from; with_dspark False: no `mtp.*`
+    either, for --dspark-from)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     args = tiny_args() if args is None else args
-    stored, reference = exl3_tensors(args, seed)
+    stored, reference = exl3_tensors(args, seed, with_dspark)
     names = sorted(stored)
     half = len(names) // 2
     _write_shards(path, [{n: stored[n] for n in names[:half]}, {n: stored[n] for n in names[half:]}])

@@ -1,5 +1,6 @@
 """Expert parallelism (issue 7) on the ring backend over localhost: 2 and 4 ranks give the same
-logits bytes and tokens as one process in both partitions (dense and EXL3 experts, Engram on);
+logits bytes and tokens as one process in both partitions (dense and EXL3 experts, Engram on; the
+CLI with DSpark drafting, the stages' experts split too);
 each rank loads and reads only its experts; no collective runs while a forward builds its graph;
 `mlx.launch ... python -m mlx_dsv41.generate` prints the one-process text; ranks that disagree fail
 with one clear line; a dead, frozen, stalled or failed peer ends the others within the watchdog
@@ -283,6 +284,7 @@ def test_cli_under_mlx_launch(demo_text, partition):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert single.strip() and proc.stdout == single
+    assert "DSpark:" in proc.stderr  # the demo drafts: two ranks, one process's tokens, DSpark on
 
 
 # ------------------------------------------------------------------------------- disagreement

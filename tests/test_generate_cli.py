@@ -1,5 +1,6 @@
 """`python -m mlx_dsv41.generate` through a subprocess, on the demo checkpoint: plain, chat and
-stdin prompts stream exactly the tokens of our own greedy loop; the statistics are printed; an
+stdin prompts stream exactly the tokens of our own greedy loop, with DSpark drafting (the default)
+or not (--draft 0); the statistics are printed; an
 EXL3 directory is converted when asked to; every bad input is one line on stderr, exit code 1,
 no traceback."""
 
@@ -48,6 +49,14 @@ def test_plain_prompt_streams_our_tokens_and_reports(env, loaded):
     columns = 2 * loaded[0].args.engram_columns
     assert rows >= (n_prompt + TOKENS - 1) * columns and rows % columns == 0
     assert re.search(r"Attention: (reference|serial|parallel) \d+", err)
+    assert re.search(r"DSpark: [\d.]+ tokens per main forward \(\d+ forwards\), acceptance by position "
+                     r"1: \d+%.*\(meaningless: synthetic weights\)", err)
+
+
+def test_draft_0_turns_dspark_off_with_the_same_tokens(env, loaded):
+    r = ok(cli(env, "--demo", "--prompt", "The quick brown fox", "--max-tokens", str(TOKENS), "--draft", "0"))
+    assert r.stdout == expected_text(loaded, loaded[1].encode("The quick brown fox")) + "\n"
+    assert "DSpark" not in r.stderr
 
 
 def test_chat_prompt_uses_the_official_encoding(env, loaded):
@@ -87,9 +96,23 @@ def one_line_error(result, pattern):
     (["--demo", "--system", "x", "--prompt", "hi"], r"--system needs --chat"),
     (["--demo", "--model", "x", "--prompt", "hi"], r"either --model or --demo"),
     (["--demo", "--prompt-file", "/nonexistent/p.txt"], r"--prompt-file /nonexistent/p.txt: .*No such file"),
+    (["--demo", "--draft", "many", "--prompt", "hi"], r"--draft many: expected a number of drafts"),
+    (["--demo", "--draft", "9", "--prompt", "hi"], r"--draft 9: this checkpoint drafts at most 5 tokens"),
 ])
 def test_bad_options_are_one_line_errors(env, args, pattern):
     one_line_error(cli(env, *args), pattern)
+
+
+def test_a_checkpoint_without_the_draft_head_runs_and_says_so_once(env, tmp_path_factory, tmp_path, loaded):
+    from convert_fixtures import edit_tensors
+
+    plain = shutil.copytree(demo_checkpoint(tmp_path_factory), tmp_path / "no-dspark")
+    index = (plain / "model.safetensors.index.json").read_text()
+    edit_tensors(plain, dict.fromkeys([n for n in re.findall(r'"(mtp\.[^"]+)"', index)]))
+    r = ok(cli(env, "--model", str(plain), "--prompt", "The quick brown fox", "--max-tokens", str(TOKENS)))
+    assert r.stdout == expected_text(loaded, loaded[1].encode("The quick brown fox")) + "\n"
+    assert r.stderr.count("no DSpark speculative decoding: the checkpoint has no DSpark weights (mtp.*)") == 1
+    assert "DSpark:" not in r.stderr
 
 
 def test_offline_hub_repo_is_a_clear_error(env, tmp_path):

@@ -167,6 +167,20 @@ def test_prompt_cache_exact_hits_and_long_trims_stay_usable():
     assert store.fetch_nearest_cache("m", far) == (None, far)
 
 
+def test_dspark_drafts_per_request_and_the_batched_path_agrees(server):
+    """Greedy replies are the same with DSpark (the default) and without (num_draft_tokens 0:
+    mlx-lm's batched path); the drafting requests show in /v1/stats."""
+    before = _stats(server)["dspark"]
+    msgs = [{"role": "user", "content": "Tell me about the cat."}]
+    drafted = chat_request(server, msgs, max_tokens=5, temperature=0.0)
+    plain = chat_request(server, msgs, max_tokens=5, temperature=0.0, num_draft_tokens=0)
+    assert drafted["choices"][0]["message"] == plain["choices"][0]["message"]
+    after = _stats(server)["dspark"]
+    assert after["main_forwards"] > before["main_forwards"] and after["tokens"] >= before["tokens"] + 4
+    # 5 tokens: one from the prefill, then rounds of at most 3 drafts (4 tokens left to write)
+    assert len(after["acceptance_by_position"]) >= 3
+
+
 def test_seeded_sampling_is_served_and_repeatable(server):
     """A request with a seed is served one at a time (mlx-lm's unbatched path) with our caches."""
     replies = [chat_request(server, HI, max_tokens=3, temperature=1.0, seed=7)["choices"][0]["message"]
@@ -209,8 +223,14 @@ def test_client_disconnect_stops_generation(server, stream):
     while _stats(server)["stopped_by_disconnect"] == before["stopped_by_disconnect"]:
         assert time.time() < deadline, "the server never noticed the disconnect"
         time.sleep(0.2)
-    time.sleep(0.5)  # a step already queued may still finish
-    rows = _stats(server)["engram_rows_read"]
+    # A step (or a DSpark round: a draft and a 6-token verify) already running may still finish:
+    # wait until the counter holds still for a second.
+    rows, still = _stats(server)["engram_rows_read"], time.time()
+    while time.time() - still < 1.0:
+        assert time.time() < deadline + 30, "generation continued after the disconnect"
+        time.sleep(0.2)
+        now = _stats(server)["engram_rows_read"]
+        rows, still = (now, time.time()) if now != rows else (rows, still)
     time.sleep(2.0)  # ~10 decode steps of the demo on this CPU, had it kept going
     assert _stats(server)["engram_rows_read"] == rows, "generation continued after the disconnect"
     assert "client disconnected; generation stopped" in log.read_text()

@@ -79,11 +79,8 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         cache.reserve(B, S, self.head_dim, self.indexer.head_dim if self.role.owns_kv else 0, x.dtype)
         position = cache.position  # an int32 array: a compiled step is not specialised on it
-        qr = self.q_norm(self.wq_a(x))
-        q = self.rope(self.wq_b(qr).reshape(B, S, self.n_heads, self.head_dim), position)
-        kv = fake_quant_fp8(self.rope(self.kv_norm(self.wkv(x)), position), 32)
-
-        window, rows = cache.update_window(kv)
+        q, qr = self.queries(x, position)
+        window, rows = cache.update_window(self.window_keys(x, position))
         indices = mx.broadcast_to(rows, (B, S, rows.shape[1]))
         pool = window[:, :0]
         if self.role.ratio:
@@ -94,10 +91,25 @@ class Attention(nn.Module):
                 indices = mx.concatenate([indices, picks], axis=-1)
 
         o = sparse_attention(q, window, pool, indices, self.attn_sink.astype(mx.float32), self.scale)
-        o = self.rope(o.astype(x.dtype), position, inverse=True)  # conjugate rotation at the query position
-        o = self.wo_a(o.reshape(B, S, self.o_groups, -1)).reshape(B, S, -1)
         cache.advance(S)
-        return self.wo_b(o)
+        return self.output(o.astype(x.dtype), position)
+
+    def queries(self, x: mx.array, offset: mx.array | int) -> tuple[mx.array, mx.array]:
+        """(q [B, S, H, head_dim] roped at offset.., qr [B, S, q_lora_rank]) of x [B, S, hidden]."""
+        B, S, _ = x.shape
+        qr = self.q_norm(self.wq_a(x))
+        return self.rope(self.wq_b(qr).reshape(B, S, self.n_heads, self.head_dim), offset), qr
+
+    def window_keys(self, x: mx.array, offset: mx.array | int) -> mx.array:
+        """The window KV [B, S, head_dim] of x at positions offset..: kv_norm(wkv(x)), roped, FP8
+        fake-quantized over all dims (spec §4.3)."""
+        return fake_quant_fp8(self.rope(self.kv_norm(self.wkv(x)), offset), 32)
+
+    def output(self, o: mx.array, offset: mx.array | int) -> mx.array:
+        """Attention output o [B, S, H, head_dim] at positions offset.. -> [B, S, hidden]."""
+        B, S = o.shape[:2]
+        o = self.rope(o, offset, inverse=True)  # conjugate rotation at the query position
+        return self.wo_b(self.wo_a(o.reshape(B, S, self.o_groups, -1)).reshape(B, S, -1))
 
     def _compressed(self, x, qr, position: mx.array, cache: LayerCache, shared: dict):
         """Update / publish the shared state this layer owns; return (the compressed-KV buffer of

@@ -38,27 +38,29 @@ def compiles(tokens: int) -> bool:
 
 
 class CompiledStep:
-    """`step(caches, position, inputs, embeddings, rows, live)` with `forward` of the same signature
-    run compiled (`forward` reads and updates the caches' arrays and advances them)."""
+    """`step(caches, inputs, embeddings, rows, live, capture)`: `forward(caches, position, inputs,
+    embeddings, rows, live, capture)` run compiled (`forward` reads and updates the caches' arrays
+    and advances them; it returns the logits, and with `capture` also the captured rows)."""
 
     def __init__(self, forward):
         self._forward = forward
         self._fn = mx.compile(self._traced)
         self._caches: list | None = None
 
-    def __call__(self, caches, inputs, embeddings, rows: dict, live) -> mx.array:
+    def __call__(self, caches, inputs, embeddings, rows: dict, live, capture: bool = False):
         tokens = inputs.shape[0] * inputs.shape[1]
         saved = [c.bookkeeping() for c in caches]
         buffers = [c.step_arrays() for c in caches]
         layout = tuple(tuple(a is not None for a in b) for b in buffers)
         engram = tuple(sorted(rows))
-        static = (tuple(c.step_key() for c in caches), layout, engram, embeddings is not None, live is not None)
+        static = (tuple(c.step_key() for c in caches), layout, engram, embeddings is not None, live is not None,
+                  capture)
         flat = [inputs, mx.array(caches[0].offset, mx.int32), *(rows[k] for k in engram)]
         flat += [a for a in (embeddings, live) if a is not None]
         flat += [a for b in buffers for a in b if a is not None]
         self._caches = caches
         try:
-            logits, *arrays = self._fn(static, *flat)
+            outputs = self._fn(static, *flat)
         except BaseException:
             for c, b in zip(caches, buffers):
                 c.set_step_arrays(b)
@@ -67,14 +69,14 @@ class CompiledStep:
             self._caches = None
             for c, s in zip(caches, saved):
                 c.restore_bookkeeping(s)
-        it = iter(arrays)
+        result, it = outputs[: 1 + capture], iter(outputs[1 + capture :])
         for c, present in zip(caches, layout):
             c.set_step_arrays([next(it) if p else None for p in present])
             c.advance(tokens // inputs.shape[0])
-        return logits
+        return tuple(result) if capture else result[0]
 
     def _traced(self, static, inputs, position, *rest):
-        _, layout, engram, has_embeddings, has_live = static
+        _, layout, engram, has_embeddings, has_live, capture = static
         rest = list(rest)
         rows = {k: rest.pop(0) for k in engram}
         embeddings = rest.pop(0) if has_embeddings else None
@@ -82,11 +84,11 @@ class CompiledStep:
         it = iter(rest)
         for c, present in zip(self._caches, layout):
             c.set_step_arrays([next(it) if p else None for p in present])
-        logits = self._forward(self._caches, position, inputs, embeddings, rows, live)
-        out = []
+        result = self._forward(self._caches, position, inputs, embeddings, rows, live, capture)
+        out = list(result) if capture else [result]
         for c, present in zip(self._caches, layout):
             arrays = c.step_arrays()
             if tuple(a is not None for a in arrays) != present:
                 raise RuntimeError("a compiled step created a cache buffer; caches must be reserved first")
             out += [a for a in arrays if a is not None]
-        return [logits, *out]
+        return out

@@ -5,6 +5,9 @@
 Module attributes carry the official checkpoint names (spec §6.2), so a plain checkpoint loads
 without renaming; `sanitize` only re-lays formats through `mlx_dsv41.quant`.
 
+The DSpark draft head's stages (`mtp.{s}`, model/dspark.py) are built here when the config can
+draft; `__call__(..., capture=True)` also returns the hidden rows they draft from.
+
 Engram (spec §4.4) runs partly on the host: the n-gram hash needs the token ids, and its row ids
 pick rows to read from SSD. The model therefore holds a compressed-token map and one row source per
 Engram layer, set with `set_engram(...)`; they are not parameters.
@@ -21,7 +24,7 @@ from mlx.utils import tree_unflatten
 
 from .. import quant
 from ..batch_cache import BatchCache, batched_forward
-from ..cache import EngramHistory, LayerCache, make_engram_history, make_layer_cache
+from ..cache import DraftCache, EngramHistory, LayerCache, make_draft_cache, make_engram_history, make_layer_cache
 from ..config import ModelArgs
 from . import compiled_step
 from .attention import Attention
@@ -35,13 +38,15 @@ from .norm import RMSNorm
 class Block(nn.Module):
     """One backbone layer: [engram], attention site, FFN site, with their mHC parameters."""
 
+    attention_class = Attention  # a DSpark stage attends its own way (model/dspark.py)
+
     def __init__(self, args: ModelArgs, layer_id: int, expert_range: tuple[int, int] | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.hc_iters, self.hc_eps, self.norm_eps = args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps
         d, hc = args.hidden_size, args.hc_mult
         mix = (2 + hc) * hc
-        self.attn = Attention(args, layer_id)
+        self.attn = self.attention_class(args, layer_id)
         self.ffn = MoE(args, expert_range)
         self.attn_norm = RMSNorm(d, args.rms_norm_eps)
         self.ffn_norm = RMSNorm(d, args.rms_norm_eps)
@@ -76,10 +81,13 @@ class Block(nn.Module):
 
 # Checkpoint tensors the text model never reads (spec §6.2; mlx-notes §8.8: dropped tensors are
 # never loaded, which is how the Engram tables stay on SSD).
-_DROP = re.compile(r"^(mtp\.|vision\.|aligner\.|image_)|\.gate\.bias_vl$|^layers\.\d+\.engram\.embed\.")
-_EXPERT_PREFIX = re.compile(r"^(layers\.\d+\.ffn\.experts)\.")
+_DROP = re.compile(r"^(vision\.|aligner\.|image_)|\.gate\.bias_vl$|^layers\.\d+\.engram\.embed\.")
+# The DSpark draft head (dspark spec §2): read when the model drafts, dropped otherwise.
+MTP = re.compile(r"^mtp\.")
+_EXPERT_PREFIX = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.")
 # Stored in fp32 in the release and computed from fp32 (spec §3).
 FP32_STORED = re.compile(r"\.(hc_(attn|ffn)_(fn|base|scale)|attn_sink|ffn\.gate\.bias)$")
+_DSPARK_FP32 = re.compile(r"^mtp\.\d+\.(markov_head\.head|confidence_head\.proj)\.weight$")
 
 
 class Model(nn.Module):
@@ -92,6 +100,12 @@ class Model(nn.Module):
         self.layers = [Block(args, i, expert_range) for i in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        from .dspark import DSparkStage  # it subclasses Block (defined here)
+
+        # The DSpark stages (`mtp.{s}`); embed and head are the ones above (dspark spec §2).
+        self.mtp = [DSparkStage(args, s, expert_range) for s in range(args.dspark_stages)]
+        self.dspark_unavailable: str | None = args.dspark_unavailable  # why there are no stages
+        self._capture_layers = frozenset(args.dspark_target_layer_ids)
         # Config order: the hash layout's order of tables, primes and multipliers.
         self._engram_layers = list(args.engram_layer_ids)
         self._engram_hash: EngramHashLayout | None = None
@@ -156,16 +170,34 @@ class Model(nn.Module):
             caches.append(make_engram_history(self.args))
         return caches
 
+    def drop_dspark(self, reason: str) -> None:
+        """Remove the DSpark stages (their weights are never read); `reason` says why."""
+        self.mtp, self.dspark_unavailable = [], reason
+
+    def make_draft_cache(self) -> DraftCache:
+        """The DSpark state (rings and captured rows) to draft with (`model.dspark.draft_block`)."""
+        if not self.mtp:
+            raise ValueError(f"this model cannot draft: {self.dspark_unavailable}")
+        return make_draft_cache(self.args)
+
     def __call__(self, inputs: mx.array, cache: list | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
+                 input_embeddings: mx.array | None = None, *, capture: bool = False):
         """inputs [B, S] token ids -> logits [B, S, vocab] fp32.
 
         `input_embeddings` [B, S, D] replaces the embedding lookup (the ids still drive Engram).
-        A few tokens at a time (decode) run as a compiled step on a GPU (model/compiled_step.py).
+        A few tokens at a time (decode, a DSpark verify) run as a compiled step on a GPU
+        (model/compiled_step.py).
+        capture=True returns (logits, main_hidden [B, S, T·D] bf16): for every position, the mean
+        over the streams of the inputs of the dspark_target_layer_ids layers, in layer order, one
+        bf16 rounding of the fp32 mean (dspark spec §3). The logits are the same either way.
         """
         if inputs.ndim != 2:
             raise ValueError(f"inputs must be token ids [B, S], got shape {inputs.shape}")
+        if capture and not self._capture_layers:
+            raise ValueError("capture=True needs dspark_target_layer_ids in the config")
         if cache and isinstance(cache[0], BatchCache):  # mlx-lm BatchGenerator: rows at own positions
+            if capture:
+                raise ValueError("capture=True runs one batch at one position, not a BatchCache")
             return batched_forward(self, inputs, cache, input_embeddings)
         n = self.args.num_hidden_layers
         cache = self.make_cache() if cache is None else cache
@@ -185,12 +217,14 @@ class Model(nn.Module):
         if compiled_step.compiles(B * S):
             if self._compiled is None:
                 self._compiled = compiled_step.CompiledStep(self._forward)
-            return self._compiled(layer_caches, inputs, input_embeddings, rows, live)
-        return self._forward(layer_caches, mx.array(offsets.pop(), mx.int32), inputs, input_embeddings, rows, live)
+            return self._compiled(layer_caches, inputs, input_embeddings, rows, live, capture)
+        return self._forward(layer_caches, mx.array(offsets.pop(), mx.int32), inputs, input_embeddings, rows, live,
+                             capture)
 
     def _forward(self, caches: list, position: mx.array, inputs: mx.array, input_embeddings, rows: dict,
-                 live) -> mx.array:
-        """The forward at `position` (an int32 array: the caches' common offset) -> logits."""
+                 live, capture: bool = False):
+        """The forward at `position` (an int32 array: the caches' common offset) -> logits (and the
+        captured rows with `capture`)."""
         for c in caches:
             c.bind(position)
         h = self.embed(inputs) if input_embeddings is None else input_embeddings
@@ -199,13 +233,17 @@ class Model(nn.Module):
         streams = mx.broadcast_to(h[:, :, None, :], (B, S, hc, D))
         pre = initial_pre(B, S, hc)
         shared: dict = {}  # one per forward: sources publish compressed KV, index keys, top-k
+        captured = []
         for i, (layer, layer_cache) in enumerate(zip(self.layers, caches)):
+            if capture and i in self._capture_layers:
+                captured.append(mx.mean(streams.astype(mx.float32), axis=2).astype(streams.dtype))
             streams, pre = layer(streams, pre, layer_cache, shared, rows.get(i), live)
         x = collapse_norm(streams, pre, self.norm.weight, self.args.rms_norm_eps)  # the last FFN site's pre (spec §4.6)
         logits = self.head(x.astype(mx.float32))
         # Evaluating the logits also materialises every cache array, so a long generation never
         # builds a lazy chain through state the logits do not read (e.g. pending groups).
-        return mx.depends(logits, [a for c in caches for a in c.arrays()])
+        logits = mx.depends(logits, [a for c in caches for a in c.arrays()])
+        return (logits, mx.concatenate(captured, axis=-1)) if capture else logits
 
     # ---------------------------------------------------------------- loading
 
@@ -216,7 +254,9 @@ class Model(nn.Module):
         format stored for it (quant seam) and swaps it in; holds fp32 what the reference holds fp32.
         Nothing is evaluated: unread tensors are never loaded.
         """
-        weights = {k: v for k, v in weights.items() if not _DROP.search(k)}
+        if self.mtp and not any(MTP.match(k) for k in weights):
+            self.drop_dspark("the checkpoint has no DSpark weights (mtp.*)")
+        weights = {k: v for k, v in weights.items() if not _DROP.search(k) and (self.mtp or not MTP.match(k))}
         experts: dict[str, dict[str, mx.array]] = {}
         out: dict[str, mx.array] = {}
         for k, v in weights.items():
@@ -232,7 +272,7 @@ class Model(nn.Module):
                 built = quant.make_grouped_linear(out, name, module.groups, module.in_features,
                                                   module.out_features)
             elif name.endswith(".ffn.experts"):
-                built = quant.make_experts(experts.pop(name, {}), name, args.n_routed_experts,
+                built = quant.make_experts(experts.pop(name, {}), name, module.n_experts,
                                            args.hidden_size, args.moe_intermediate_size,
                                            args.swiglu_limit, module.expert_range)
             else:
@@ -253,10 +293,13 @@ class Model(nn.Module):
             return value.astype(mx.float32)  # fp32 pooling (spec §8.6); ratio 1 stays bf16
         if FP32_STORED.search(key) or key.endswith(".ffn.gate.weight") or key == "head.weight":
             return value.astype(mx.float32)  # router logits and the head are fp32 too (spec §3, §4.6)
+        if _DSPARK_FP32.search(key):
+            return value.astype(mx.float32)  # the reference holds these in fp32 (dspark spec §2)
         return value
 
     @property
     def cast_predicate(self):
         """mlx-lm convert --dtype: keep the fp32 tensors fp32."""
-        return lambda k: not re.search(r"hc_(attn|ffn)_|attn_sink|\.gate\.|compressor\.|^head\.", k)
+        return lambda k: not re.search(r"hc_(attn|ffn)_|attn_sink|\.gate\.|compressor\.|^head\.", k) \
+            and not _DSPARK_FP32.search(k)
 
