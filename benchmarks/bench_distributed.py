@@ -45,10 +45,12 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_dsv41 import distributed
-from mlx_dsv41.config import ModelArgs
-from mlx_dsv41.exl3.experts import EXL3ExpertProjection, EXL3Experts
-from mlx_dsv41.model.deepseek_v41 import Model
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import flash_model  # noqa: E402 (benchmarks/ is not a package)
+
+from mlx_dsv41 import distributed  # noqa: E402
+from mlx_dsv41.config import ModelArgs  # noqa: E402
+from mlx_dsv41.model.deepseek_v41 import Model  # noqa: E402
 
 # Small dimensions for --smoke (CPU): the same code path at a size the reference BLAS can run.
 SMOKE = dict(vocab_size=512, hidden_size=256, num_attention_heads=4, head_dim=128, q_lora_rank=64,
@@ -59,22 +61,10 @@ FLASH_LAYERS = 40  # MoE layers of the real model, for the per-token extrapolati
 
 
 def flash_args(layers: int, smoke: bool) -> ModelArgs:
-    """Flash dimensions at `layers` depth with Flash's layer roles in miniature: window-only
-    layers, ratio-2 (a KV/index owner, then reuse), ratio-1 (owner + candidate source, reuse,
-    reindex, reuse...); no Engram (replicated host work, not part of the exchange)."""
-    if layers < 3:
-        raise SystemExit("--layers must be at least 3 (window, ratio-2 and ratio-1 layers)")
-    n0 = max(1, layers // 4)
-    n2 = max(1, (layers - n0) // 2)
-    n1 = layers - n0 - n2
-    r2, r1 = n0, n0 + n2
-    index = (r2, r1) + ((r1 + 2,) if n1 > 2 else ())
-    args = ModelArgs(**(SMOKE if smoke else {}), num_hidden_layers=layers, num_nextn_predict_layers=1,
-                     compress_ratios=(0,) * n0 + (2,) * n2 + (1,) * n1 + (0,),
-                     kv_source_layer_ids=(r2, r1), index_source_layer_ids=index,
-                     candidate_source_layer_id=r1, engram_layer_ids=(), engram_num_embeddings=())
-    args.validate()
-    return args
+    """Flash dimensions (all 384 experts) at `layers` depth with Flash's roles in miniature
+    (flash_model.flash_args); no Engram (replicated host work, not part of the exchange)."""
+    return flash_model.flash_args(layers, experts=SMOKE["n_routed_experts"] if smoke else 384,
+                                  **({k: v for k, v in SMOKE.items() if k != "n_routed_experts"} if smoke else {}))
 
 
 # ------------------------------------------------------------------------------- timing helpers
@@ -125,35 +115,14 @@ def exchange_costs(cluster, k: int, dim: int, chain: int, repeats: int) -> dict:
 # ------------------------------------------------------------------------------- the model
 
 
-def random_experts(args: ModelArgs, layer: int, held: tuple[int, int], bits: int, codebook: str,
-                   seed: int) -> EXL3Experts:
-    """EXL3 experts lo..hi-1 with random trellises (every int16 pattern is valid, exl3 spec §2.3)
-    and exllamav3-like suh/svh magnitudes; expert e's tensors come from its own key, so a rank's
-    share equals the same experts of the one-GPU run."""
-    lo, hi = held
-    D, I = args.hidden_size, args.moe_intermediate_size
-    projections = []
-    for p, (k, n) in enumerate(((D, I), (D, I), (I, D))):  # w1, w3 (in D, out I), w2 (in I, out D)
-        keys = mx.random.split(mx.random.key(seed * 1_000_003 + layer * 7 + p), args.n_routed_experts)
-        trellis, suh, svh = [], [], []
-        for e in range(lo, hi):
-            k1, k2, k3 = mx.random.split(keys[e], 3)
-            trellis.append(mx.random.randint(-(1 << 15), 1 << 15, (k // 16, n // 16, 16 * bits),
-                                             dtype=mx.int16, key=k1))
-            suh.append((0.02 * mx.random.normal((k,), key=k2)).astype(mx.float16))
-            svh.append(mx.random.normal((n,), key=k3).astype(mx.float16))
-        proj = EXL3ExpertProjection.from_stacked(mx.stack(trellis), mx.stack(suh), mx.stack(svh),
-                                                 codebook, k, n)
-        mx.eval(proj.parameters())
-        projections.append(proj)
-    return EXL3Experts(*projections, args.n_routed_experts, held, args.swiglu_limit)
-
-
 def build_model(args: ModelArgs, held: tuple[int, int], bits: int, codebook: str, seed: int) -> Model:
-    mx.random.seed(seed)  # the dense weights: the same draws in every run (sizes do not shift them)
+    """Dense weights random bf16 / fp32 (seeded: the same draws in every run), the routed experts
+    EXL3 (K = bits) with expert e's tensors from its own key, so a rank's share equals the same
+    experts of the one-GPU run."""
+    mx.random.seed(seed)
     model = Model(args, held)
     for i, layer in enumerate(model.layers):
-        layer.ffn.experts = random_experts(args, i, held, bits, codebook, seed)
+        layer.ffn.experts = flash_model.exl3_experts(f"layers.{i}.ffn.experts", args, bits, seed, held, codebook)
     keep = model.cast_predicate  # False for the tensors the model holds in fp32
     dense = [(k, v.astype(mx.bfloat16) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v)
              for k, v in tree_flatten(model.parameters()) if ".ffn.experts." not in k]

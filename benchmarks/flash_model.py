@@ -55,7 +55,7 @@ def _key(name: str, seed: int):
 
 
 def random_exl3(name: str, in_features: int, out_features: int, bits: int, seed: int, stack: int = 0):
-    """(trellis, suh, svh) of a random MUL1 EXL3 linear [out, in] (`stack` > 0: that many stacked)."""
+    """(trellis, suh, svh) of a random EXL3 linear [out, in] (`stack` > 0: that many stacked)."""
     k, n = -(-in_features // 128) * 128, -(-out_features // 128) * 128
     lead = (stack,) if stack else ()
     k1, k2, k3 = mx.random.split(_key(name, seed), 3)
@@ -72,7 +72,7 @@ def exl3_linear(name: str, in_features: int, out_features: int, bits: int, seed:
     return EXL3Linear(trellis, suh, svh, "mul1", in_features=in_features, out_features=out_features)
 
 
-def exl3_experts(name: str, args: ModelArgs, bits: int, seed: int, held=None) -> EXL3Experts:
+def exl3_experts(name: str, args: ModelArgs, bits: int, seed: int, held=None, codebook: str = "mul1") -> EXL3Experts:
     """Experts held[0]..held[1]-1 (default all); expert e's tensors come from its own key, so a
     rank's share equals the same experts of a one-process build."""
     lo, hi = held or (0, args.n_routed_experts)
@@ -82,7 +82,7 @@ def exl3_experts(name: str, args: ModelArgs, bits: int, seed: int, held=None) ->
         parts = [random_exl3(f"{name}.{e}.{proj}", d_in, d_out, bits, seed) for e in range(lo, hi)]
         projections.append(EXL3ExpertProjection.from_stacked(
             mx.stack([p[0] for p in parts]), mx.stack([p[1] for p in parts]), mx.stack([p[2] for p in parts]),
-            "mul1", d_in, d_out))
+            codebook, d_in, d_out))
     return EXL3Experts(*projections, args.n_routed_experts, (lo, hi), args.swiglu_limit)
 
 
