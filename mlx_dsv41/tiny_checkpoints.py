@@ -328,7 +328,7 @@ def exl3_tensors(args: ModelArgs, seed: int = 0, with_dspark: bool = True
     d, inter = args.hidden_size, args.moe_intermediate_size
     # K per tensor class, most specific prefix first (the Mia-AiLab 2.9 bpw recipe, exl3 spec §5.4)
     bits = {"attn.indexer.wk": 8, "attn": 5, "ffn.shared_experts": 4, "engram.wkv": 4, "head": 6}
-    # exl3 spec §5.2-5.4: never quantized; the DSpark markov and confidence heads neither (§5.3)
+    # exl3 spec §5.2-5.4: never quantized; the DSpark markov and confidence heads neither (exl3 spec §5.3)
     native_linears = ("ffn.gate", "attn.indexer.weights_proj", "markov_head.embed", "markov_head.head",
                       "confidence_head.proj")
     for k, (name, w) in enumerate(native.items()):
@@ -356,7 +356,7 @@ def exl3_tensors(args: ModelArgs, seed: int = 0, with_dspark: bool = True
                 for g in range(args.o_groups)])
         else:
             reference[name] = _exl3_linear(prefix, in_f, out_f, kbits, codebook, seed * 10000 + k * 10, q)
-    # Routed experts: w2 ragged (2 and 3 bits) in the backbone, the stages' at mtp_bits 4 (§5.4).
+    # Routed experts: w2 ragged (2 and 3 bits) in the backbone, the stages' at mtp_bits 4 (exl3 spec §5.4).
     stage_experts = args.dspark_stage_args().n_routed_experts
     blocks = [(f"layers.{i}", args.n_routed_experts, {"w1": 3, "w3": 3, "w2": (2, 3)})
               for i in range(args.num_hidden_layers)]

@@ -96,7 +96,7 @@ def test_official_formats_checkpoint_drafts_the_plain_greedy_tokens(tmp_path):
     from mlx_dsv41.tiny_checkpoints import write_official_checkpoint
 
     model = write_official_checkpoint(tmp_path, ARGS, seed=3).source_model()
-    assert type(model.mtp[0].main_proj).__name__ == "QuantizedLinear"
+    assert type(model.mtp[0].main_proj).__name__ == "MXLinear"
     assert type(model.mtp[1].ffn.experts).__name__ == "MXExperts"
     truth = plain_greedy(model, PROMPT[:9], 12)
     assert run(SpeculativeDecoder(model), PROMPT[:9], 8, truth, wrong_at=2) == truth[:8]

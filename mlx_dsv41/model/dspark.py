@@ -1,4 +1,4 @@
-"""DSpark, the checkpoint's own draft head (`mtp.0..`; dspark spec, arch §4.7).
+"""DSpark, the checkpoint's own draft head (`mtp.0..`; the dspark spec, and model spec §4.7).
 
 Given the main model's state at position p and the token x_{p+1} it chose, one pass proposes
 `dspark_block_size` tokens for p+2.. (dspark spec §0):
