@@ -1,10 +1,13 @@
-"""`python -m mlx_dsv41.server` on the demo checkpoint, in a subprocess on a free local port:
-chat completions (plain and streamed) in the DeepSeek-V4.1 encoding, two concurrent requests,
-a client that disconnects mid-stream (its generation stops: the server's Engram read counter
-stops moving), malformed requests (400 JSON errors, and the server keeps serving)."""
+"""`python -m mlx_dsv41.server` on the demo checkpoint, in a subprocess on a free local port, through
+raw HTTP and the official `openai` client: chat completions (plain and streamed) in the
+DeepSeek-V4.1 encoding, chat mode by default and thinking on request, two concurrent requests, a
+client that disconnects mid-stream or mid-prefill (its generation stops: the server's Engram read
+counter stops moving), a long prompt that does not block a short request, malformed and
+unhonourable requests (400s in OpenAI's error shape, and the server keeps serving)."""
 
 import http.client
 import json
+import random
 import re
 import socket
 import subprocess
@@ -13,8 +16,9 @@ import threading
 import time
 
 import mlx.core as mx
+import openai
 import pytest
-from demo_helpers import REPO, demo_env
+from demo_helpers import REPO, demo_env, detokenize, greedy, loaded  # noqa: F401 (module fixture)
 
 STARTUP_S = 120
 
@@ -74,23 +78,37 @@ def test_binds_localhost_and_names_one_model(server):
 
 
 def test_chat_completion_uses_the_v41_encoding(server):
-    thinking = chat_request(server, HI, max_tokens=3)
-    choice = thinking["choices"][0]
-    assert choice["finish_reason"] == "length" and thinking["usage"]["completion_tokens"] == 3
-    assert thinking["model"] == "mlx_dsv41-demo"
-    # thinking mode: the prompt ends with <think>, so the reply starts in the reasoning channel
-    assert choice["message"]["reasoning"] and choice["message"]["content"] is None
-    # usage counts the official encoding: BOS, <｜System｜>, effort sentence, <｜User｜>, text, header
+    """Chat mode unless the request asks for reasoning; usage counts the official encoding."""
     from mlx_dsv41 import chat
     from mlx_dsv41.demo import build_tokenizer
 
+    plain = chat_request(server, HI, max_tokens=3)
+    choice = plain["choices"][0]
+    assert choice["finish_reason"] == "length" and plain["usage"]["completion_tokens"] == 3
+    assert plain["model"] == "mlx_dsv41-demo"
+    assert choice["message"]["content"] and "reasoning" not in choice["message"]  # the answer channel
+    thinking = chat_request(server, HI, max_tokens=3, reasoning_effort="high")
+    # thinking mode: the prompt ends with <think>, so the reply starts in the reasoning channel
+    assert thinking["choices"][0]["message"]["reasoning"] and thinking["choices"][0]["message"]["content"] is None
     tok = build_tokenizer()
-    for options, fields in [({}, {}), ({"thinking": False}, {"chat_template_kwargs": {"thinking": False}}),
+    for options, fields in [({"thinking": False}, {}), ({"thinking": False}, {"reasoning_effort": "none"}),
+                            ({"thinking": True}, {"chat_template_kwargs": {"thinking": True}}),
                             ({"effort": 100}, {"reasoning_effort": "max"})]:
         reply = chat_request(server, HI, max_tokens=1, **fields)
         assert reply["usage"]["prompt_tokens"] == len(chat.encode(tok, HI, **options))
-    plain = chat_request(server, HI, max_tokens=3, chat_template_kwargs={"thinking": False})
-    assert plain["choices"][0]["message"]["content"]  # chat mode: the answer channel
+
+
+@pytest.mark.parametrize("effort,value", [("minimal", 25), ("medium", 62)])
+def test_openai_reasoning_efforts_map_onto_the_official_scale(server, loaded, effort, value):
+    """The reply to reasoning_effort=NAME is exactly our greedy continuation of the prompt rendered
+    with effort VALUE (the effort sentence is part of the prompt, so another value gives other
+    logits)."""
+    from mlx_dsv41 import chat
+
+    model, tokenizer = loaded
+    reply = chat_request(server, HI, max_tokens=3, reasoning_effort=effort)["choices"][0]["message"]
+    want = greedy(model, tokenizer, chat.encode(tokenizer, HI, thinking=True, effort=value), 3)
+    assert reply["reasoning"] == detokenize(tokenizer, want)
 
 
 def _stream_events(server, body):
@@ -150,10 +168,9 @@ def test_prompt_cache_exact_hits_and_long_trims_stay_usable():
     token (mlx-lm alone returns an empty remainder, which kills its generation thread); reusing an
     entry that would need more than `max_trim()` tokens removed falls back to no cache instead of
     raising in the generation thread."""
-    from mlx_dsv41 import server as ours
+    from mlx_dsv41.server_generation import PromptCache
     from mlx_dsv41.testing import tiny_model
 
-    PromptCache = ours._make_classes()[0]
     model = tiny_model(seed=0)
     tokens = list(range(3, 60))
     cache = model.make_cache()
@@ -171,17 +188,17 @@ def test_seeded_sampling_is_served_and_repeatable(server):
     """A request with a seed is served one at a time (mlx-lm's unbatched path) with our caches."""
     replies = [chat_request(server, HI, max_tokens=3, temperature=1.0, seed=7)["choices"][0]["message"]
                for _ in range(2)]
-    assert replies[0] == replies[1] and replies[0]["reasoning"]
+    assert replies[0] == replies[1] and replies[0]["content"]
 
 
 def _stats(server):
     return json.loads(request(server, "GET", "/v1/stats")[1])
 
 
-def _send(server, stream: bool) -> socket.socket:
+def _send(server, stream: bool, messages=HI, max_tokens=5000) -> socket.socket:
     host, port, _ = server
     sock = socket.create_connection((host, port), timeout=60)
-    body = json.dumps({"messages": HI, "max_tokens": 5000, "stream": stream}).encode()
+    body = json.dumps({"messages": messages, "max_tokens": max_tokens, "stream": stream}).encode()
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     return sock
@@ -217,24 +234,109 @@ def test_client_disconnect_stops_generation(server, stream):
     assert chat_request(server, HI, max_tokens=2)["usage"]["completion_tokens"] == 2  # still serving
 
 
-@pytest.mark.parametrize("raw,match", [
-    (b"{not json", "Invalid JSON"),
-    (b"[1, 2]", "JSON dictionary"),
-    (json.dumps({"max_tokens": 2}).encode(), "messages"),
-    (json.dumps({"messages": "hi"}).encode(), "non-empty list"),
-    (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), "role 'robot'"),
-    (json.dumps({"messages": HI, "reasoning_effort": "medium"}).encode(), "effort"),
-    (json.dumps({"messages": HI, "max_tokens": 0}).encode(), "max_tokens"),
-    (json.dumps({"messages": HI, "logit_bias": {"99999": 1.0}}).encode(), "outside the vocabulary"),
+def _timed_request(server, timeout: float) -> float:
+    start = time.perf_counter()
+    status, payload = request(server, "POST", "/v1/chat/completions", {"messages": HI, "max_tokens": 5},
+                              timeout=timeout)
+    assert status == 200 and json.loads(payload)["usage"]["completion_tokens"] == 5
+    return time.perf_counter() - start
+
+
+def test_a_long_abandoned_prompt_neither_blocks_nor_keeps_running(server):
+    """An 8k-token prompt (several minutes of prefill on a 2-core CPU, mlx-lm's 2048-token chunks
+    tens of seconds each) is sent, then a short request: the short one is answered about as fast
+    as on an idle server, because prefill chunks are sliced in time between its decode steps.
+    Then the long one's client goes away before its first token: its prefill stops."""
+    rng = random.Random(0)
+    words = "the cat sat on a mat and then it ran back again while the dog slept".split()
+    long = [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(4000))}]
+    idle = _timed_request(server, timeout=120)
+    bound = 3 * idle + 30  # generous: about blocking, not speed (mlx-lm's chunking: minutes)
+    before = _stats(server)
+    sock = _send(server, stream=False, messages=long, max_tokens=5)
+    deadline = time.time() + 60
+    while _stats(server)["engram_rows_read"] == before["engram_rows_read"]:  # prefill has started
+        assert time.time() < deadline, "the long prompt never started"
+        time.sleep(0.1)
+    assert _timed_request(server, timeout=bound) < bound
+    sock.close()
+    deadline = time.time() + 30
+    while _stats(server)["stopped_by_disconnect"] == before["stopped_by_disconnect"]:
+        assert time.time() < deadline, "the server kept prefilling an abandoned prompt"
+        time.sleep(0.2)
+    rows = _stats(server)["engram_rows_read"]
+    time.sleep(3.0)
+    assert _stats(server)["engram_rows_read"] == rows, "prefill continued after the disconnect"
+
+
+@pytest.mark.parametrize("raw,match,param", [
+    (b"{not json", "Invalid JSON", None),
+    (b"[1, 2]", "JSON dictionary", None),
+    (json.dumps({"max_tokens": 2}).encode(), "messages", "messages"),
+    (json.dumps({"messages": "hi"}).encode(), "non-empty list", "messages"),
+    (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), "role 'robot'", "messages"),
+    (json.dumps({"messages": HI, "reasoning_effort": "extreme"}).encode(), "effort", "reasoning_effort"),
+    (json.dumps({"messages": HI, "reasoning_effort": "high", "chat_template_kwargs": {"thinking": False}}).encode(),
+     "needs thinking mode", "reasoning_effort"),
+    (json.dumps({"messages": HI, "max_tokens": 0}).encode(), "max_tokens", "max_tokens"),
+    (json.dumps({"messages": HI, "temperature": "hot"}).encode(), "temperature", "temperature"),
+    (json.dumps({"messages": HI, "logit_bias": {"99999": 1.0}}).encode(), "outside the vocabulary", "logit_bias"),
     (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url":
                                                             {"url": "http://127.0.0.1:9/x.png"}}]}]}).encode(),
-     "image_url"),
+     "image_url", "messages"),
 ])
-def test_malformed_requests_get_400_json_and_the_server_keeps_serving(server, raw, match):
+def test_malformed_requests_get_400_in_openai_shape_and_the_server_keeps_serving(server, raw, match, param):
     status, payload = request(server, "POST", "/v1/chat/completions", raw=raw)
     assert status == 400
-    assert re.search(match, json.loads(payload)["error"])
+    error = json.loads(payload)["error"]
+    assert re.search(match, error["message"]) and error["type"] == "invalid_request_error"
+    assert error["param"] == param and set(error) == {"message", "type", "param", "code"}
     assert request(server, "GET", "/health")[0] == 200
+
+
+def test_unknown_paths_are_404_in_openai_shape(server):
+    for method, path in [("GET", "/v1/nothing"), ("POST", "/v1/embeddings")]:
+        status, payload = request(server, method, path, {"input": "x"} if method == "POST" else None)
+        assert status == 404
+        assert json.loads(payload)["error"]["message"] == f"no such endpoint: {method} {path}"
+
+
+def _client(server):
+    host, port, _ = server
+    return openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("fields,param,code,match", [
+    ({"model": "gpt-4o"}, "model", "model_not_found", r"model 'gpt-4o' is not served here; this server serves 'mlx_dsv41-demo'"),
+    ({"n": 2}, "n", None, r"n must be 1"),
+    ({"response_format": {"type": "json_object"}}, "response_format", None, r"'json_object' is not supported"),
+    ({"max_tokens": 10**9}, "max_tokens", "context_length_exceeded",
+     r"context is 1048576 tokens; the request asks for 1000000010 \(10 in the prompt"),
+])
+def test_the_openai_client_sees_why_a_request_is_refused(server, fields, param, code, match):
+    """What the server cannot honour is refused, and the official client shows the reason."""
+    args = {"model": "mlx_dsv41-demo", "messages": HI, "max_tokens": 2, **fields}
+    with pytest.raises(openai.BadRequestError) as caught:
+        _client(server).chat.completions.create(**args)
+    e = caught.value
+    assert e.status_code == 400 and re.search(match, e.message)
+    assert e.body["param"] == param and e.body["code"] == code
+
+
+def test_the_openai_client_gets_answers_and_streams(server, loaded):
+    """Accepted requests through the official client: the served name, response_format text, n=1,
+    streaming; the text is exactly our greedy continuation."""
+    from mlx_dsv41 import chat
+
+    model, tokenizer = loaded
+    want = detokenize(tokenizer, greedy(model, tokenizer, chat.encode(tokenizer, HI, thinking=False), 4))
+    client = _client(server)
+    reply = client.chat.completions.create(model="mlx_dsv41-demo", messages=HI, max_tokens=4, n=1,
+                                           response_format={"type": "text"})
+    assert reply.choices[0].message.content == want and reply.usage.completion_tokens == 4
+    stream = client.chat.completions.create(model="mlx_dsv41-demo", messages=HI, max_tokens=4, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+    assert [m.id for m in client.models.list()] == ["mlx_dsv41-demo"]
 
 
 def test_server_still_answers_after_the_bad_requests(server):
@@ -248,8 +350,8 @@ def test_a_failing_generation_thread_fails_its_requests_and_restarts():
     from queue import Queue
 
     from mlx_dsv41 import server as ours
+    from mlx_dsv41.server_generation import ModelProvider, ResponseGenerator
 
-    _, ModelProvider, ResponseGenerator, _, _ = ours._make_classes()
     runs = []
 
     class Flaky(ResponseGenerator):
