@@ -1,8 +1,11 @@
 """`python -m mlx_dsv41.generate` through a subprocess, on the demo checkpoint: plain, chat and
-stdin prompts stream exactly the tokens of our own greedy loop; the statistics are printed; an
-EXL3 directory is converted when asked to; every bad input is one line on stderr, exit code 1,
-no traceback."""
+stdin prompts stream exactly the tokens of our own greedy loop; the statistics are printed; a
+prompt saved with --prompt-cache-file continues exactly; --max-kv-size bounds the context; long
+prompts show their prefill progress; on a terminal, control characters are escaped and special
+tokens dimmed; an EXL3 directory is converted when asked to; every bad input is one line on stderr,
+exit code 1, no traceback; --help fits 80 columns."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -83,8 +86,12 @@ def one_line_error(result, pattern):
     (["--model", "/nonexistent/dsv41", "--prompt", "hi"], r"--model /nonexistent/dsv41: no such directory"),
     (["--prompt", "hi"], r"no model: pass --model DIR .* or --demo"),
     (["--demo", "--chat", "--effort", "101", "--prompt", "hi"], r"effort must be in 1\.\.100"),
-    (["--demo", "--chat", "--effort", "medium", "--prompt", "hi"], r"low, high, max"),
+    (["--demo", "--chat", "--effort", "extreme", "--prompt", "hi"], r"minimal, low, medium, high, max"),
     (["--demo", "--system", "x", "--prompt", "hi"], r"--system needs --chat"),
+    (["--demo", "--effort", "max", "--prompt", "hi"], r"--effort needs --chat"),
+    (["--demo", "--no-thinking", "--prompt", "hi"], r"--thinking/--no-thinking needs --chat"),
+    (["--demo", "--chat", "--no-thinking", "--effort", "low", "--prompt", "hi"], r"--effort needs thinking mode"),
+    (["--demo", "--max-kv-size", "3", "--prompt", "The quick brown fox"], r"--max-kv-size 3: the prompt alone is \d+ tokens"),
     (["--demo", "--model", "x", "--prompt", "hi"], r"either --model or --demo"),
     (["--demo", "--prompt-file", "/nonexistent/p.txt"], r"--prompt-file /nonexistent/p.txt: .*No such file"),
 ])
@@ -134,3 +141,103 @@ def test_interactive_conversion_offer(tmp_path_factory, tmp_path, monkeypatch):
     monkeypatch.setattr(generate.typer, "confirm", lambda text, **kw: True)
     out = generate.resolve_model(str(exl3), False, engram_from=source / "official-engram", interactive=True)
     assert out == tmp_path / "exl3-mlx" and mlx_dsv41.loading.is_converted(out)
+
+
+def test_a_saved_prompt_continues_exactly(env, loaded, tmp_path):
+    """Run 1 saves the prompt's caches (the file did not exist); run 2 continues the saved prompt
+    with its own text, prefilling only that: both give our greedy continuation of the whole."""
+    model, tokenizer = loaded
+    file = tmp_path / "doc.safetensors"
+    first = ok(cli(env, "--demo", "--prompt", "The cat sat on the mat.", "--prompt-cache-file", str(file),
+                   "--max-tokens", str(TOKENS)))
+    ids = tokenizer.encode("The cat sat on the mat.")
+    assert f"Saved the prompt's cache ({len(ids)} tokens) to {file}" in first.stderr
+    assert first.stdout == expected_text(loaded, ids) + "\n"
+    second = ok(cli(env, "--demo", "--prompt", " Then it slept.", "--prompt-cache-file", str(file),
+                    "--max-tokens", str(TOKENS)))
+    more = tokenizer.encode(" Then it slept.", add_special_tokens=False)
+    assert second.stdout == expected_text(loaded, ids + more) + "\n"
+    assert re.search(rf"Prompt: {len(more) + 1} tokens, .* \(after {len(ids) - 1} from the prompt cache\)",
+                     second.stderr)
+
+
+def test_a_saved_chat_prompt_continues_its_user_turn(env, loaded, tmp_path):
+    model, tokenizer = loaded
+    file = tmp_path / "chat.safetensors"
+    ok(cli(env, "--demo", "--chat", "--effort", "max", "--prompt", "Read this: the cat sat.",
+           "--prompt-cache-file", str(file), "--max-tokens", "1"))
+    r = ok(cli(env, "--demo", "--chat", "--prompt", " Who sat?", "--prompt-cache-file", str(file),
+               "--max-tokens", str(TOKENS)))
+    opened = chat.encode(tokenizer, [{"role": "user", "content": "Read this: the cat sat."}], effort=100,
+                         add_generation_prompt=False)
+    assert r.stdout == expected_text(loaded, opened + chat.encode_continuation(tokenizer, " Who sat?")) + "\n"
+    one_line_error(cli(env, "--demo", "--prompt", "x", "--prompt-cache-file", str(file)), r"holds a chat prompt: add --chat")
+    one_line_error(cli(env, "--demo", "--chat", "--effort", "low", "--prompt", "x", "--prompt-cache-file", str(file)),
+                   r"reasoning effort 100; drop --effort")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a cache")
+    one_line_error(cli(env, "--demo", "--prompt", "x", "--prompt-cache-file", str(tmp_path / "junk.safetensors")),
+                   r"junk.safetensors: not a prompt-cache file")
+
+
+def test_max_kv_size_bounds_the_context(env, loaded):
+    ids = loaded[1].encode("The quick brown fox")
+    r = ok(cli(env, "--demo", "--prompt", "The quick brown fox", "--max-kv-size", str(len(ids) + 2)))
+    assert "Generation: 2 tokens" in r.stderr and "generating at most 2 tokens" in r.stderr
+    assert r.stdout == detokenize(loaded[1], greedy(loaded[0], loaded[1], ids, 2)) + "\n"
+
+
+def test_a_long_prompt_shows_its_prefill_progress(env, loaded):
+    text = " ".join(["the cat sat on the mat"] * 60)
+    n = len(loaded[1].encode(text))
+    assert n >= 256
+    r = ok(cli(env, "--demo", "--prompt", text, "--max-tokens", "1", "--prefill-step-size", "128"))
+    done = [0, *range(128, n - 1, 128), n - 1]
+    assert re.findall(rf"^Prefilling {n} tokens: (\d+)/{n}$", r.stderr, re.M) == [str(k) for k in done]
+
+
+def test_on_a_terminal_control_characters_are_escaped_and_special_tokens_dimmed(env, loaded):
+    """stdout is a pseudo-terminal; the expected text is mlx-lm's streamed segments of our greedy
+    tokens, each shown as mlx_dsv41.terminal shows it. No --max-tokens: the demo's short default."""
+    import os
+    import tty
+
+    from mlx_dsv41.generate import DEMO_MAX_TOKENS
+    from mlx_dsv41.terminal import dim, visible
+
+    model, tokenizer = loaded
+    prompt = "Hello! How are you?"
+    master, slave = os.openpty()
+    tty.setraw(slave)
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_dsv41.generate", "--demo", "--prompt", prompt],
+                            cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.PIPE)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    err = proc.communicate(timeout=300)[1].decode()
+    os.close(master)
+    assert proc.returncode == 0, err
+    assert f"Generation: {DEMO_MAX_TOKENS} tokens" in err
+    special = chat.special_token_ids(tokenizer)
+    detok, want = tokenizer.detokenizer, ""
+    tokens = greedy(model, tokenizer, tokenizer.encode(prompt), DEMO_MAX_TOKENS)
+    for i, token in enumerate(tokens):
+        detok.add_token(token)
+        if i == len(tokens) - 1:
+            detok.finalize()
+        want += dim(visible(detok.last_segment)) if token in special else visible(detok.last_segment)
+    assert out.decode() == want + "\n"
+
+
+def test_help_fits_80_columns():
+    for module in ("generate", "server", "convert", "chat"):
+        r = subprocess.run([sys.executable, "-m", f"mlx_dsv41.{module}", "--help"], cwd=REPO, capture_output=True,
+                           text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
+        assert r.returncode == 0, r.stderr
+        assert max(len(line) for line in r.stdout.splitlines()) <= 80 and "─" not in r.stdout, r.stdout

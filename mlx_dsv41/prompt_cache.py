@@ -1,0 +1,82 @@
+"""Prompt-cache files: a prompt's caches on disk, continued by a later run
+(`python -m mlx_dsv41.generate --prompt-cache-file F`).
+
+The file is mlx-lm's format (`save_prompt_cache`: the cache states as safetensors, the class names
+and metadata), so `python -m mlx_lm generate --prompt-cache-file F` reads ours and we read
+`python -m mlx_lm cache_prompt`'s. Metadata:
+
+    model              the checkpoint directory (mlx-lm's key: it refuses a file made for another)
+    tokenizer_config   "{}" (mlx-lm's key)
+    mlx_dsv41_tokens   the token ids the file stands for (JSON); the caches hold all of them but
+                       the last few, which the next run feeds first (a run needs >= 1 input token)
+    mlx_dsv41_chat     {"thinking", "effort"} of a chat prompt (an open user turn), or null
+
+A file without our keys (mlx-lm's) stands for exactly the tokens its caches hold.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class PromptCacheError(ValueError):
+    """A prompt-cache file that cannot be read or does not fit the model; one line."""
+
+
+@dataclass
+class PromptCacheFile:
+    cache: list
+    tokens: list[int] | None  # None: not recorded (mlx-lm's files)
+    chat: dict | None  # {"thinking", "effort"} of a chat prompt, None for plain text
+    model: str | None
+
+    @property
+    def cached(self) -> int:
+        """Tokens the caches hold."""
+        return self.cache[0].offset
+
+    def pending(self) -> list[int]:
+        """Tokens the file stands for that the caches do not hold yet (fed first by the next run)."""
+        return self.tokens[self.cached:] if self.tokens else []
+
+
+def save(path: Path, cache: list, tokens: list[int], model_path: Path, chat: dict | None) -> None:
+    """Write `cache` (which holds a prefix of `tokens`) to `path`."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    metadata = {"model": str(model_path), "tokenizer_config": "{}",
+                "mlx_dsv41_tokens": json.dumps(tokens), "mlx_dsv41_chat": json.dumps(chat)}
+    try:
+        save_prompt_cache(str(path), cache, metadata)
+    except OSError as e:
+        raise PromptCacheError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def load(path: Path, model, model_path: Path) -> PromptCacheFile:
+    """The file at `path`, checked against `model` (its cache classes and layer count) and
+    against the checkpoint it was made for."""
+    from mlx_lm.models.cache import load_prompt_cache
+
+    from .cache import register_with_mlx_lm
+
+    register_with_mlx_lm()
+    try:
+        cache, metadata = load_prompt_cache(str(path), return_metadata=True)
+    except Exception as e:  # noqa: BLE001 (mx.load, a missing class, a bad state: one line each)
+        raise PromptCacheError(f"{path}: not a prompt-cache file of this model "
+                               f"({type(e).__name__}: {' '.join(str(e).split())})") from None
+    want = [type(c).__name__ for c in model.make_cache()]
+    if [type(c).__name__ for c in cache] != want:
+        raise PromptCacheError(f"{path}: its caches ({len(cache)}) do not fit this model's "
+                               f"({len(want)} {', '.join(sorted(set(want)))})")
+    made_for = metadata.get("model")
+    if made_for and Path(made_for).expanduser().resolve() != Path(model_path).resolve():
+        raise PromptCacheError(f"{path} was made for the model {made_for}, not {model_path}")
+    try:
+        tokens = json.loads(metadata["mlx_dsv41_tokens"]) if "mlx_dsv41_tokens" in metadata else None
+        chat = json.loads(metadata.get("mlx_dsv41_chat", "null"))
+    except json.JSONDecodeError as e:
+        raise PromptCacheError(f"{path}: broken metadata ({e})") from None
+    return PromptCacheFile(cache, tokens, chat, made_for)
