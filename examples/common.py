@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import mlx.nn as nn
-
-# transformers warns that a tokenizer-only load sees a "deepseek_v41" config: noise here.
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -21,7 +21,6 @@ the ranks (mlx_dsv41.distributed); every rank computes the same tokens and rank 
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from enum import Enum
@@ -433,8 +432,6 @@ def generate(
 
 
 def main() -> None:
-    # transformers warns that a tokenizer-only load sees a "deepseek_v41" config: noise here.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     app()
 
 

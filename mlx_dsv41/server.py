@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -130,8 +129,6 @@ def main_command(
 
 
 def main() -> None:
-    # transformers warns that a tokenizer-only load sees a "deepseek_v41" config: noise here.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     app()
 
 

@@ -239,8 +239,4 @@ def main_command(
 
 
 def main() -> None:
-    import os
-
-    # transformers warns that a tokenizer-only load sees a "deepseek_v41" config: noise here.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     app()
