@@ -1,16 +1,21 @@
 """Every script in examples/ runs on the demo checkpoint, and what it prints is checked against
-an independent computation in this process."""
+an independent computation in this process; the PNGs they draw (--png) are pixel for pixel the
+figures of that computation's numbers; a bad --model, or --png without matplotlib, is one line."""
 
+import importlib
 import json
 import math
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from demo_helpers import REPO, env, loaded  # noqa: F401 (module fixtures)
+from demo_helpers import REPO, demo_checkpoint, env, loaded  # noqa: F401 (module fixtures)
+
+import mlx_dsv41
 
 
 def run(env, script, *args):
@@ -21,8 +26,28 @@ def run(env, script, *args):
     return r.stdout
 
 
-def test_perplexity_equals_one_unchunked_forward(env, loaded):
-    out = run(env, "perplexity.py", "--chunk", "7", "--max-tokens", "40")
+@pytest.fixture(scope="module")
+def examples():
+    """The example modules, imported (their figure functions and computations)."""
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        yield {name: importlib.import_module(name) for name in ("perplexity", "engram_inspect", "expert_routing")}
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+
+
+def same_picture(png: Path, figure, tmp_path) -> bool:
+    """`png` (written by a script) has exactly the pixels of `figure` drawn the same way here."""
+    from matplotlib.image import imread
+
+    ours = tmp_path / "ours.png"
+    figure.savefig(ours, dpi=100)
+    a, b = imread(png), imread(ours)
+    return a.shape == b.shape and a.shape[0] > 100 and bool((a == b).all())
+
+
+def test_perplexity_equals_one_unchunked_forward(env, loaded, examples, tmp_path):
+    out = run(env, "perplexity.py", "--chunk", "7", "--max-tokens", "40", "--png", str(tmp_path / "loss.png"))
     model, tokenizer = loaded
     ids = tokenizer.encode((REPO / "examples" / "sample.txt").read_text())[:40]
     logits = model(mx.array([ids]), model.make_cache())[0].astype(mx.float32)
@@ -32,6 +57,11 @@ def test_perplexity_equals_one_unchunked_forward(env, loaded):
     got = float(re.search(r"mean NLL:\s+([\d.]+)", out).group(1))
     assert got == pytest.approx(nll, abs=1e-3)
     assert float(re.search(r"perplexity:\s+([\d.]+)", out).group(1)) == pytest.approx(math.exp(nll), rel=1e-3)
+    loss = -np.array(examples["perplexity"].token_log_likelihoods(model, ids, 7))
+    assert loss.mean() == pytest.approx(nll, abs=1e-4)
+    figure = examples["perplexity"].loss_figure(loss, "per-token loss, sample.txt")
+    assert np.array_equal(figure.axes[0].lines[0].get_ydata(), loss)
+    assert same_picture(tmp_path / "loss.png", figure, tmp_path)
 
 
 def test_attention_variants_are_byte_identical(env):
@@ -41,9 +71,9 @@ def test_attention_variants_are_byte_identical(env):
     assert [v for v, _ in digests] == ["serial", "parallel", "auto"] and len({d for _, d in digests}) == 1
 
 
-def test_engram_inspect_shows_the_model_rows_and_gates(env, loaded):
+def test_engram_inspect_shows_the_model_rows_and_gates(env, loaded, examples, tmp_path_factory, tmp_path):
     prompt = "The cat sat. The cat sat."
-    out = run(env, "engram_inspect.py", "--prompt", prompt)
+    out = run(env, "engram_inspect.py", "--prompt", prompt, "--png", str(tmp_path / "gates.png"))
     model, tokenizer = loaded
     ids = tokenizer.encode(prompt)
     rows = model.engram_row_ids(np.array([ids]))[0]
@@ -59,10 +89,17 @@ def test_engram_inspect_shows_the_model_rows_and_gates(env, loaded):
             assert cells == want
             assert all(0 < float(g) < 1 for g in gates.split())
         assert int(re.search(r"hit again: (\d+)", section).group(1)) > 0  # "The cat sat" twice
+    fresh, _ = mlx_dsv41.load(demo_checkpoint(tmp_path_factory))  # the example wraps its Engram modules
+    gates = examples["engram_inspect"].engram_gates(fresh, ids)
+    figure = examples["engram_inspect"].gates_figure(gates, [tokenizer.decode([t]) for t in ids])
+    for ax, g in zip(figure.axes[: len(gates)], gates.values()):  # then the colorbars
+        assert np.array_equal(ax.images[0].get_array(), g.T) and ((0 < g) & (g < 1)).all()
+    assert same_picture(tmp_path / "gates.png", figure, tmp_path)
 
 
-def test_expert_routing_counts_every_pick(env, loaded, tmp_path):
-    out = run(env, "expert_routing.py", "--json", str(tmp_path / "counts.json"), "--show", "4")
+def test_expert_routing_counts_every_pick(env, loaded, examples, tmp_path):
+    out = run(env, "expert_routing.py", "--json", str(tmp_path / "counts.json"), "--show", "4",
+              "--png", str(tmp_path / "routing.png"))
     data = json.loads((tmp_path / "counts.json").read_text())
     args = loaded[0].args
     counts = np.array(data["counts"])
@@ -70,3 +107,24 @@ def test_expert_routing_counts_every_pick(env, loaded, tmp_path):
     assert (counts.sum(axis=1) == data["tokens"] * args.num_experts_per_tok).all()
     assert out.count("\nlayer ") == args.num_hidden_layers
     assert "less used experts not shown" in out
+    figure = examples["expert_routing"].routing_figure(counts, f"expert picks over {data['tokens']} tokens")
+    assert np.array_equal(figure.axes[0].images[0].get_array(), counts)
+    assert same_picture(tmp_path / "routing.png", figure, tmp_path)
+
+
+@pytest.mark.parametrize("script", ["perplexity.py", "attention_variants.py", "engram_inspect.py", "expert_routing.py"])
+def test_a_bad_model_is_one_line(env, script, tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "examples" / script), "--model", str(tmp_path / "nothing")],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr == f"error: {tmp_path / 'nothing'}: no such directory\n"
+
+
+def test_png_without_matplotlib_is_one_line_before_any_work(env, tmp_path):
+    """A matplotlib that fails to import stands in for a missing one."""
+    (tmp_path / "matplotlib").mkdir()
+    (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
+    r = subprocess.run([sys.executable, str(REPO / "examples" / "expert_routing.py"), "--png", "x.png"], cwd=REPO,
+                       env={**env, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith("error: --png needs matplotlib") and r.stderr.count("\n") == 1
