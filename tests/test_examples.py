@@ -36,6 +36,12 @@ def examples():
         sys.path.remove(str(REPO / "examples"))
 
 
+def width(text: str) -> int:
+    import unicodedata
+
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
 def same_picture(png: Path, figure, tmp_path) -> bool:
     """`png` (written by a script) has exactly the pixels of `figure` drawn the same way here."""
     from matplotlib.image import imread
@@ -83,6 +89,9 @@ def test_engram_inspect_shows_the_model_rows_and_gates(env, loaded, examples, tm
         table = re.findall(r"^\s+(\d+)\s+'.*?'\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+((?:[\d.]+ ?){4})$",
                            section, re.M)
         assert len(table) == len(ids)
+        lines = [line for line in section.splitlines() if re.match(r"^\s+\d+\s+'", line)][: len(ids)]
+        gate_column = {width(line[: line.rindex("  ") + 2]) for line in lines}  # where the gates start
+        assert len(gate_column) == 1, lines  # the columns line up (wide characters count twice)
         for t, *cells, gates in table:
             want = [",".join(str(int(r)) for r in rows[int(t), li, k * heads:(k + 1) * heads])
                     for k in range(len(sizes))]
