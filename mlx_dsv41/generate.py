@@ -39,6 +39,14 @@ DEMO_MAX_TOKENS = 32  # the demo's text is meaningless: a short first run
 LONG_PROMPT = 256  # prompts of at least this many tokens get a prefill progress line
 
 
+# Sampling options (mlx-lm's samplers), shared by the generate and chat command lines.
+TEMP = typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature (0: greedy).")
+TOP_P = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling (1: off).")
+TOP_K = typer.Option(0, "--top-k", min=0, help="Top-k sampling (0: off).")
+MIN_P = typer.Option(0.0, "--min-p", min=0.0, max=1.0, help="Min-p sampling (0: off).")
+SEED = typer.Option(None, "--seed", help="Random seed for sampling.")
+
+
 class CLIError(Exception):
     """A user-facing failure: printed as one line, exit code 1."""
 
@@ -350,11 +358,7 @@ def generate(
     system: str = typer.Option(None, "--system", help="Chat: a system message."),
     max_tokens: int = typer.Option(None, "--max-tokens", min=1, help=f"Most tokens to generate "
                                    f"(default {DEFAULT_MAX_TOKENS}, with --demo {DEMO_MAX_TOKENS})."),
-    temp: float = typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature (0: greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling (1: off)."),
-    top_k: int = typer.Option(0, "--top-k", min=0, help="Top-k sampling (0: off)."),
-    min_p: float = typer.Option(0.0, "--min-p", min=0.0, max=1.0, help="Min-p sampling (0: off)."),
-    seed: int = typer.Option(None, "--seed", help="Random seed for sampling."),
+    temp: float = TEMP, top_p: float = TOP_P, top_k: int = TOP_K, min_p: float = MIN_P, seed: int = SEED,
     prompt_cache_file: Path = typer.Option(None, "--prompt-cache-file", help="Save the prompt's caches "
                                            "here; if the file exists, continue the prompt saved in it."),
     max_kv_size: int = typer.Option(None, "--max-kv-size", min=1, help="Most tokens the caches may hold "

@@ -25,7 +25,8 @@ from typing import Optional
 
 import typer
 
-from ..generate import (DEMO_MAX_TOKENS, CLIError, PrefillProgress, load_for_generation, resolve_model)
+from ..generate import (DEMO_MAX_TOKENS, MIN_P, SEED, TEMP, TOP_K, TOP_P, CLIError, PrefillProgress,
+                        load_for_generation, resolve_model)
 from ..terminal import TokenWriter, dim
 from . import encoding as chat
 
@@ -204,11 +205,7 @@ def main_command(
     hide_thinking: bool = typer.Option(False, "--hide-thinking", help="Do not show the reasoning."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help=f"Most tokens per reply "
                                              f"(default {DEFAULT_MAX_TOKENS}, with --demo {DEMO_MAX_TOKENS})."),
-    temp: float = typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature (0: greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling (1: off)."),
-    top_k: int = typer.Option(0, "--top-k", min=0, help="Top-k sampling (0: off)."),
-    min_p: float = typer.Option(0.0, "--min-p", min=0.0, max=1.0, help="Min-p sampling (0: off)."),
-    seed: int = typer.Option(None, "--seed", help="Random seed for sampling."),
+    temp: float = TEMP, top_p: float = TOP_P, top_k: int = TOP_K, min_p: float = MIN_P, seed: int = SEED,
     engram_mode: str = typer.Option(None, "--engram-mode", help="Engram row reads: pread, mmap, ram, auto."),
 ):
     import mlx.core as mx
