@@ -118,7 +118,7 @@ class APIHandler(server.APIHandler):
         if self.requested_model not in ("default_model", provider.served_name, *self.model_names):
             raise RequestError(f"model {self.requested_model!r} is not served here; this server serves "
                                f"{provider.served_name!r} (GET /v1/models)", param="model", code="model_not_found")
-        if body.get("n", 1) != 1:
+        if body.get("n") not in (None, 1):
             raise RequestError(f"n must be 1: this server returns one choice per request (got {body['n']!r}); "
                                f"send n requests instead", param="n")
         fmt = body.get("response_format")
