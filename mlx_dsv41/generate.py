@@ -246,36 +246,37 @@ def start_cache_file(model, path: Path, file: Path, tokens: list[int], *, chat_m
     """Prefill the prompt's reusable part (a chat prompt less its answer header), save its caches to
     `file`; returns (cache, tokens still to feed, tokens cached)."""
     prefix = tokens[:-2] if chat_mode else tokens
+    from . import prompt_cache
+
     cache = model.make_cache()
     held = prefix[:-1]  # the last token is fed by the generation, which needs one
     prefill(model, cache, held, step, PrefillProgress())
-    from . import prompt_cache
-
     prompt_cache.save(file, cache, prefix, path, {"thinking": thinking, "effort": effort} if chat_mode else None)
     _note(f"Saved the prompt's cache ({len(prefix)} tokens) to {file}")
     return cache, tokens[len(held):], len(held)
 
 
-def continue_cache_file(model, tokenizer, path: Path, file: Path, text: str, *, chat_mode: bool,
-                        thinking: bool | None, effort: str | None, system: str | None):
-    """The prompt saved in `file`, continued with `text` (a chat prompt's open user turn, or plain
-    text); returns (cache, tokens still to feed, tokens cached)."""
-    from . import prompt_cache
-
-    saved = prompt_cache.load(file, model, path)
+def check_saved_prompt(saved, file: Path, *, chat_mode: bool, thinking: bool | None, effort: str | None,
+                       system: str | None) -> None:
+    """This run's options must fit the prompt saved in `file` (checked before the model loads)."""
     if system is not None:
         raise CLIError(f"--system: the prompt saved in {file} already has its start; drop --system")
     if saved.tokens is not None and chat_mode != (saved.chat is not None):
         raise CLIError(f"{file} holds a {'chat' if saved.chat else 'plain'} prompt: "
                        f"{'add' if saved.chat else 'drop'} --chat")
+    mode = (saved.chat or {}) if chat_mode else {}
+    if thinking is not None and "thinking" in mode and thinking != mode["thinking"]:
+        raise CLIError(f"{file} holds a prompt in {'thinking' if mode['thinking'] else 'chat'} mode; "
+                       f"drop --thinking/--no-thinking")
+    if effort is not None and "effort" in mode and chat.parse_effort(effort) != mode["effort"]:
+        raise CLIError(f"{file} holds a prompt with reasoning effort {mode['effort']}; drop --effort")
+
+
+def continue_saved_prompt(saved, tokenizer, file: Path, text: str, *, chat_mode: bool, thinking: bool | None):
+    """The saved prompt continued with `text` (a chat prompt's open user turn, or plain text);
+    returns (cache, tokens still to feed, tokens cached)."""
     if chat_mode:
-        mode = saved.chat or {}
-        if thinking is not None and "thinking" in mode and thinking != mode["thinking"]:
-            raise CLIError(f"{file} holds a prompt in {'thinking' if mode['thinking'] else 'chat'} mode; "
-                           f"drop --thinking/--no-thinking")
-        if effort is not None and "effort" in mode and chat.parse_effort(effort) != mode["effort"]:
-            raise CLIError(f"{file} holds a prompt with reasoning effort {mode['effort']}; drop --effort")
-        on = mode.get("thinking", thinking is not False)
+        on = (saved.chat or {}).get("thinking", thinking is not False)
         new = chat.encode_continuation(tokenizer, text, thinking=on)
     else:
         new = tokenizer.encode(text, add_special_tokens=False)
@@ -379,9 +380,9 @@ def generate(
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
+    from . import prompt_cache
     from .demo import DemoError
     from .kernels import sparse_attention
-    from .prompt_cache import PromptCacheError
     from .terminal import TokenWriter
 
     try:
@@ -390,14 +391,19 @@ def generate(
         text, from_stdin = read_prompt(prompt, prompt_file)
         path = resolve_model(model, demo, convert_to, engram_from,
                              interactive=sys.stdin.isatty() and not from_stdin)
+        saved = None
+        if prompt_cache_file is not None and prompt_cache_file.exists():
+            saved = prompt_cache.read(prompt_cache_file, path)
+            check_saved_prompt(saved, prompt_cache_file, chat_mode=chat_mode, thinking=thinking, effort=effort,
+                               system=system)
         model_obj, tokenizer, cluster = load_for_generation(path, partition=moe_partition.value,
                                                             engram_mode=engram_mode)
         if cluster is not None and prompt_cache_file is not None:
             raise CLIError("--prompt-cache-file: not under mlx.launch (each rank holds other experts)")
-        if prompt_cache_file is not None and prompt_cache_file.exists():
-            cache, tokens, cached = continue_cache_file(
-                model_obj, tokenizer, path, prompt_cache_file, text, chat_mode=chat_mode,
-                thinking=thinking, effort=effort, system=system)
+        if saved is not None:
+            prompt_cache.check_fits(saved, prompt_cache_file, model_obj)
+            cache, tokens, cached = continue_saved_prompt(saved, tokenizer, prompt_cache_file, text,
+                                                          chat_mode=chat_mode, thinking=thinking)
         else:
             tokens = prompt_tokens(tokenizer, text, chat_mode=chat_mode, thinking=thinking_on,
                                    effort=effort_value, system=system)
@@ -408,7 +414,7 @@ def generate(
                     thinking=thinking_on, effort=effort_value, step=prefill_step_size)
         default_tokens = DEMO_MAX_TOKENS if demo else DEFAULT_MAX_TOKENS
         max_tokens = context_limit(max_tokens or default_tokens, cached + len(tokens), max_kv_size)
-    except (CLIError, DemoError, PromptCacheError, ValueError) as e:
+    except (CLIError, DemoError, prompt_cache.PromptCacheError, ValueError) as e:
         _note(f"error: {e}")
         raise typer.Exit(1)
 

@@ -54,9 +54,8 @@ def save(path: Path, cache: list, tokens: list[int], model_path: Path, chat: dic
         raise PromptCacheError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def load(path: Path, model, model_path: Path) -> PromptCacheFile:
-    """The file at `path`, checked against `model` (its cache classes and layer count) and
-    against the checkpoint it was made for."""
+def read(path: Path, model_path: Path) -> PromptCacheFile:
+    """The file at `path`, made for the checkpoint at `model_path` (the caches stay lazy)."""
     from mlx_lm.models.cache import load_prompt_cache
 
     from .cache import register_with_mlx_lm
@@ -64,19 +63,23 @@ def load(path: Path, model, model_path: Path) -> PromptCacheFile:
     register_with_mlx_lm()
     try:
         cache, metadata = load_prompt_cache(str(path), return_metadata=True)
-    except Exception as e:  # noqa: BLE001 (mx.load, a missing class, a bad state: one line each)
+        tokens = json.loads(metadata["mlx_dsv41_tokens"]) if "mlx_dsv41_tokens" in metadata else None
+        chat = json.loads(metadata.get("mlx_dsv41_chat", "null"))
+    except Exception as e:  # noqa: BLE001 (mx.load, a missing class, a bad state or metadata: one line each)
         raise PromptCacheError(f"{path}: not a prompt-cache file of this model "
                                f"({type(e).__name__}: {' '.join(str(e).split())})") from None
-    want = [type(c).__name__ for c in model.make_cache()]
-    if [type(c).__name__ for c in cache] != want:
-        raise PromptCacheError(f"{path}: its caches ({len(cache)}) do not fit this model's "
-                               f"({len(want)} {', '.join(sorted(set(want)))})")
     made_for = metadata.get("model")
     if made_for and Path(made_for).expanduser().resolve() != Path(model_path).resolve():
         raise PromptCacheError(f"{path} was made for the model {made_for}, not {model_path}")
-    try:
-        tokens = json.loads(metadata["mlx_dsv41_tokens"]) if "mlx_dsv41_tokens" in metadata else None
-        chat = json.loads(metadata.get("mlx_dsv41_chat", "null"))
-    except json.JSONDecodeError as e:
-        raise PromptCacheError(f"{path}: broken metadata ({e})") from None
-    return PromptCacheFile(cache, tokens, chat, made_for)
+    saved = PromptCacheFile(cache, tokens, chat, made_for)
+    if tokens is not None and len(tokens) < saved.cached:
+        raise PromptCacheError(f"{path}: its caches hold {saved.cached} tokens but it records {len(tokens)}")
+    return saved
+
+
+def check_fits(saved: PromptCacheFile, path: Path, model) -> None:
+    """The file's caches are this model's: same classes, one per layer (and Engram history)."""
+    want = [type(c).__name__ for c in model.make_cache()]
+    if [type(c).__name__ for c in saved.cache] != want:
+        raise PromptCacheError(f"{path}: its caches ({len(saved.cache)}) do not fit this model's "
+                               f"({len(want)} {', '.join(sorted(set(want)))})")

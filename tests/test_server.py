@@ -98,7 +98,7 @@ def test_chat_completion_uses_the_v41_encoding(server):
         assert reply["usage"]["prompt_tokens"] == len(chat.encode(tok, HI, **options))
 
 
-@pytest.mark.parametrize("effort,value", [("minimal", 25), ("medium", 62)])
+@pytest.mark.parametrize("effort,value", [("medium", 62)])
 def test_openai_reasoning_efforts_map_onto_the_official_scale(server, loaded, effort, value):
     """The reply to reasoning_effort=NAME is exactly our greedy continuation of the prompt rendered
     with effort VALUE (the effort sentence is part of the prompt, so another value gives other
