@@ -14,7 +14,7 @@ from demo_helpers import REPO, detokenize, env, greedy, loaded  # noqa: F401 (mo
 from mlx_dsv41 import chat
 from mlx_dsv41.terminal import DIM, RESET, visible
 
-TOKENS = 4
+TOKENS = 3
 
 
 def repl(env, *args, stdin: str, stdout=subprocess.PIPE):

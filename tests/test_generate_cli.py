@@ -197,19 +197,19 @@ def test_a_long_prompt_shows_its_prefill_progress(env, loaded):
 
 def test_on_a_terminal_control_characters_are_escaped_and_special_tokens_dimmed(env, loaded):
     """stdout is a pseudo-terminal; the expected text is mlx-lm's streamed segments of our greedy
-    tokens, each shown as mlx_dsv41.terminal shows it. No --max-tokens: the demo's short default."""
-    import os
+    tokens, each shown as mlx_dsv41.terminal shows it. The demo continues this prompt with a
+    special token and an ESC byte within 8 tokens."""
     import tty
 
-    from mlx_dsv41.generate import DEMO_MAX_TOKENS
     from mlx_dsv41.terminal import dim, visible
 
     model, tokenizer = loaded
-    prompt = "Hello! How are you?"
+    prompt, n = "What is two plus two?", 8
     master, slave = os.openpty()
     tty.setraw(slave)
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_dsv41.generate", "--demo", "--prompt", prompt],
-                            cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_dsv41.generate", "--demo", "--prompt", prompt,
+                             "--max-tokens", str(n)], cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=slave,
+                            stderr=subprocess.PIPE)
     os.close(slave)
     out = b""
     while True:
@@ -223,16 +223,44 @@ def test_on_a_terminal_control_characters_are_escaped_and_special_tokens_dimmed(
     err = proc.communicate(timeout=300)[1].decode()
     os.close(master)
     assert proc.returncode == 0, err
-    assert f"Generation: {DEMO_MAX_TOKENS} tokens" in err
     special = chat.special_token_ids(tokenizer)
     detok, want = tokenizer.detokenizer, ""
-    tokens = greedy(model, tokenizer, tokenizer.encode(prompt), DEMO_MAX_TOKENS)
+    tokens = greedy(model, tokenizer, tokenizer.encode(prompt), n)
+    assert len(tokens) == n  # no end-of-sentence among them: every token is streamed as it comes
     for i, token in enumerate(tokens):
         detok.add_token(token)
-        if i == len(tokens) - 1:
+        if i == n - 1:
             detok.finalize()
         want += dim(visible(detok.last_segment)) if token in special else visible(detok.last_segment)
     assert out.decode() == want + "\n"
+    assert special & set(tokens) and "\\x1b" in want  # the escaping and dimming were exercised
+
+
+def test_the_demo_generates_32_tokens_by_default(env, loaded, tmp_path_factory, monkeypatch):
+    """In process, with the generation loop replaced by a recorder: --demo without --max-tokens asks
+    for DEMO_MAX_TOKENS, a real checkpoint for DEFAULT_MAX_TOKENS."""
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from mlx_dsv41 import generate
+
+    asked = []
+
+    def recorder(model, tokenizer, tokens, *, max_tokens, **_):
+        asked.append(max_tokens)
+        return SimpleNamespace(prompt_tokens=len(tokens), prompt_tps=1.0, generation_tokens=0, generation_tps=1.0,
+                               peak_memory=0.0)
+
+    from mlx_dsv41.demo import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, env[CACHE_ENV])  # --demo finds this session's demo checkpoint
+    monkeypatch.setattr(generate, "run", recorder)
+    monkeypatch.setattr(generate, "load_for_generation", lambda path, **_: (*loaded, None))
+    assert CliRunner().invoke(generate.app, ["--demo", "--prompt", "hi"]).exit_code == 0
+    assert CliRunner().invoke(generate.app, ["--model", str(demo_checkpoint(tmp_path_factory)),
+                                             "--prompt", "hi"]).exit_code == 0
+    assert asked == [generate.DEMO_MAX_TOKENS, generate.DEFAULT_MAX_TOKENS] == [32, 256]
 
 
 def test_help_fits_80_columns():
