@@ -81,7 +81,7 @@ class SlicedBatchGenerator(BatchGenerator):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_step = self.prefill_step_size
-        self.timings: list[tuple[float, float]] = []  # (tokens, seconds) per prompt, last chunks
+        self.timings: list[tuple[float, float]] = []  # (tokens, seconds) per prompt, see record
         if self.prefill_slice > 0:
             self.prefill_step_size = min(self.max_step, FIRST_STEP)
 
@@ -90,9 +90,14 @@ class SlicedBatchGenerator(BatchGenerator):
             out = super()._next()
         if self.prefill_slice > 0 and done.prompt_tokens > 0 and done.prompt_time > 0:
             prompts = max(1, len(self._currently_processing))  # each got a chunk in this call
-            self.timings = [*self.timings[-7:], (done.prompt_tokens / prompts, done.prompt_time / prompts)]
+            self.record(done.prompt_tokens / prompts, done.prompt_time / prompts)
             self.prefill_step_size = self._step(prompts)
         return out
+
+    def record(self, tokens: float, seconds: float) -> None:
+        """Keep the last timing of each of the last 8 chunk sizes (steady chunks add no new size,
+        so the fit keeps the sizes it was made from)."""
+        self.timings = [*(t for t in self.timings if t[0] != tokens), (tokens, seconds)][-8:]
 
     def _step(self, prompts: int) -> int:
         tokens, seconds = zip(*self.timings)

@@ -374,3 +374,26 @@ def test_a_failing_generation_thread_fails_its_requests_and_restarts():
         assert gen.restarts == 1 and gen.is_healthy
     finally:
         gen.stop_and_join()
+
+
+@pytest.mark.parametrize("fixed,per_token,want", [
+    (0.9, 0.011, 81),  # a CPU: one forward pass alone costs more than the slice -> twice its fixed cost
+    (0.001, 0.0001, 2048),  # a GPU: the slice holds more than --prefill-step-size -> capped
+    (0.01, 0.001, 490),  # in between: about the slice, (0.5 - 0.01) / 0.001 tokens
+])
+def test_prefill_chunks_settle_where_the_cost_model_says(fixed, per_token, want):
+    """The chunk-size controller fed exact timings of `seconds = fixed + per_token x tokens`, from
+    mlx-lm's fixed first chunk on: it settles on the size its rule gives, growing at most 2x a step."""
+    from mlx_dsv41.server_generation import FIRST_STEP, SlicedBatchGenerator
+
+    gen = SlicedBatchGenerator.__new__(SlicedBatchGenerator)  # the controller only: no model
+    gen.prefill_slice, gen.max_step, gen.timings, gen.prefill_step_size = 0.5, 2048, [], FIRST_STEP
+    gen._old_wired_limit = None  # what BatchGenerator.__del__ reads
+    sizes = []
+    for _ in range(12):
+        n = gen.prefill_step_size
+        gen.record(n, fixed + per_token * n)
+        gen.prefill_step_size = gen._step(prompts=1)
+        assert gen.prefill_step_size <= 2 * n
+        sizes.append(gen.prefill_step_size)
+    assert all(abs(size - want) <= 1 for size in sizes[-4:]), sizes  # settled (float rounding: +-1)
