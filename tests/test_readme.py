@@ -1,13 +1,14 @@
 """Every ```python block of README.md runs, in a fresh process, against the demo checkpoint (a block
-that loads a real checkpoint gets the demo's path; the openai-client block gets a demo server),
-and what it prints is our own greedy text. A new block needs its entry in RUNS."""
+that loads a real checkpoint gets the demo's path; the openai-client block the session's demo
+server), and what it prints is our own greedy text. A new block needs its entry in RUNS."""
 
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
-from demo_helpers import REPO, demo_checkpoint, detokenize, env, greedy, loaded  # noqa: F401 (module fixtures)
+from demo_helpers import REPO, demo_checkpoint, demo_server, detokenize, env, greedy, loaded  # noqa: F401 (fixtures)
 
 from mlx_dsv41 import chat
 
@@ -30,37 +31,28 @@ def shown(tokenizer, tokens: list[int]) -> str:
     return detokenize(tokenizer, tokens[:cut]) + detokenize(tokenizer, tokens[cut + 1:])
 
 
-def mlx_lm_model(env, loaded, tmp_path_factory, code):
-    model, tokenizer = loaded
+def mlx_lm_model(ctx, code):
+    model, tokenizer = ctx.loaded
     prompt = chat.encode(tokenizer, [{"role": "user", "content": "Hello"}], thinking=True, effort="max")
-    assert run(env, code) == detokenize(tokenizer, greedy(model, tokenizer, prompt, 16)) + "\n"
+    assert run(ctx.env, code) == detokenize(tokenizer, greedy(model, tokenizer, prompt, 8)) + "\n"
 
 
-def two_machines(env, loaded, tmp_path_factory, code):
+def two_machines(ctx, code):
     """Outside mlx.launch: no cluster, and the model continues a prompt as ours does."""
-    model, tokenizer = loaded
+    model, tokenizer = ctx.loaded
     ids = tokenizer.encode("The cat sat on the mat.")
     check = f"\nfrom mlx_lm import generate\nprint(cluster, generate(model, tokenizer, {ids}, max_tokens=4))"
-    out = run(env, f"path = {str(demo_checkpoint(tmp_path_factory))!r}\n" + code + check)
+    out = run(ctx.env, f"path = {str(ctx.path)!r}\n" + code + check)
     assert out == f"None {detokenize(tokenizer, greedy(model, tokenizer, ids, 4))}\n"
 
 
-def openai_client(env, loaded, tmp_path_factory, code):
-    model, tokenizer = loaded
-    server = subprocess.Popen([sys.executable, "-m", "mlx_dsv41.server", "--demo", "--port", "0"], cwd=REPO,
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        for line in server.stderr:
-            if m := re.search(r"Serving on (http://[\d.]+:\d+)", line):
-                break
-        else:
-            pytest.fail("the server did not start")
-        out = run(env, code.replace("http://127.0.0.1:8080", m.group(1)))
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+def openai_client(ctx, code):
+    """Against the session's demo server (tests/demo_helpers.py)."""
+    model, tokenizer = ctx.loaded
+    host, port, _ = ctx.request.getfixturevalue("server")
+    out = run(ctx.env, code.replace("http://127.0.0.1:8080", f"http://{host}:{port}"))
     prompt = chat.encode(tokenizer, HI, thinking=True, effort="medium")
-    assert out == shown(tokenizer, greedy(model, tokenizer, prompt, 16)) + "\n"
+    assert out == shown(tokenizer, greedy(model, tokenizer, prompt, 8)) + "\n"
 
 
 RUNS = [mlx_lm_model, openai_client, two_machines]  # in the README's order
@@ -71,5 +63,6 @@ def test_every_block_has_a_run():
 
 
 @pytest.mark.parametrize("i", range(len(RUNS)), ids=[f.__name__ for f in RUNS])
-def test_readme_block(env, loaded, tmp_path_factory, i):
-    RUNS[i](env, loaded, tmp_path_factory, BLOCKS[i])
+def test_readme_block(env, loaded, tmp_path_factory, request, i):
+    ctx = SimpleNamespace(env=env, loaded=loaded, path=demo_checkpoint(tmp_path_factory), request=request)
+    RUNS[i](ctx, BLOCKS[i])

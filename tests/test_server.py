@@ -10,43 +10,13 @@ import json
 import random
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import mlx.core as mx
 import openai
 import pytest
-from demo_helpers import REPO, demo_env, detokenize, greedy, loaded  # noqa: F401 (module fixture)
-
-STARTUP_S = 120
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_dsv41.server", "--demo", "--port", "0", "--max-tokens", "4"],
-            cwd=REPO, env=demo_env(tmp_path_factory), stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + STARTUP_S
-        while True:
-            m = re.search(r"Serving on http://([\d.]+):(\d+)", log.read_text())
-            if m:
-                break
-            if proc.poll() is not None or time.time() > deadline:
-                pytest.fail(f"server did not start (exit {proc.poll()}):\n{log.read_text()}")
-            time.sleep(0.2)
-        yield m.group(1), int(m.group(2)), log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
+from demo_helpers import demo_server, detokenize, greedy, loaded  # noqa: F401 (fixtures: server, loaded)
 
 def request(server, method, path, body=None, raw: bytes | None = None, timeout=120):
     host, port, _ = server
