@@ -2,7 +2,8 @@
 official Engram tables, -> the converted layout of `mlx_dsv41/layout.py`.
 
 1. Check the source from headers (`source.py`, `plan.py`): shards, shapes, dtypes, Engram tables,
-   tokenizer and token map. Nothing is written when anything is wrong.
+   tokenizer and token map, and that the output fits on its disk (~400 GB for the real model).
+   Nothing is written when anything is wrong.
 2. Write under OUT.partial: the tokenizer files and the Engram token map; one weight shard per
    source shard, tensor by tensor, large tensors in ~16 MB row chunks (so memory never holds more
    than a chunk of one tensor, whatever the shard size); the Engram row files (`engram_rows.py`);
@@ -39,7 +40,7 @@ from convert.safetensors_writer import SafetensorsWriter, sync_dir, sync_file
 from convert.source import DSPARK_HINT, ConvertError, Source, open_source
 from mlx_dsv41 import __version__, layout
 from mlx_dsv41.config import ConfigError
-from mlx_dsv41.engram_store import EngramStoreError, open_row_file
+from mlx_dsv41.engram_store import DEFAULT_CHUNK_ROWS, EngramStoreError, RowFileHeader, open_row_file
 from mlx_dsv41.quant import FormatError
 
 CRASH_ENV = "MLX_DSV41_CONVERT_CRASH_AFTER"
@@ -80,6 +81,7 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *,
                        f"speculation; {DSPARK_HINT}")
         steps = plan_steps(source, dtype)
         token_map = _token_map(source)
+        _check_free_space(out, source, steps)
         with _Workdir(layout.partial_dir(out), fingerprint, report) as work:
             if not work.complete:
                 tokenizer_sha256 = _write_tokenizer(source, work.path, token_map)
@@ -100,6 +102,31 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *,
     report.say(f"converted {source.path} -> {out}: {written / 1e9:.3f} GB in {seconds:.1f} s "
                f"({written / 1e6 / max(seconds, 1e-9):.0f} MB/s), peak RSS {peak_rss_bytes() / 1e6:.0f} MB")
     return out
+
+
+SPACE_MARGIN = 64 << 20  # tokenizer, token map, headers, config: small next to the tensors
+
+
+def output_bytes(source: Source, steps: list[Step]) -> int:
+    """What the conversion writes: every output tensor and every Engram row file."""
+    args = source.args
+    rows = sum(RowFileHeader.new(layer, args.engram_num_embeddings[i], args.engram_head_dim,
+                                 DEFAULT_CHUNK_ROWS).file_bytes for i, layer in enumerate(source.tables))
+    return sum(step.out_bytes for step in steps) + rows + SPACE_MARGIN
+
+
+def _check_free_space(out: Path, source: Source, steps: list[Step]) -> None:
+    """Refuse before writing anything when the output (less what an unfinished OUT.partial already
+    holds) does not fit on its disk."""
+    partial = layout.partial_dir(out)
+    held = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file()) if partial.is_dir() else 0
+    need = max(0, output_bytes(source, steps) - held)
+    where = next(p for p in [out, *out.absolute().parents] if p.exists())
+    free = shutil.disk_usage(where).free
+    if need > free:
+        more = f" more (OUT.partial holds {held / 1e9:.1f} GB)" if held else ""
+        raise ConvertError(f"not enough free disk space for {out}: the conversion writes {need / 1e9:.1f} GB"
+                           f"{more}, {where} has {free / 1e9:.1f} GB free")
 
 
 def peak_rss_bytes() -> int:

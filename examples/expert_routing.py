@@ -1,11 +1,11 @@
 """Expert-routing histogram per layer: how many (token, slot) picks each routed expert gets.
 
     python examples/expert_routing.py                      # the demo checkpoint, sample.txt
-    python examples/expert_routing.py --model DIR --file text.txt
+    python examples/expert_routing.py --model DIR --file text.txt --png routing.png
 
 The router's picks (top-k of sqrtsoftplus(x W^T) + bias, spec §4.5) are read from the model's own
 gates during one teacher-forced pass. Per layer: a bar per expert, and the balance (max / mean
-load; normalised entropy, 1 = perfectly even).
+load; normalised entropy, 1 = perfectly even). --png draws the counts as a layer x expert heatmap.
 """
 
 from __future__ import annotations
@@ -17,18 +17,29 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from common import load, parser, record_calls
+from common import load, parse, parser, pyplot, record_calls, save_png
+
+
+def routing_figure(counts: np.ndarray, title: str):
+    """counts [layers, experts] as a heatmap, one row per layer."""
+    plt = pyplot()
+    fig, ax = plt.subplots(layout="constrained",
+                           figsize=(min(12.0, 5 + 0.02 * counts.shape[1]), 1.5 + 0.3 * counts.shape[0]))
+    image = ax.imshow(counts, aspect="auto", interpolation="nearest", cmap="viridis")
+    ax.set(xlabel="routed expert", ylabel="layer", title=title)
+    fig.colorbar(image, ax=ax, label="(token, slot) picks")
+    return fig
 
 
 def main():
-    p = parser(__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], picture="the layer x expert counts")
     p.add_argument("--file", default=str(Path(__file__).with_name("sample.txt")), help="text to route")
     p.add_argument("--max-tokens", type=int, default=2048, help="route at most this many tokens")
     p.add_argument("--json", help="also write the counts to this JSON file")
     p.add_argument("--width", type=int, default=40, help="bar width")
     p.add_argument("--show", type=int, default=32, help="bars for at most this many experts per layer "
                                                          "(the most used ones)")
-    args = p.parse_args()
+    args = parse(p)
 
     model, tokenizer = load(args.model)
     a = model.args
@@ -54,6 +65,8 @@ def main():
                   f"experts got no pick)")
     if args.json:
         Path(args.json).write_text(json.dumps({"tokens": len(ids), "counts": counts.tolist()}))
+    if args.png:
+        save_png(routing_figure(counts, f"expert picks over {len(ids)} tokens"), args.png)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """DeepSeek-V4.1-Flash for MLX.
 
 Importing the package is cheap; the names below load their modules on first use:
-`ModelArgs` (config), `Model` (model.deepseek_v41), `load_model` and `load` (loading).
+`ModelArgs` (config), `Model` (model.deepseek_v41), `load_model` and `load` (loading), and so do
+submodules used as attributes (`mlx_dsv41.demo.ensure_demo()`).
 
     model, tokenizer = mlx_dsv41.load("path/to/converted")   # see `python -m mlx_dsv41.convert`
 """
 
 import os
 from importlib import import_module
+from importlib.util import find_spec
 
 # fp32 matmuls (router logits, the fp32 head, compressor pooling) are fp32 model semantics (spec
 # §3). MLX otherwise runs them as TF32 on CUDA and M5-class GPUs; it reads this variable once, at
@@ -30,6 +32,8 @@ _register_chat_template()
 def __getattr__(name):
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)
+    if not name.startswith("_") and find_spec(f"{__name__}.{name}") is not None:  # mlx_dsv41.demo, ...
+        return import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'mlx_dsv41' has no attribute {name!r}")
 
 

@@ -528,14 +528,17 @@ def make_draft_cache(args: ModelArgs, trim_slack: int = DEFAULT_TRIM_SLACK) -> D
 
 def register_with_mlx_lm() -> bool:
     """Put the cache classes into `mlx_lm.models.cache`, where `load_prompt_cache` looks classes up
-    by name (mlx-notes §8.4 pitfall). Returns False when mlx-lm is not installed."""
+    by name (mlx-notes §8.4 pitfall), over the stand-ins of `mlx_dsv41_cache_hook` (which covers
+    programs that read a cache file before building a model). Returns False when mlx-lm is not
+    installed."""
     try:
         import mlx_lm.models.cache as mlx_lm_cache
     except ImportError:
         return False
     for cls in (LayerCache, EngramHistory, DraftCache):
         existing = getattr(mlx_lm_cache, cls.__name__, None)
-        if existing is not None and existing is not cls and existing.__module__ != cls.__module__:
+        if existing is not None and existing is not cls and existing.__module__ != cls.__module__ \
+                and not getattr(existing, "mlx_dsv41_stand_in", False):  # mlx_dsv41_cache_hook's
             raise RuntimeError(f"mlx_lm.models.cache already defines a different {cls.__name__} "
                                f"({existing.__module__}); refusing to replace it")
         setattr(mlx_lm_cache, cls.__name__, cls)

@@ -10,8 +10,16 @@ the same tokens as plain greedy decoding, or the same distribution when sampling
 turns it off, `--draft N` verifies N drafts per main forward, `--draft auto` lets the confidence
 head choose. Otherwise the loop is mlx-lm's `stream_generate` with its samplers (our model follows
 the mlx-lm model contract). Either stops at the end-of-sentence token or after --max-tokens. Text
-goes to stdout as it is generated; notes, the loading bar and the end statistics go to stderr. A
-bad model path, a broken checkpoint or a bad option is one line on stderr and exit code 1.
+goes to stdout as it is generated (on a terminal, control characters are escaped and special
+tokens dimmed: mlx_dsv41.terminal); notes, the loading bar, a progress line while a long prompt
+is prefilled and the end statistics go to stderr. A bad model path, a broken checkpoint or a bad
+option is one line on stderr and exit code 1.
+
+`--prompt-cache-file F` saves the prompt's caches to F, or, when F exists, continues the prompt
+saved there with this run's prompt (mlx_dsv41.prompt_cache; mlx-lm's file format). A drafting run
+saves the draft head's state beside F, and a run continuing F drafts from it; without it (a file
+of mlx-lm's `cache_prompt`, or saved with --draft 0) the continuation decodes without drafting
+(the same tokens), and says so once.
 
 Under `mlx.launch` (two or more processes), `--moe-partition` splits the routed experts between
 the ranks (mlx_dsv41.distributed); every rank computes the same tokens and rank 0 prints.
@@ -19,18 +27,31 @@ the ranks (mlx_dsv41.distributed); every rank computes the same tokens and rank 
 
 from __future__ import annotations
 
-import os
 import re
 import sys
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Optional
 
 import typer
 
 from . import chat
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Generate text with DeepSeek-V4.1 on MLX.")
+
+DEFAULT_MAX_TOKENS = 256
+DEMO_MAX_TOKENS = 32  # the demo's text is meaningless: a short first run
+LONG_PROMPT = 256  # prompts of at least this many tokens get a prefill progress line
+
+
+# Sampling options (mlx-lm's samplers), shared by the generate and chat command lines.
+TEMP = typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature (0: greedy).")
+TOP_P = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling (1: off).")
+TOP_K = typer.Option(0, "--top-k", min=0, help="Top-k sampling (0: off).")
+MIN_P = typer.Option(0.0, "--min-p", min=0.0, max=1.0, help="Min-p sampling (0: off).")
+SEED = typer.Option(None, "--seed", help="Random seed for sampling.")
 
 
 class CLIError(Exception):
@@ -178,6 +199,19 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> tuple[str, bool
     return sys.stdin.read(), True
 
 
+def chat_settings(chat_mode: bool, thinking: bool | None, effort: str | None,
+                  system: str | None) -> tuple[bool, int]:
+    """(thinking, effort) of a --chat prompt; the chat-only options without --chat are errors."""
+    if not chat_mode:
+        for given, name in ((system, "--system"), (effort, "--effort"), (thinking, "--thinking/--no-thinking")):
+            if given is not None:
+                raise CLIError(f"{name} needs --chat")
+        return True, chat.parse_effort(chat.DEFAULT_EFFORT)
+    if thinking is False and effort is not None:
+        raise CLIError("--effort needs thinking mode (chat mode renders no effort): drop --no-thinking")
+    return thinking is not False, chat.parse_effort(chat.DEFAULT_EFFORT if effort is None else effort)
+
+
 def prompt_tokens(tokenizer, text: str, *, chat_mode: bool, thinking: bool, effort: int | str,
                   system: str | None) -> list[int]:
     """Chat: the official encoding of [system], user. Plain: the text as mlx-lm tokenizes it."""
@@ -187,6 +221,94 @@ def prompt_tokens(tokenizer, text: str, *, chat_mode: bool, thinking: bool, effo
         return chat.encode(tokenizer, messages, thinking=thinking, effort=effort)
     bos = tokenizer.bos_token
     return tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos))
+
+
+class PrefillProgress:
+    """mlx-lm's prompt-progress callback: `Prefilling N tokens: k/N` on stderr for a prompt of at
+    least LONG_PROMPT tokens (rewritten in place on a terminal, a line per chunk otherwise)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        if total < LONG_PROMPT or (done == total and not self.tty):
+            return
+        start, end = ("\r", "\n" if done == total else "") if self.tty else ("", "\n")
+        self.stream.write(f"{start}Prefilling {total} tokens: {done}/{total}{end}")
+        self.stream.flush()
+
+
+# ------------------------------------------------------------------------------ prompt-cache files
+
+
+@dataclass
+class PromptStart:
+    """Where generation starts: the tokens still to feed, after the `cached` ones that `cache` (and,
+    when drafting, `draft_cache`) hold already; `drafts` says whether this run may draft."""
+
+    tokens: list[int]
+    drafts: bool
+    cache: list | None = None
+    draft_cache: object | None = None
+    cached: int = 0
+
+
+def start_cache_file(model, path: Path, file: Path, tokens: list[int], *, chat_mode: bool,
+                     thinking: bool, effort: int, step: int, drafts: bool) -> PromptStart:
+    """Prefill the prompt's reusable part (a chat prompt less its answer header), save its caches to
+    `file` (drafting, the draft head's state too, beside it)."""
+    from . import prompt_cache
+    from .speculative import feed
+
+    prefix = tokens[:-2] if chat_mode else tokens
+    cache = model.make_cache()
+    draft_cache = model.make_draft_cache() if drafts else None
+    held = prefix[:-1]  # the last token is fed by the generation, which needs one
+    progress = PrefillProgress()
+    feed(model, cache, held, draft_cache=draft_cache, step=step, progress=lambda done: progress(done, len(held)))
+    prompt_cache.save(file, cache, prefix, path, {"thinking": thinking, "effort": effort} if chat_mode else None,
+                      draft_cache)
+    _note(f"Saved the prompt's cache ({len(prefix)} tokens) to {file}")
+    return PromptStart(tokens[len(held):], drafts, cache, draft_cache, len(held))
+
+
+def check_saved_prompt(saved, file: Path, *, chat_mode: bool, thinking: bool | None, effort: str | None,
+                       system: str | None) -> None:
+    """This run's options must fit the prompt saved in `file` (checked before the model loads)."""
+    if system is not None:
+        raise CLIError(f"--system: the prompt saved in {file} already has its start; drop --system")
+    if saved.tokens is not None and chat_mode != (saved.chat is not None):
+        raise CLIError(f"{file} holds a {'chat' if saved.chat else 'plain'} prompt: "
+                       f"{'add' if saved.chat else 'drop'} --chat")
+    mode = (saved.chat or {}) if chat_mode else {}
+    if thinking is not None and "thinking" in mode and thinking != mode["thinking"]:
+        raise CLIError(f"{file} holds a prompt in {'thinking' if mode['thinking'] else 'chat'} mode; "
+                       f"drop --thinking/--no-thinking")
+    if effort is not None and "effort" in mode and chat.parse_effort(effort) != mode["effort"]:
+        raise CLIError(f"{file} holds a prompt with reasoning effort {mode['effort']}; drop --effort")
+
+
+def continue_saved_prompt(saved, tokenizer, file: Path, text: str, *, chat_mode: bool, thinking: bool | None,
+                          drafts: bool) -> PromptStart:
+    """The saved prompt continued with `text` (a chat prompt's open user turn, or plain text);
+    drafting needs the draft head's state saved beside the file (else a note, and no drafting)."""
+    if chat_mode:
+        on = (saved.chat or {}).get("thinking", thinking is not False)
+        new = chat.encode_continuation(tokenizer, text, thinking=on)
+    else:
+        new = tokenizer.encode(text, add_special_tokens=False)
+    feed = saved.pending() + new
+    if not feed:
+        raise CLIError("the prompt is empty: nothing to continue the saved prompt with")
+    _note(f"Continuing the {saved.cached + len(saved.pending())}-token prompt saved in {file}")
+    if drafts and saved.draft_cache is None:
+        from .prompt_cache import draft_file
+
+        _note(f"NOTE: no DSpark speculative decoding for this prompt: there is no {draft_file(file).name} "
+              f"beside {file.name} (the draft head's state, saved by a drafting run); the tokens are the same")
+        drafts = False
+    return PromptStart(feed, drafts, saved.cache, saved.draft_cache if drafts else None, saved.cached)
 
 
 # ------------------------------------------------------------------------------ generation
@@ -205,12 +327,14 @@ def _bytes(n: int) -> str:
         n /= 1000
 
 
-def statistics(last, engram: tuple[int, int], attention: dict[str, int], dspark: str | None = None) -> str:
+def statistics(last, engram: tuple[int, int], attention: dict[str, int], cached: int = 0,
+               dspark: str | None = None) -> str:
     rows, nbytes = engram
     ran = ", ".join(f"{k} {v}" for k, v in attention.items() if v) or "none"
+    reused = f" (after {cached} from the prompt cache)" if cached else ""
     return "\n".join([
         "=" * 10,
-        f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec",
+        f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec{reused}",
         f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec",
         f"Peak memory: {last.peak_memory:.3f} GB",
         f"Engram: {rows} rows, {_bytes(nbytes)} read",
@@ -239,17 +363,32 @@ def check_draft(model, draft: int | str | None) -> None:
         raise CLIError(f"--draft {draft}: this checkpoint drafts at most {block} tokens (dspark_block_size)")
 
 
-def run(model, tokenizer, tokens: list[int], *, max_tokens: int, temp: float, top_p: float,
-        top_k: int, min_p: float, write, draft: int | str | None = None, stats=None) -> object:
-    """Stream the completion through `write(text)`; returns the last GenerationResponse. DSpark
-    drafts when the model has its weights and draft is not 0 (`stats`: a DraftStats to fill)."""
-    from .speculative import Sampling, stream_generate
+def run(model, tokenizer, tokens: list[int], *, max_tokens: int, sampling, write, draft: int | str | None = None,
+        stats=None, prompt_cache=None, draft_cache=None, prefill_step_size: int = 2048) -> object:
+    """Stream the completion through `write(text, token)`; returns the last GenerationResponse.
+    DSpark drafts when the model has its weights and draft is not 0 (`stats`: a DraftStats to
+    fill); `prompt_cache` (and `draft_cache`) may hold the prompt's start; long prompts report
+    their prefill."""
+    from .speculative import stream_generate
 
     last = None
-    for last in stream_generate(model, tokenizer, tokens, max_tokens, draft=draft, stats=stats,
-                                sampling=Sampling(temp, top_p, top_k, min_p)):
-        write(last.text)
+    for last in stream_generate(model, tokenizer, tokens, max_tokens, draft=draft, sampling=sampling, stats=stats,
+                                prompt_cache=prompt_cache, draft_cache=draft_cache,
+                                prefill_step_size=prefill_step_size, prompt_progress_callback=PrefillProgress()):
+        write(last.text, last.token)
     return last
+
+
+def context_limit(max_tokens: int, context: int, max_kv_size: int | None) -> int:
+    """--max-tokens within --max-kv-size: our caches cannot rotate (dropping old entries would change
+    what the model computes), so --max-kv-size bounds the context (prompt + generated) instead."""
+    if max_kv_size is None:
+        return max_tokens
+    if context >= max_kv_size:
+        raise CLIError(f"--max-kv-size {max_kv_size}: the prompt alone is {context} tokens")
+    if context + max_tokens > max_kv_size:
+        _note(f"NOTE: generating at most {max_kv_size - context} tokens (--max-kv-size {max_kv_size})")
+    return min(max_tokens, max_kv_size - context)
 
 
 @app.command()
@@ -262,16 +401,20 @@ def generate(
     prompt_file: Path = typer.Option(None, "--prompt-file", help="Read the prompt from a file."),
     chat_mode: bool = typer.Option(False, "--chat", help="Wrap the prompt in the DeepSeek-V4.1 chat "
                                    "encoding (one user turn)."),
-    thinking: bool = typer.Option(True, "--thinking/--no-thinking", help="Chat: thinking or chat mode."),
-    effort: str = typer.Option(chat.DEFAULT_EFFORT, "--effort", help="Chat, thinking mode: reasoning "
-                               "effort low (50), high (75), max (100) or 1..100."),
+    thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help="Chat: thinking "
+                                            "mode (the default) or chat mode."),
+    effort: str = typer.Option(None, "--effort", help="Chat, thinking mode: reasoning effort 1..100 or "
+                               "minimal (25), low (50), medium (62), high (75, the default), max (100)."),
     system: str = typer.Option(None, "--system", help="Chat: a system message."),
-    max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="Most tokens to generate."),
-    temp: float = typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature (0: greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling (1: off)."),
-    top_k: int = typer.Option(0, "--top-k", min=0, help="Top-k sampling (0: off)."),
-    min_p: float = typer.Option(0.0, "--min-p", min=0.0, max=1.0, help="Min-p sampling (0: off)."),
-    seed: int = typer.Option(None, "--seed", help="Random seed for sampling."),
+    max_tokens: int = typer.Option(None, "--max-tokens", min=1, help=f"Most tokens to generate "
+                                   f"(default {DEFAULT_MAX_TOKENS}, with --demo {DEMO_MAX_TOKENS})."),
+    temp: float = TEMP, top_p: float = TOP_P, top_k: int = TOP_K, min_p: float = MIN_P, seed: int = SEED,
+    prompt_cache_file: Path = typer.Option(None, "--prompt-cache-file", help="Save the prompt's caches "
+                                           "here; if the file exists, continue the prompt saved in it."),
+    max_kv_size: int = typer.Option(None, "--max-kv-size", min=1, help="Most tokens the caches may hold "
+                                    "(prompt + generated); generation stops there."),
+    prefill_step_size: int = typer.Option(2048, "--prefill-step-size", min=1, help="Prompt tokens per "
+                                          "forward pass while prefilling."),
     attention: Attention = typer.Option(Attention.auto, "--attention", help="Sparse-attention kernel "
                                         "variant on a GPU (the CPU runs the reference)."),
     moe_partition: Partition = typer.Option(Partition.experts, "--moe-partition", help="Under "
@@ -290,24 +433,45 @@ def generate(
 ):
     import mlx.core as mx
 
+    from . import prompt_cache
     from .demo import DemoError
     from .kernels import sparse_attention
+    from .speculative import DraftStats, Sampling
+    from .terminal import TokenWriter
 
     try:
         sparse_attention.set_default_variant(attention.value)
-        if system is not None and not chat_mode:
-            raise CLIError("--system needs --chat")
+        thinking_on, effort_value = chat_settings(chat_mode, thinking, effort, system)
         text, from_stdin = read_prompt(prompt, prompt_file)
-        effort_value = chat.parse_effort(effort)
         draft_value = parse_draft(draft)
         path = resolve_model(model, demo, convert_to, engram_from,
                              interactive=sys.stdin.isatty() and not from_stdin, dspark_from=dspark_from)
+        saved = None
+        if prompt_cache_file is not None and prompt_cache_file.exists():
+            saved = prompt_cache.read(prompt_cache_file, path)
+            check_saved_prompt(saved, prompt_cache_file, chat_mode=chat_mode, thinking=thinking, effort=effort,
+                               system=system)
         model_obj, tokenizer, cluster = load_for_generation(path, partition=moe_partition.value,
                                                             engram_mode=engram_mode, draft=draft_value)
         check_draft(model_obj, draft_value)
-        tokens = prompt_tokens(tokenizer, text, chat_mode=chat_mode, thinking=thinking,
-                               effort=effort_value, system=system)
-    except (CLIError, DemoError, ValueError) as e:
+        if cluster is not None and prompt_cache_file is not None:
+            raise CLIError("--prompt-cache-file: not under mlx.launch (each rank holds other experts)")
+        drafts = bool(model_obj.mtp) and draft_value != 0
+        if saved is not None:
+            prompt_cache.check_fits(saved, prompt_cache_file, model_obj)
+            start = continue_saved_prompt(saved, tokenizer, prompt_cache_file, text, chat_mode=chat_mode,
+                                          thinking=thinking, drafts=drafts)
+        else:
+            tokens = prompt_tokens(tokenizer, text, chat_mode=chat_mode, thinking=thinking_on,
+                                   effort=effort_value, system=system)
+            start = PromptStart(tokens, drafts)
+            if prompt_cache_file is not None:
+                start = start_cache_file(model_obj, path, prompt_cache_file, tokens, chat_mode=chat_mode,
+                                         thinking=thinking_on, effort=effort_value, step=prefill_step_size,
+                                         drafts=drafts)
+        default_tokens = DEMO_MAX_TOKENS if demo else DEFAULT_MAX_TOKENS
+        max_tokens = context_limit(max_tokens or default_tokens, start.cached + len(start.tokens), max_kv_size)
+    except (CLIError, DemoError, prompt_cache.PromptCacheError, ValueError) as e:
         _note(f"error: {e}")
         raise typer.Exit(1)
 
@@ -324,27 +488,22 @@ def generate(
         mx.random.seed(mx.distributed.all_sum(mx.random.state[0], group=cluster.group).view(mx.uint64).item())
     sparse_attention.reset_variant_counts()
 
-    def write(piece: str) -> None:
-        if rank0:
-            print(piece, end="", flush=True)
-
-    from .speculative import DraftStats
-
-    stats = DraftStats() if model_obj.mtp else None
-    last = run(model_obj, tokenizer, tokens, max_tokens=max_tokens, temp=temp, top_p=top_p,
-               top_k=top_k, min_p=min_p, write=write, draft=draft_value, stats=stats)
+    writer = TokenWriter(sys.stdout, chat.special_token_ids(tokenizer))
+    stats = DraftStats() if start.drafts else None
+    last = run(model_obj, tokenizer, start.tokens, max_tokens=max_tokens, sampling=Sampling(temp, top_p, top_k, min_p),
+               write=writer.write if rank0 else lambda text, token: None, draft=draft_value if start.drafts else 0,
+               stats=stats, prompt_cache=start.cache, draft_cache=start.draft_cache,
+               prefill_step_size=prefill_step_size)
     if rank0:
         print(flush=True)
         dspark = None if stats is None else stats.line() + (" (meaningless: synthetic weights)" if demo else "")
-        _note(statistics(last, engram_totals(model_obj), sparse_attention.variant_counts(), dspark))
+        _note(statistics(last, engram_totals(model_obj), sparse_attention.variant_counts(), start.cached, dspark))
         if demo:
             _note("NOTE: the demo's weights are synthetic: the text above is meaningless by design"
                   + (", and so is the DSpark acceptance rate." if stats is not None else "."))
 
 
 def main() -> None:
-    # transformers warns that a tokenizer-only load sees a "deepseek_v41" config: noise here.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     app()
 
 

@@ -84,7 +84,7 @@ SHIM_SOURCE = '''"""mlx-lm entry point of a DeepSeek-V4.1 checkpoint converted b
 
 `mlx_lm.load(this_directory, trust_remote_code=True)` runs this file: it returns mlx_dsv41's Model
 with the Engram token map and SSD row stores of this directory attached. Needs the mlx_dsv41
-package (pip install mlx_dsv41).
+package, installed from its source directory: pip install -e <path to the mlx_dsv41 checkout>.
 """
 
 from pathlib import Path
@@ -94,7 +94,8 @@ try:
     from mlx_dsv41.loading import converted_model_class
 except ImportError as e:
     raise ImportError(f"this checkpoint was converted by mlx_dsv41, which is not importable ({e}); "
-                      "install it: pip install mlx_dsv41") from None
+                      "install it from its source directory: pip install -e <path to the mlx_dsv41 "
+                      "checkout> (see its README)") from None
 
 Model = converted_model_class(Path(__file__).resolve().parent)
 '''

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -293,6 +295,23 @@ def converted_model_class(path: str | Path) -> type:
     return ConvertedModel
 
 
+class _ModelTypeWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("You are using a model of type")
+
+
+@contextmanager
+def _no_model_type_warning():
+    """transformers warns that loading the tokenizer meets a config whose model_type
+    ("deepseek_v41") it has no class for: true and harmless here, so it is dropped."""
+    logger, drop = logging.getLogger("transformers.configuration_utils"), _ModelTypeWarning()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
 def load(path: str | Path, *, lazy: bool = False, engram_mode: str | None = None,
          expert_range: tuple[int, int] | None = None):
     """(model, tokenizer) of a converted directory.
@@ -307,7 +326,8 @@ def load(path: str | Path, *, lazy: bool = False, engram_mode: str | None = None
     try:
         from mlx_lm.utils import load_config, load_tokenizer
 
-        tokenizer = load_tokenizer(path, eos_token_ids=load_config(path).get("eos_token_id"))
+        with _no_model_type_warning():
+            tokenizer = load_tokenizer(path, eos_token_ids=load_config(path).get("eos_token_id"))
     except Exception as e:  # noqa: BLE001 (transformers raises many types; the message is what counts)
         for store in model.engram_sources.values():
             store.close()

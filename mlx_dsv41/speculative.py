@@ -109,6 +109,23 @@ def accept(drafted: mx.array, draft_logits: mx.array, target_logits: mx.array,
     return n, mx.take_along_axis(candidates, n[:, None], axis=1)[:, 0]
 
 
+def feed(model, cache: list, tokens, *, draft_cache=None, step: int = 2048,
+         progress: Callable[[int], None] | None = None) -> None:
+    """Run `tokens` (a prompt's first part: nothing is chosen) into the main caches, `step` at a
+    time as mlx-lm prefills; with a `draft_cache`, the captured rows of every position too, so
+    drafting can start after them. `progress(done)` after every chunk."""
+    ids = mx.array(tokens, dtype=mx.int32).reshape(-1)
+    for lo in range(0, ids.shape[0], step):
+        chunk = ids[None, lo : lo + step]
+        if draft_cache is None:
+            model(chunk, cache)
+        else:
+            draft_cache.append(model(chunk, cache, capture=True)[1])
+        mx.eval([c.state for c in cache], [] if draft_cache is None else draft_cache.arrays())
+        if progress is not None:
+            progress(min(lo + step, ids.shape[0]))
+
+
 def _prefix_length(ok: mx.array) -> mx.array:
     """[B, k] bool -> [B] int32: how many leading entries of each row are True."""
     if ok.shape[1] == 0:
@@ -193,16 +210,28 @@ class SpeculativeDecoder:
         self.draft_cache.append(hidden)
         return logits
 
-    def prefill(self, prompt, step: int = 2048) -> tuple[int, mx.array]:
+    def prefill(self, prompt, step: int = 2048,
+                progress: Callable[[int, int], None] | None = None) -> tuple[int, mx.array]:
         """Run the prompt (all but its last token in chunks, then the last alone, as mlx-lm's
-        generate_step does); returns (x_{p+1}, its log-probabilities)."""
+        generate_step does); returns (x_{p+1}, its log-probabilities). `progress(done, total)` is
+        mlx-lm's prompt-progress callback: 0 first, after every chunk, and total once x_{p+1} is
+        chosen."""
         ids = mx.array(prompt, dtype=mx.int32).reshape(1, -1)
-        if ids.shape[1] == 0:
+        total = ids.shape[1]
+        if total == 0:
             raise ValueError("the prompt is empty")
-        for lo in range(0, ids.shape[1] - 1, step):
-            self._forward(ids[:, lo : min(lo + step, ids.shape[1] - 1)])
-            mx.eval(self.draft_cache.arrays())
-        logits = self._forward(ids[:, -1:])[0, -1]
+        report = progress or (lambda done, total: None)
+        report(0, total)
+        feed(self.model, self.cache, ids[0, :-1], draft_cache=self.draft_cache, step=step,
+             progress=lambda done: report(done, total))
+        first = self.start(ids[0, -1].item())
+        report(total, total)
+        return first
+
+    def start(self, last: int) -> tuple[int, mx.array]:
+        """Run the prompt's last token (the caches hold the rest) and choose x_{p+1}; returns it
+        and its log-probabilities."""
+        logits = self._forward(mx.array([[last]], mx.int32))[0, -1]
         token = self.sampling.choose(logits)
         mx.eval(token)
         self.token = int(token.item())
@@ -264,9 +293,10 @@ class SpeculativeDecoder:
         tokens = [int(t) for t in np.array(drafted[0, :n])] + [self.token]
         return [(t, logprobs[i], i < n) for i, t in enumerate(tokens)]
 
-    def generate(self, prompt, max_tokens: int, step: int = 2048) -> Iterator[tuple[int, mx.array, bool]]:
+    def generate(self, prompt, max_tokens: int, step: int = 2048,
+                 progress: Callable[[int, int], None] | None = None) -> Iterator[tuple[int, mx.array, bool]]:
         """(token, log-probabilities, from_draft) for up to max_tokens tokens (-1: no limit)."""
-        token, logprobs = self.prefill(prompt, step)
+        token, logprobs = self.prefill(prompt, step, progress)
         yield token, logprobs, False
         emitted = 1
         while max_tokens < 0 or emitted < max_tokens:
@@ -279,13 +309,16 @@ class SpeculativeDecoder:
 def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, draft: int | str | None = None,
                     sampling: Sampling = Sampling(), confidence: float = DEFAULT_CONFIDENCE,
                     prompt_cache: list | None = None, draft_cache=None, prefill_step_size: int = 2048,
-                    stats: DraftStats | None = None):
+                    stats: DraftStats | None = None,
+                    prompt_progress_callback: Callable[[int, int], None] | None = None):
     """mlx-lm's `stream_generate` contract (a generator of `GenerationResponse`s, stopping at EOS or
     after max_tokens, the last one with its finish_reason) with DSpark speculative decoding.
 
     draft: 0 turns drafting off, None drafts whole blocks, N or "auto" as SpeculativeDecoder.
     Without drafting (or when the model cannot draft) this is mlx-lm's own loop with the same
-    sampling. `stats` (a DraftStats) receives the rounds' counts."""
+    sampling. `prompt_cache` (and, drafting, `draft_cache` at the same position) may hold the
+    prompt's first tokens already: `prompt` is the rest. `stats` (a DraftStats) receives the
+    rounds' counts; `prompt_progress_callback(done, total)` reports the prefill as mlx-lm does."""
     from mlx_lm.generate import GenerationResponse
     from mlx_lm.generate import stream_generate as plain_stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -295,7 +328,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, draft: i
     if draft == 0 or not model.mtp:
         sampler = make_sampler(sampling.temp, top_p=sampling.top_p, min_p=sampling.min_p, top_k=sampling.top_k)
         yield from plain_stream_generate(model, tokenizer, prompt, max_tokens, sampler=sampler,
-                                         prompt_cache=prompt_cache, prefill_step_size=prefill_step_size)
+                                         prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
+                                         prompt_progress_callback=prompt_progress_callback)
         return
     if isinstance(prompt, str):
         add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
@@ -317,7 +351,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, draft: i
             generation_tps=(n + 1) / (time.perf_counter() - tic), peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish_reason)
 
-    for n, (token, logprobs, from_draft) in enumerate(decoder.generate(prompt, max_tokens, prefill_step_size)):
+    steps = decoder.generate(prompt, max_tokens, prefill_step_size, prompt_progress_callback)
+    for n, (token, logprobs, from_draft) in enumerate(steps):
         if n == 0:
             prompt_tps = len(prompt) / (time.perf_counter() - tic)
             tic = time.perf_counter()

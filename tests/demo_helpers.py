@@ -1,10 +1,15 @@
 """The demo checkpoint for the CLI / drop-in / server / example tests: built once per test session
 in the session's temp directory (never in ~/.cache), and the environment for subprocesses that
-makes `--demo` find it there; our own greedy loop, what mlx-lm's generation must reproduce."""
+makes `--demo` find it there; our own greedy loop, what mlx-lm's generation must reproduce; one
+demo server per session (`python -m mlx_dsv41.server --demo` on a free port)."""
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -64,3 +69,29 @@ def loaded(tmp_path_factory):
     import mlx_dsv41
 
     return mlx_dsv41.load(demo_checkpoint(tmp_path_factory))
+
+
+@pytest.fixture(scope="session", name="server")
+def demo_server(tmp_path_factory):
+    """(host, port, log file) of the session's demo server (default max_tokens 4)."""
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlx_dsv41.server", "--demo", "--port", "0", "--max-tokens", "4"],
+            cwd=REPO, env=demo_env(tmp_path_factory), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while True:
+            m = re.search(r"Serving on http://([\d.]+):(\d+)", log.read_text())
+            if m:
+                break
+            if proc.poll() is not None or time.time() > deadline:
+                pytest.fail(f"server did not start (exit {proc.poll()}):\n{log.read_text()}")
+            time.sleep(0.2)
+        yield m.group(1), int(m.group(2)), log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()

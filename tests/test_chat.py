@@ -45,14 +45,15 @@ def test_thinking_without_system_still_opens_with_the_effort_prefix():
 
 
 @pytest.mark.parametrize("given,value", [("low", 50), ("high", 75), ("max", 100), ("MAX", 100),
-                                         (1, 1), (100, 100), ("37", 37), (" 42 ", 42)])
+                                         (1, 1), (100, 100), ("37", 37), (" 42 ", 42),
+                                         ("minimal", 25), ("medium", 62), ("Medium", 62)])
 def test_effort_aliases_and_range(given, value):
     assert parse_effort(given) == value
     assert render([ASK], effort=given).startswith(BOS + S + effort(value) + U)
 
 
-@pytest.mark.parametrize("bad", [0, 101, -5, "medium", "xhigh", 2.5, True, None, "", "1e2"])
-def test_effort_outside_the_official_set_is_an_error(bad):
+@pytest.mark.parametrize("bad", [0, 101, -5, "none", "xhigh", 2.5, True, None, "", "1e2"])
+def test_unknown_efforts_are_errors(bad):
     with pytest.raises(ChatError, match="effort"):
         parse_effort(bad)
     with pytest.raises(ChatError, match="effort"):
@@ -231,3 +232,22 @@ def test_mlx_lm_tokenizer_renders_through_this_module(tmp_path, tokenizer):
                                        enable_thinking=False, reasoning_effort="max") == render(msgs, thinking=False)
     assert wrapped.apply_chat_template(msgs[:2], tokenize=False) == render(msgs[:2], add_generation_prompt=False)
     assert wrapped.apply_chat_template(msgs, add_generation_prompt=True) == encode(tokenizer, msgs)
+
+
+def test_special_token_ids_are_the_added_special_tokens():
+    from mlx_dsv41.demo import IMAGE, PAD
+
+    tokenizer = build_tokenizer()
+    names = {*chat.CONTROL_TOKENS, PAD, IMAGE, "<｜latest_reminder｜>"}
+    assert chat.special_token_ids(tokenizer) == {tokenizer.token_to_id(n) for n in names}
+
+
+def test_a_continuation_extends_an_open_user_turn():
+    """Encoding [user: a] without its header, then continuing it with b, gives the tokens of
+    [user: a + b] when b starts a new pre-token (here: a space)."""
+    tokenizer = build_tokenizer()
+    for thinking in (True, False):
+        opened = encode(tokenizer, [{"role": "user", "content": "The cat"}], thinking=thinking,
+                        add_generation_prompt=False)
+        whole = encode(tokenizer, [{"role": "user", "content": "The cat sat."}], thinking=thinking)
+        assert opened + chat.encode_continuation(tokenizer, " sat.", thinking=thinking) == whole

@@ -2,6 +2,7 @@
 `error: ...` on stderr naming what is wrong, no traceback, and nothing loadable left behind."""
 
 import json
+import re
 import shutil
 import struct
 
@@ -138,3 +139,38 @@ def test_bad_options(sources, tmp_path):
            "--dtype", "bf16", "--engram-from", sources / "engram")
     _fails(sources / "official", tmp_path / "out", "dtype 'fp16' is not supported", "--dtype", "fp16")
     _fails(tmp_path / "nowhere", tmp_path / "out", "nowhere: no such directory")
+
+
+def test_not_enough_disk_space_is_refused_before_writing(sources, tmp_path):
+    """The CLI in a fresh process whose disk reports 1 MB free: one line saying how much the
+    conversion needs, exit 1, and neither OUT nor OUT.partial created."""
+    import subprocess
+    import sys
+
+    from convert_fixtures import REPO
+
+    out = tmp_path / "out"
+    code = ("import shutil, sys; real = shutil.disk_usage; shutil.disk_usage = lambda p: real(p)._replace(free=10**6); "
+            "from mlx_dsv41.convert import main; sys.argv[0] = 'convert'; main()")
+    r = subprocess.run([sys.executable, "-c", code, str(sources / "exl3"), str(out), "--engram-from",
+                        str(sources / "engram"), "--quiet"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert re.fullmatch(rf"error: not enough free disk space for {out}: the conversion writes \d+\.\d GB, "
+                        rf"{tmp_path} has 0\.0 GB free\n", r.stderr), r.stderr
+    assert not out.exists() and not layout.partial_dir(out).exists()
+
+
+def test_the_space_estimate_covers_what_is_written(sources, tmp_path):
+    from convert import convert_checkpoint
+    from convert.checkpoint import SPACE_MARGIN, output_bytes
+    from convert.plan import plan_steps
+    from convert.source import open_source
+
+    out = convert_checkpoint(sources / "exl3", tmp_path / "out", engram_from=sources / "engram", progress=False)
+    written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    source = open_source(sources / "exl3", sources / "engram")
+    try:
+        estimate = output_bytes(source, plan_steps(source, None))
+    finally:
+        source.close()
+    assert written <= estimate <= written + SPACE_MARGIN

@@ -41,6 +41,19 @@ def test_load_returns_a_working_pair(converted):
     assert tokenizer.eos_token_ids == {1}
 
 
+def test_load_prints_no_transformers_warning(converted):
+    """transformers' "You are using a model of type ..." (its config class has no deepseek_v41) is
+    dropped: the load is silent, in a fresh process with transformers' default verbosity."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_VERBOSITY"}
+    code = f"import mlx_dsv41; mlx_dsv41.load({str(converted / 'out')!r}, lazy=True)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
 def test_converted_tokenizer_renders_the_official_chat_encoding(converted):
     from mlx_dsv41 import chat
 

@@ -1,48 +1,22 @@
-"""`python -m mlx_dsv41.server` on the demo checkpoint, in a subprocess on a free local port:
-chat completions (plain and streamed) in the DeepSeek-V4.1 encoding, two concurrent requests,
-a client that disconnects mid-stream (its generation stops: the server's Engram read counter
-stops moving), malformed requests (400 JSON errors, and the server keeps serving)."""
+"""`python -m mlx_dsv41.server` on the demo checkpoint, in a subprocess on a free local port, through
+raw HTTP and the official `openai` client: chat completions (plain and streamed) in the
+DeepSeek-V4.1 encoding, chat mode by default and thinking on request, two concurrent requests, a
+client that disconnects mid-stream or mid-prefill (its generation stops: the server's Engram read
+counter stops moving), a long prompt that does not block a short request, malformed and
+unhonourable requests (400s in OpenAI's error shape, and the server keeps serving)."""
 
 import http.client
 import json
+import random
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import mlx.core as mx
+import openai
 import pytest
-from demo_helpers import REPO, demo_env
-
-STARTUP_S = 120
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_dsv41.server", "--demo", "--port", "0", "--max-tokens", "4"],
-            cwd=REPO, env=demo_env(tmp_path_factory), stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + STARTUP_S
-        while True:
-            m = re.search(r"Serving on http://([\d.]+):(\d+)", log.read_text())
-            if m:
-                break
-            if proc.poll() is not None or time.time() > deadline:
-                pytest.fail(f"server did not start (exit {proc.poll()}):\n{log.read_text()}")
-            time.sleep(0.2)
-        yield m.group(1), int(m.group(2)), log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
+from demo_helpers import demo_server, detokenize, greedy, loaded  # noqa: F401 (fixtures: server, loaded)
 
 def request(server, method, path, body=None, raw: bytes | None = None, timeout=120):
     host, port, _ = server
@@ -74,23 +48,37 @@ def test_binds_localhost_and_names_one_model(server):
 
 
 def test_chat_completion_uses_the_v41_encoding(server):
-    thinking = chat_request(server, HI, max_tokens=3)
-    choice = thinking["choices"][0]
-    assert choice["finish_reason"] == "length" and thinking["usage"]["completion_tokens"] == 3
-    assert thinking["model"] == "mlx_dsv41-demo"
-    # thinking mode: the prompt ends with <think>, so the reply starts in the reasoning channel
-    assert choice["message"]["reasoning"] and choice["message"]["content"] is None
-    # usage counts the official encoding: BOS, <｜System｜>, effort sentence, <｜User｜>, text, header
+    """Chat mode unless the request asks for reasoning; usage counts the official encoding."""
     from mlx_dsv41 import chat
     from mlx_dsv41.demo import build_tokenizer
 
+    plain = chat_request(server, HI, max_tokens=3)
+    choice = plain["choices"][0]
+    assert choice["finish_reason"] == "length" and plain["usage"]["completion_tokens"] == 3
+    assert plain["model"] == "mlx_dsv41-demo"
+    assert choice["message"]["content"] and "reasoning" not in choice["message"]  # the answer channel
+    thinking = chat_request(server, HI, max_tokens=3, reasoning_effort="high")
+    # thinking mode: the prompt ends with <think>, so the reply starts in the reasoning channel
+    assert thinking["choices"][0]["message"]["reasoning"] and thinking["choices"][0]["message"]["content"] is None
     tok = build_tokenizer()
-    for options, fields in [({}, {}), ({"thinking": False}, {"chat_template_kwargs": {"thinking": False}}),
+    for options, fields in [({"thinking": False}, {}), ({"thinking": False}, {"reasoning_effort": "none"}),
+                            ({"thinking": True}, {"chat_template_kwargs": {"thinking": True}}),
                             ({"effort": 100}, {"reasoning_effort": "max"})]:
         reply = chat_request(server, HI, max_tokens=1, **fields)
         assert reply["usage"]["prompt_tokens"] == len(chat.encode(tok, HI, **options))
-    plain = chat_request(server, HI, max_tokens=3, chat_template_kwargs={"thinking": False})
-    assert plain["choices"][0]["message"]["content"]  # chat mode: the answer channel
+
+
+@pytest.mark.parametrize("effort,value", [("medium", 62)])
+def test_openai_reasoning_efforts_map_onto_the_official_scale(server, loaded, effort, value):
+    """The reply to reasoning_effort=NAME is exactly our greedy continuation of the prompt rendered
+    with effort VALUE (the effort sentence is part of the prompt, so another value gives other
+    logits)."""
+    from mlx_dsv41 import chat
+
+    model, tokenizer = loaded
+    reply = chat_request(server, HI, max_tokens=3, reasoning_effort=effort)["choices"][0]["message"]
+    want = greedy(model, tokenizer, chat.encode(tokenizer, HI, thinking=True, effort=value), 3)
+    assert reply["reasoning"] == detokenize(tokenizer, want)
 
 
 def _stream_events(server, body):
@@ -150,10 +138,9 @@ def test_prompt_cache_exact_hits_and_long_trims_stay_usable():
     token (mlx-lm alone returns an empty remainder, which kills its generation thread); reusing an
     entry that would need more than `max_trim()` tokens removed falls back to no cache instead of
     raising in the generation thread."""
-    from mlx_dsv41 import server as ours
+    from mlx_dsv41.server_generation import PromptCache
     from mlx_dsv41.testing import tiny_model
 
-    PromptCache = ours._make_classes()[0]
     model = tiny_model(seed=0)
     tokens = list(range(3, 60))
     cache = model.make_cache()
@@ -181,21 +168,60 @@ def test_dspark_drafts_per_request_and_the_batched_path_agrees(server):
     assert len(after["acceptance_by_position"]) >= 3
 
 
+def test_the_draft_lane_answers_as_the_batch_does(loaded):
+    """In process, on the demo: a drafting sequence of two segments, fed 3 tokens a unit, reports
+    its progress and segment ends as mlx-lm's BatchGenerator does; a copy of its caches taken at a
+    segment end holds exactly the tokens it says (and stays put while the sequence runs on); its
+    tokens are our greedy ones; its finished caches hold exactly `all_tokens`."""
+    from mlx_lm.generate import make_stop_sequences
+
+    from mlx_dsv41 import chat
+    from mlx_dsv41.server_dspark import DraftingSequence, DraftLane, DraftRequest
+    from mlx_dsv41.speculative import DraftStats, Sampling
+
+    model, tokenizer = loaded
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the cat."}]
+    prompt = chat.encode(tokenizer, msgs, thinking=False)
+    system = chat.encode(tokenizer, msgs[:1], add_generation_prompt=False, thinking=False)
+    lane, stats = DraftLane(), DraftStats()
+    lane.add(DraftingSequence(7, model, [system, prompt[len(system):]], [*model.make_cache(), model.make_draft_cache()],
+                              [], DraftRequest(None, Sampling(), stats), 6, make_stop_sequences(tokenizer)))
+    progress, tokens, copies = [], [], []
+    while 7 in lane:
+        prompt_responses, generation_responses, _, _ = lane.step(3, 0.0)
+        for r in prompt_responses:
+            progress.append((r.progress, r.end_of_segment, r.end_of_prompt))
+            if r.end_of_segment and not r.end_of_prompt:
+                copies.append(lane.extract_cache([7])[7])
+        tokens += generation_responses
+    n = len(prompt)
+    chunks = [*range(3, len(system), 3), len(system), *range(len(system) + 3, n - 1, 3), n - 1]
+    assert [p for p, _, _ in progress] == [(k, n) for k in chunks] + [(n, n)]
+    assert [(end, last) for _, end, last in progress if end] == [(True, False)] * 2 + [(True, True)]
+    assert [len(held) for _, held in copies] == [len(system), n - 1]
+    assert all(c.offset == len(held) for caches, held in copies for c in caches)
+    assert [held for _, held in copies] == [system, prompt[:-1]]
+    assert [r.token for r in tokens] == greedy(model, tokenizer, prompt, 6) and tokens[-1].finish_reason == "length"
+    final = tokens[-1]
+    assert final.all_tokens[: n] == prompt and all(c.offset == len(final.all_tokens) for c in final.prompt_cache)
+    assert final.all_tokens[n:] == [r.token for r in tokens][:-1] and stats.forwards >= 1
+
+
 def test_seeded_sampling_is_served_and_repeatable(server):
     """A request with a seed is served one at a time (mlx-lm's unbatched path) with our caches."""
     replies = [chat_request(server, HI, max_tokens=3, temperature=1.0, seed=7)["choices"][0]["message"]
                for _ in range(2)]
-    assert replies[0] == replies[1] and replies[0]["reasoning"]
+    assert replies[0] == replies[1] and replies[0]["content"]
 
 
 def _stats(server):
     return json.loads(request(server, "GET", "/v1/stats")[1])
 
 
-def _send(server, stream: bool) -> socket.socket:
+def _send(server, stream: bool, messages=HI, max_tokens=5000, **fields) -> socket.socket:
     host, port, _ = server
     sock = socket.create_connection((host, port), timeout=60)
-    body = json.dumps({"messages": HI, "max_tokens": 5000, "stream": stream}).encode()
+    body = json.dumps({"messages": messages, "max_tokens": max_tokens, "stream": stream, **fields}).encode()
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     return sock
@@ -219,42 +245,131 @@ def test_client_disconnect_stops_generation(server, stream):
             seen, last = seen + (rows > last), rows
             time.sleep(0.05)
     sock.close()
-    deadline = time.time() + 30
-    while _stats(server)["stopped_by_disconnect"] == before["stopped_by_disconnect"]:
-        assert time.time() < deadline, "the server never noticed the disconnect"
-        time.sleep(0.2)
-    # A step (or a DSpark round: a draft and a 6-token verify) already running may still finish:
-    # wait until the counter holds still for a second.
-    rows, still = _stats(server)["engram_rows_read"], time.time()
-    while time.time() - still < 1.0:
-        assert time.time() < deadline + 30, "generation continued after the disconnect"
-        time.sleep(0.2)
-        now = _stats(server)["engram_rows_read"]
-        rows, still = (now, time.time()) if now != rows else (rows, still)
-    time.sleep(2.0)  # ~10 decode steps of the demo on this CPU, had it kept going
-    assert _stats(server)["engram_rows_read"] == rows, "generation continued after the disconnect"
+    _stops_after_the_disconnect(server, before, "generation", 2.0)  # ~10 decode steps of the demo on this CPU
     assert "client disconnected; generation stopped" in log.read_text()
     assert chat_request(server, HI, max_tokens=2)["usage"]["completion_tokens"] == 2  # still serving
 
 
-@pytest.mark.parametrize("raw,match", [
-    (b"{not json", "Invalid JSON"),
-    (b"[1, 2]", "JSON dictionary"),
-    (json.dumps({"max_tokens": 2}).encode(), "messages"),
-    (json.dumps({"messages": "hi"}).encode(), "non-empty list"),
-    (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), "role 'robot'"),
-    (json.dumps({"messages": HI, "reasoning_effort": "medium"}).encode(), "effort"),
-    (json.dumps({"messages": HI, "max_tokens": 0}).encode(), "max_tokens"),
-    (json.dumps({"messages": HI, "logit_bias": {"99999": 1.0}}).encode(), "outside the vocabulary"),
+def _stops_after_the_disconnect(server, before: dict, what: str, seconds: float) -> None:
+    """The server notices that the client went away (its counter moves past `before`'s), and the
+    Engram read counter, once it has held still for a second, holds still `seconds` more. Work
+    under way when the disconnect was noticed may still finish: a decode step, a DSpark round, the
+    prefill chunks of mlx-lm's time budget (it removes a stopped request only after it)."""
+    deadline = time.time() + 30
+    while _stats(server)["stopped_by_disconnect"] == before["stopped_by_disconnect"]:
+        assert time.time() < deadline, "the server never noticed the disconnect"
+        time.sleep(0.2)
+    rows, still = _stats(server)["engram_rows_read"], time.time()
+    while time.time() - still < 1.0:
+        assert time.time() < deadline + 30, f"{what} continued after the disconnect"
+        time.sleep(0.2)
+        now = _stats(server)["engram_rows_read"]
+        rows, still = (now, time.time()) if now != rows else (rows, still)
+    time.sleep(seconds)
+    assert _stats(server)["engram_rows_read"] == rows, f"{what} continued after the disconnect"
+
+
+def _timed_request(server, timeout: float, **fields) -> float:
+    start = time.perf_counter()
+    status, payload = request(server, "POST", "/v1/chat/completions", {"messages": HI, "max_tokens": 5, **fields},
+                              timeout=timeout)
+    assert status == 200 and json.loads(payload)["usage"]["completion_tokens"] == 5
+    return time.perf_counter() - start
+
+
+@pytest.mark.parametrize("fields", [{}, {"num_draft_tokens": 0}], ids=["drafting", "batched"])
+def test_a_long_abandoned_prompt_neither_blocks_nor_keeps_running(server, fields):
+    """An 8k-token prompt (several minutes of prefill on a 2-core CPU, mlx-lm's 2048-token chunks
+    tens of seconds each) is sent, then a short request: the short one is answered about as fast
+    as on an idle server, because prefill chunks are sliced in time between its decode steps.
+    Then the long one's client goes away before its first token: its prefill stops. Both with
+    DSpark (the default: the two take turns in the draft lane) and on mlx-lm's batched path."""
+    rng = random.Random(0)
+    words = "the cat sat on a mat and then it ran back again while the dog slept".split()
+    long = [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(4000))}]
+    idle = _timed_request(server, timeout=120, **fields)
+    bound = 3 * idle + 30  # generous: about blocking, not speed (mlx-lm's chunking: minutes)
+    before = _stats(server)
+    sock = _send(server, stream=False, messages=long, max_tokens=5, **fields)
+    deadline = time.time() + 60
+    while _stats(server)["engram_rows_read"] == before["engram_rows_read"]:  # prefill has started
+        assert time.time() < deadline, "the long prompt never started"
+        time.sleep(0.1)
+    assert _timed_request(server, timeout=bound, **fields) < bound
+    drafted = _stats(server)["dspark"]["main_forwards"] > before["dspark"]["main_forwards"]
+    assert drafted == (not fields)  # the short request took the path under test
+    sock.close()
+    _stops_after_the_disconnect(server, before, "prefill", 3.0)
+
+
+@pytest.mark.parametrize("raw,match,param", [
+    (b"{not json", "Invalid JSON", None),
+    (b"[1, 2]", "JSON dictionary", None),
+    (json.dumps({"max_tokens": 2}).encode(), "messages", "messages"),
+    (json.dumps({"messages": "hi"}).encode(), "non-empty list", "messages"),
+    (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), "role 'robot'", "messages"),
+    (json.dumps({"messages": HI, "reasoning_effort": "extreme"}).encode(), "effort", "reasoning_effort"),
+    (json.dumps({"messages": HI, "reasoning_effort": "high", "chat_template_kwargs": {"thinking": False}}).encode(),
+     "needs thinking mode", "reasoning_effort"),
+    (json.dumps({"messages": HI, "max_tokens": 0}).encode(), "max_tokens", "max_tokens"),
+    (json.dumps({"messages": HI, "temperature": "hot"}).encode(), "temperature", "temperature"),
+    (json.dumps({"messages": HI, "logit_bias": {"99999": 1.0}}).encode(), "outside the vocabulary", "logit_bias"),
     (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url":
                                                             {"url": "http://127.0.0.1:9/x.png"}}]}]}).encode(),
-     "image_url"),
+     "image_url", "messages"),
 ])
-def test_malformed_requests_get_400_json_and_the_server_keeps_serving(server, raw, match):
+def test_malformed_requests_get_400_in_openai_shape_and_the_server_keeps_serving(server, raw, match, param):
     status, payload = request(server, "POST", "/v1/chat/completions", raw=raw)
     assert status == 400
-    assert re.search(match, json.loads(payload)["error"])
+    error = json.loads(payload)["error"]
+    assert re.search(match, error["message"]) and error["type"] == "invalid_request_error"
+    assert error["param"] == param and set(error) == {"message", "type", "param", "code"}
     assert request(server, "GET", "/health")[0] == 200
+
+
+def test_unknown_paths_are_404_in_openai_shape(server):
+    for method, path in [("GET", "/v1/nothing"), ("POST", "/v1/embeddings")]:
+        status, payload = request(server, method, path, {"input": "x"} if method == "POST" else None)
+        assert status == 404
+        assert json.loads(payload)["error"]["message"] == f"no such endpoint: {method} {path}"
+
+
+def _client(server):
+    host, port, _ = server
+    return openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("fields,param,code,match", [
+    ({"model": "gpt-4o"}, "model", "model_not_found", r"model 'gpt-4o' is not served here; this server serves 'mlx_dsv41-demo'"),
+    ({"n": 2}, "n", None, r"n must be 1"),
+    ({"response_format": {"type": "json_object"}}, "response_format", None, r"'json_object' is not supported"),
+    ({"max_tokens": 10**9}, "max_tokens", "context_length_exceeded",
+     r"context is 1048576 tokens; the request asks for 1000000010 \(10 in the prompt"),
+])
+def test_the_openai_client_sees_why_a_request_is_refused(server, fields, param, code, match):
+    """What the server cannot honour is refused, and the official client shows the reason."""
+    args = {"model": "mlx_dsv41-demo", "messages": HI, "max_tokens": 2, **fields}
+    with pytest.raises(openai.BadRequestError) as caught:
+        _client(server).chat.completions.create(**args)
+    e = caught.value
+    assert e.status_code == 400 and re.search(match, e.message)
+    assert e.body["param"] == param and e.body["code"] == code
+
+
+def test_the_openai_client_gets_answers_and_streams(server, loaded):
+    """Accepted requests through the official client: the served name, response_format text, n=1,
+    streaming; the text is exactly our greedy continuation."""
+    from mlx_dsv41 import chat
+
+    model, tokenizer = loaded
+    want = detokenize(tokenizer, greedy(model, tokenizer, chat.encode(tokenizer, HI, thinking=False), 4))
+    client = _client(server)
+    reply = client.chat.completions.create(model="mlx_dsv41-demo", messages=HI, max_tokens=4, n=1,
+                                           response_format={"type": "text"})
+    assert reply.choices[0].message.content == want and reply.usage.completion_tokens == 4
+    stream = client.chat.completions.create(model="mlx_dsv41-demo", messages=HI, max_tokens=4, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+    assert [m.id for m in client.models.list()] == ["mlx_dsv41-demo"]
 
 
 def test_server_still_answers_after_the_bad_requests(server):
@@ -268,8 +383,8 @@ def test_a_failing_generation_thread_fails_its_requests_and_restarts():
     from queue import Queue
 
     from mlx_dsv41 import server as ours
+    from mlx_dsv41.server_generation import ModelProvider, ResponseGenerator
 
-    _, ModelProvider, ResponseGenerator, _, _ = ours._make_classes()
     runs = []
 
     class Flaky(ResponseGenerator):
@@ -292,3 +407,26 @@ def test_a_failing_generation_thread_fails_its_requests_and_restarts():
         assert gen.restarts == 1 and gen.is_healthy
     finally:
         gen.stop_and_join()
+
+
+@pytest.mark.parametrize("fixed,per_token,want", [
+    (0.9, 0.011, 81),  # a CPU: one forward pass alone costs more than the slice -> twice its fixed cost
+    (0.001, 0.0001, 2048),  # a GPU: the slice holds more than --prefill-step-size -> capped
+    (0.01, 0.001, 490),  # in between: about the slice, (0.5 - 0.01) / 0.001 tokens
+])
+def test_prefill_chunks_settle_where_the_cost_model_says(fixed, per_token, want):
+    """The chunk-size controller fed exact timings of `seconds = fixed + per_token x tokens`, from
+    mlx-lm's fixed first chunk on: it settles on the size its rule gives, growing at most 2x a step."""
+    from mlx_dsv41.server_generation import FIRST_STEP, SlicedBatchGenerator
+
+    gen = SlicedBatchGenerator.__new__(SlicedBatchGenerator)  # the controller only: no model
+    gen.prefill_slice, gen.max_step, gen.timings, gen.prefill_step_size = 0.5, 2048, [], FIRST_STEP
+    gen._old_wired_limit = None  # what BatchGenerator.__del__ reads
+    sizes = []
+    for _ in range(12):
+        n = gen.prefill_step_size
+        gen.record(n, fixed + per_token * n)
+        gen.prefill_step_size = gen._step(prompts=1)
+        assert gen.prefill_step_size <= 2 * n
+        sizes.append(gen.prefill_step_size)
+    assert all(abs(size - want) <= 1 for size in sizes[-4:]), sizes  # settled (float rounding: +-1)

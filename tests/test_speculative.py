@@ -172,6 +172,36 @@ def assert_same_cache(a, b):
             assert np.array_equal(x[:, x.shape[1] - open_group :], y[:, y.shape[1] - open_group :])
 
 
+def test_a_saved_prompt_with_its_draft_state_drafts_as_one_prefill(model, reference, tmp_path):
+    """generate --prompt-cache-file: the prompt's start fed (`feed`, in chunks) into the main caches
+    and the DraftCache, saved (mlx-lm's file, the DraftCache beside it) and read back, then
+    continued, drafts the very blocks of one whole prefill (the head reads the saved rows: a fresh
+    or misplaced DraftCache drafts others) and emits the plain greedy tokens; progress is mlx-lm's."""
+    from mlx_dsv41 import prompt_cache
+    from mlx_dsv41.speculative import feed
+
+    head, rest, file = PROMPT[:9], PROMPT[9:], tmp_path / "prompt.safetensors"
+    cache, draft_cache = model.make_cache(), model.make_draft_cache()
+    feed(model, cache, head, draft_cache=draft_cache, step=4)
+    prompt_cache.save(file, cache, head, tmp_path, None, draft_cache)
+    saved = prompt_cache.read(file, tmp_path)
+    assert prompt_cache.draft_file(file).is_file() and saved.cached == saved.draft_cache.offset == len(head)
+    resumed = SpeculativeDecoder(model, draft=3, cache=saved.cache, draft_cache=saved.draft_cache)
+    whole = SpeculativeDecoder(model, draft=3)
+    reports = []
+    assert resumed.prefill(rest, step=2, progress=lambda *r: reports.append(r))[0] == whole.prefill(PROMPT)[0]
+    assert reports == [(0, 4), (2, 4), (3, 4), (4, 4)]
+    ours, theirs = resumed.draft(), whole.draft()
+    assert np.array_equal(np.array(ours.tokens), np.array(theirs.tokens))
+    assert np.array_equal(np.array(ours.logits), np.array(theirs.logits))
+    emitted = [resumed.token]
+    while len(emitted) < N:
+        emitted += [token for token, _, _ in resumed.round(N - len(emitted))]
+    assert emitted == reference[:N]
+    prompt_cache.save(file, cache, head, tmp_path, None)  # without a DraftCache: no stale one left beside
+    assert not prompt_cache.draft_file(file).exists() and prompt_cache.read(file, tmp_path).draft_cache is None
+
+
 @pytest.mark.parametrize("wrong_at", [1, 2])
 def test_a_rejected_tail_leaves_every_cache_as_if_never_decoded(model, reference, wrong_at):
     """A 6-token verify keeps 1 + wrong_at tokens: window rings, compressed KV and index keys

@@ -9,8 +9,10 @@
     {reasoning}</think>{content}{DSML tool calls}<｜end▁of▁sentence｜>   an assistant turn
 
 Rules (spec §7; the official `encoding/encoding.py` as its ports describe it):
-- Reasoning effort is an integer 1..100 or an official alias: low = 50, high = 75 (default),
-  max = 100 (not vLLM's mapping). Only thinking mode renders it, at message 0.
+- Reasoning effort is an integer 1..100 or a name: the official aliases low = 50, high = 75
+  (default), max = 100 (not vLLM's mapping), and OpenAI's other `reasoning_effort` names mapped
+  onto the same scale: minimal = 25 (half of low), medium = 62 (midway between low and high).
+  Only thinking mode renders it, at message 0.
 - Chat mode: every header is `<｜Assistant｜></think>` and no reasoning is rendered.
 - drop_thinking (default on; off when the conversation carries tools): reasoning of assistant
   turns before the last user turn is dropped, and their headers become `</think>` headers.
@@ -48,7 +50,9 @@ END_THINK = "</think>"
 DSML = "｜DSML｜"
 CONTROL_TOKENS = (BOS, EOS, USER, ASSISTANT, SYSTEM, THINK, END_THINK, DSML)
 
-EFFORT_ALIASES = {"low": 50, "high": 75, "max": 100}
+EFFORT_ALIASES = {"low": 50, "high": 75, "max": 100}  # the official file's
+OPENAI_EFFORTS = {"minimal": 25, "low": 50, "medium": 62, "high": 75}  # OpenAI's names, our mapping
+EFFORT_NAMES = {**OPENAI_EFFORTS, **EFFORT_ALIASES}
 DEFAULT_EFFORT = "high"
 EFFORT_SENTENCE = ("Reasoning Effort: {} (range 1-100, the higher the value, the more thorough "
                    "the reasoning)\n\n")
@@ -87,15 +91,16 @@ class ChatError(ValueError):
 
 
 def parse_effort(value: Any) -> int:
-    """An effort as given by a user ("low" | "high" | "max" | 1..100, int or digits) -> 1..100."""
+    """An effort as given by a user (a name of EFFORT_NAMES or 1..100, int or digits) -> 1..100."""
     if isinstance(value, str):
         text = value.strip().lower()
-        if text in EFFORT_ALIASES:
-            return EFFORT_ALIASES[text]
+        if text in EFFORT_NAMES:
+            return EFFORT_NAMES[text]
         if text.isdigit():
             value = int(text)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ChatError(f"reasoning effort must be low, high, max or an integer 1..100; got {value!r}")
+        raise ChatError(f"reasoning effort must be {', '.join(EFFORT_NAMES)} or an integer 1..100; "
+                        f"got {value!r}")
     if not 1 <= value <= 100:
         raise ChatError(f"reasoning effort must be in 1..100; got {value}")
     return value
@@ -352,6 +357,11 @@ def control_token_ids(tokenizer) -> dict[str, int]:
     return ids
 
 
+def special_token_ids(tokenizer) -> set[int]:
+    """Ids of the tokenizer's special added tokens (the control tokens, pad, image, ...)."""
+    return {i for i, t in _backend(tokenizer).get_added_tokens_decoder().items() if t.special}
+
+
 def encode(tokenizer, messages: list[dict], **options) -> list[int]:
     """Token ids of the prompt: control tokens by id, all text with special-token matching off."""
     ids = control_token_ids(tokenizer)
@@ -360,6 +370,14 @@ def encode(tokenizer, messages: list[dict], **options) -> list[int]:
     for p in render_pieces(messages, **options):
         out += [ids[p.text]] if p.control else plain.encode(p.text, add_special_tokens=False).ids
     return out
+
+
+def encode_continuation(tokenizer, text: str, *, thinking: bool = True) -> list[int]:
+    """Tokens that continue an open user turn (a prompt encoded without its answer header) with
+    `text`, then open the answer: how a cached chat prompt is continued."""
+    ids = control_token_ids(tokenizer)
+    body = _plain_text_tokenizer(_backend(tokenizer)).encode(text, add_special_tokens=False).ids
+    return body + [ids[ASSISTANT], ids[THINK if thinking else END_THINK]]
 
 
 # ------------------------------------------------------------------------------ mlx-lm glue
