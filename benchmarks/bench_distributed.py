@@ -9,9 +9,10 @@ Plain `--out DIR` (how gpu_run.sh calls every benchmark) prints a note and measu
 What a run measures:
 - Exchange cost (ranks only): a decode-sized exchange (k x hidden bf16; `all_sum` of [6, 5120] as in
   "experts" mode, `all_gather` of [3, 5120] per rank as in "slots" mode) evaluated alone
-  (`mx.eval` per call: the ~109 µs reading of mlx-notes §3) and as a chain of --chain exchanges in
-  one graph (each consumes the previous, as the MoE layers of a forward do), per exchange; the same
-  chain without collectives gives the launch cost they ride on. Medians over --repeats.
+  (`mx.eval` per call: the ~109 µs reading of docs/mlx.md#cuda-offline) and as a chain of --chain
+  exchanges in one graph (each consumes the previous, as the MoE layers of a forward do), per
+  exchange; the same chain without collectives gives the launch cost they ride on. Medians over
+  --repeats.
 - Decode of a --layers-layer model with Flash dimensions (hidden 5120, 64 heads x 512, 384
   experts of 2304, top-6, vocab 129280, the Flash layer roles at that depth, no Engram): routed
   experts are EXL3 (K = --bits, --codebook) with random trellises generated on the GPU, one key per

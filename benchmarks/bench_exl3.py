@@ -153,7 +153,7 @@ def device_read_bandwidth(repeats: int) -> dict:
 
 
 def random_trellis(shape_prefix, bits: int) -> mx.array:
-    """Random int16 trellis (every pattern is valid, exl3 spec §2.3): 16K words per tile."""
+    """Random int16 trellis (every pattern is valid, docs/exl3.md#bit-ring): 16K words per tile."""
     return mx.random.randint(-(1 << 15), 1 << 15, (*shape_prefix, 16 * bits), dtype=mx.int16)
 
 

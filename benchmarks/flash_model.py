@@ -1,16 +1,16 @@
 """A Flash-shaped model for benchmarks: the real V4.1-Flash dimensions and layer roles, every linear
 in the format the real 2.9 bpw EXL3 pack stores it in, random weights built on the device.
 
-Formats (docs: the EXL3 pack's per-tensor K, exl3 spec §5.4): EXL3 MUL1 with
+Formats (docs: the EXL3 pack's per-tensor K, docs/checkpoint.md#exl3-bitrates): EXL3 MUL1 with
   routed experts K = 3 (2 in layers 18-22), shared experts K = 5 (4 in layers 11-29),
   attention (wq_a, wq_b, wkv, wo_a per group slice, wo_b, compressor wkv/wgate, indexer wq_b) K = 5,
   indexer wk K = 8, head K = 6;
 native: the embedding, norms, router weight and bias, sinks, mHC tensors, indexer weights_proj
 (bf16, or fp32 where the model holds fp32). Engram is off (its work is host-side row reads).
 
-Random trellises are uniform int16 (every pattern decodes, exl3 spec §2.3); suh / svh are random
-signs scaled by k^-1/2, so W has entries ~ N(0, 1/k) and activations stay O(1) through the stack.
-Everything is seeded per tensor name: two builds (or two ranks) hold the same weights.
+Random trellises are uniform int16 (every pattern decodes, docs/exl3.md#bit-ring); suh / svh are
+random signs scaled by k^-1/2, so W has entries ~ N(0, 1/k) and activations stay O(1) through the
+stack. Everything is seeded per tensor name: two builds (or two ranks) hold the same weights.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def exl3_experts(name: str, args: ModelArgs, bits: int, seed: int, held=None, co
 
 
 def _bits(name: str, layer: int | None) -> int:
-    """K of a tensor class in the 2.9 bpw recipe (exl3 spec §5.4)."""
+    """K of a tensor class in the 2.9 bpw recipe (docs/checkpoint.md#exl3-bitrates)."""
     if name == "head":
         return 6
     if ".shared_experts." in name:

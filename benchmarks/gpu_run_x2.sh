@@ -2,9 +2,9 @@
 # One command on a two-GPU machine (issue 7): unpack the MLX bundle carried in .gpu/ (as
 # gpu_run.sh does), then run benchmarks/bench_distributed.py three times, each under `timeout`:
 # the one-GPU baseline, two NCCL ranks in "experts" mode, two in "slots" mode (mlx.launch's entry
-# point: the console script is not installed when the wheel is unpacked, mlx-notes §3); then the
-# report (markdown table on stdout, bench_distributed.{json,md} in $OUT). About 4-6 minutes with a
-# cold JIT cache; each run is capped at 170 s. Logs and JSON go to $OUT (or ./gpu_out).
+# point: the console script is not installed when the wheel is unpacked, docs/mlx.md#cuda-offline);
+# then the report (markdown table on stdout, bench_distributed.{json,md} in $OUT). About 4-6 minutes
+# with a cold JIT cache; each run is capped at 170 s. Logs and JSON go to $OUT (or ./gpu_out).
 # Usage: bash benchmarks/gpu_run_x2.sh [extra bench_distributed.py options, e.g. --layers 4]
 # CPU smoke test of the script itself: PATH=.venv/bin:$PATH BACKEND=ring OUT=/tmp/x2 \
 #   bash benchmarks/gpu_run_x2.sh --smoke --layers 4 --prompt 16 --steps 4 --repeats 3 --chain 8

@@ -247,7 +247,8 @@ class _Workdir:
 
 
 def _token_map(source: Source):
-    """The compressed-token map (spec §4.4a), built from the tokenizer and checked against the config."""
+    """The compressed-token map (docs/model.md#engram-token-map), built from the tokenizer and
+    checked against the config."""
     if not source.args.engram_layer_ids:
         return None
     from tokenizers import Tokenizer
@@ -273,8 +274,9 @@ def _write_tokenizer(source: Source, work: Path, token_map) -> str:
         if not file.is_file():
             continue
         if name == "tokenizer_config.json":
-            # The release ships no usable chat template (spec §7): name ours, so that mlx-lm's
-            # `apply_chat_template` (and its server) render the official DeepSeek-V4.1 encoding.
+            # The release ships no usable chat template (docs/chat.md#chat-encoding): name ours, so
+            # that mlx-lm's `apply_chat_template` (and its server) render the official DeepSeek-V4.1
+            # encoding.
             try:
                 config = json.loads(file.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -386,7 +388,8 @@ def _write_meta(source: Source, weight_map: dict[str, str], block: dict, work: P
                                       "weight_map": dict(sorted(weight_map.items()))})
     (work / layout.SHIM).write_text(layout.SHIM_SOURCE)
     config = copy.deepcopy(source.config)
-    config.pop("quantization_config", None)  # mlx-lm would quantize the model itself (mlx-notes §8.1)
+    # mlx-lm would quantize the model itself (docs/mlx.md#mlx-lm-load)
+    config.pop("quantization_config", None)
     if isinstance(config.get("text_config"), dict):
         config["text_config"].pop("quantization_config", None)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # mlx-lm reads eos at the root

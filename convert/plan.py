@@ -11,7 +11,8 @@ the quant seam's own detection (`quant.stored_format`, run on header stand-ins),
     fp8          `P.weight` F8_E4M3 [out, in] + `P.scale` F8_E8M0 tiles   -> mxfp8, or bf16 (--dtype bf16)
     fp4          `P.weight` I8 [out, in/2] + `P.scale` F8_E8M0 [out, in/32] -> mxfp4, or bf16
     mx           `P.weight` U32 + `P.scales` U8 (already MLX)            -> as stored
-    grouped fp8  `wo_a` F8_E4M3 [G·out, in] + scale                       -> bf16 (spec §3), always
+    grouped fp8  `wo_a` F8_E4M3 [G·out, in] + scale                       -> bf16
+    (docs/numerics.md#dtypes), always
 
 Tensors the text model never reads (`Model.sanitize`'s drop list: vision, `gate.bias_vl`, the
 Engram tables) are skipped, and so is the DSpark head (`mtp.*`) when the source has none to convert
@@ -237,7 +238,8 @@ class _Planner:
             self.need(f"{prefix}.scale", ("F8_E8M0",), s_shape, what)
             if in_features % official.GROUP:
                 self.fail(f"{prefix}.weight: {in_features} inputs is not a multiple of {official.GROUP}")
-            # spec §3: wo_a (grouped) is dequantized with its scales, never run as FP8
+            # docs/checkpoint.md#official-conversion: wo_a (grouped) is dequantized with its scales,
+            # never run as FP8
             to_bf16 = kind == "grouped" or self.dtype == "bf16"
             step = _official_step(prefix, fmt, rows, in_features, to_bf16, site)
         else:  # mlx_quantized: already MLX mxfp4 / mxfp8
@@ -308,7 +310,7 @@ class _Planner:
 
     def parameter(self, name: str, shape: tuple[int, ...]) -> Step:
         fp32 = bool(FP32_STORED.search(name))
-        what = "fp32 in the release, spec §3" if fp32 else "a float tensor"
+        what = "fp32 in the release, docs/numerics.md#dtypes" if fp32 else "a float tensor"
         info = self.need(name, ("F32",) if fp32 else _FLOATS, shape, what)
         self.used.add(name)
         step = _pass_through([name], self.infos, None, info.dtype.lower())

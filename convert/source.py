@@ -5,8 +5,8 @@ Only headers are read here (strictly: truncated files and sizes that lie are ref
 every problem with the source is found before anything is written. The Engram tables come from
 the source itself (the official release) or from ``--engram-from`` (a directory holding the
 official release's last two shards, or the whole release); an index whose shards are not all
-present is fine there. The DSpark draft head (``mtp.*``, dspark spec §2) comes from the source
-when it holds it, or from ``--dspark-from`` (the official release: only the shards its index
+present is fine there. The DSpark draft head (``mtp.*``, docs/dspark.md#tensors) comes from the
+source when it holds it, or from ``--dspark-from`` (the official release: only the shards its index
 lists for ``mtp.*`` are opened); without either, the conversion has no draft head and the model
 decodes without speculation. Errors are ``ConvertError`` with one line naming the file and tensor.
 """

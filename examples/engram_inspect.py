@@ -4,10 +4,10 @@
     python examples/engram_inspect.py --model DIR --prompt "the the the" --png gates.png
 
 For each Engram layer and each position t, the 2-, 3- and 4-grams ending at t are hashed into one
-row per (n, head) (spec §4.4b-d); a repeated n-gram hits the same rows again. The gate
-sigmoid(signed sqrt(<h_s, k_s>)) decides per stream s how much of the gathered value is added
-(spec §4.4f); it is read from the model's own Engram modules during one forward pass. --png draws
-the gates as a heatmap per Engram layer: streams x the prompt's tokens.
+row per (n, head) (docs/model.md#engram-hashing); a repeated n-gram hits the same rows again. The
+gate sigmoid(signed sqrt(<h_s, k_s>)) decides per stream s how much of the gathered value is added
+(docs/model.md#engram-gate); it is read from the model's own Engram modules during one forward pass.
+--png draws the gates as a heatmap per Engram layer: streams x the prompt's tokens.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
     python examples/expert_routing.py                      # the demo checkpoint, sample.txt
     python examples/expert_routing.py --model DIR --file text.txt --png routing.png
 
-The router's picks (top-k of sqrtsoftplus(x W^T) + bias, spec §4.5) are read from the model's own
-gates during one teacher-forced pass. Per layer: a bar per expert, and the balance (max / mean
-load; normalised entropy, 1 = perfectly even). --png draws the counts as a layer x expert heatmap.
+The router's picks (top-k of sqrtsoftplus(x W^T) + bias, docs/model.md#moe) are read from the
+model's own gates during one teacher-forced pass. Per layer: a bar per expert, and the balance (max
+/ mean load; normalised entropy, 1 = perfectly even). --png draws the counts as a layer x expert
+heatmap.
 """
 
 from __future__ import annotations

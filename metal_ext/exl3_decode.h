@@ -1,10 +1,12 @@
-// EXL3 trellis decoding for the exl3_* kernels (exl3 spec §2), written against the KX_* macros.
+// EXL3 trellis decoding for the exl3_* kernels (docs/exl3.md#trellis), written against the KX_*
+// macros.
 //
 // One SIMD group decodes one 16x16 tile: lane t holds trellis positions 8t..8t+7, which are tile
-// rows {r0, r0+1, r0+8, r0+9} x cols {c0, c0+8} with r0 = 2(t%4), c0 = t/4 (spec §2.2). Bitrates
-// are named by K2 = 2K (even: K = 1..8; odd: K = 1.5/2.5/3.5, spec §2.6): position p's 16-bit
-// state is the window of ring bits ending at floor((p+1)*K2/2), mod the tile's 128*K2 bits,
-// MSB-first across little-endian uint32 words.
+// rows {r0, r0+1, r0+8, r0+9} x cols {c0, c0+8} with r0 = 2(t%4), c0 = t/4
+// (docs/exl3.md#tile-permutation). Bitrates are named by K2 = 2K (even: K = 1..8; odd: K =
+// 1.5/2.5/3.5, docs/exl3.md#half-integer-k): position p's 16-bit state is the window of ring bits
+// ending at floor((p+1)*K2/2), mod the tile's 128*K2 bits, MSB-first across little-endian uint32
+// words.
 //
 // Cost per decoded weight (CUDA, MUL1): one state extraction (a shift and a mask, or one of them),
 // one multiply, one byte sum (dp4a) and half of a pack and of a packed-fp16 fma.
@@ -99,10 +101,10 @@ KX_INLINE u32 exl3_state(Exl3Window w) {
   return exl3_bits16<E>(w);
 }
 
-// Two states -> their fp16 values packed (first in the low half), bit-exact (spec §2.5):
-// MUL1 is fp16(h * K_INV + K_BIAS) with h = 1024 + bytesum as fp16 bits 0x6400 + bytesum, a fused
-// multiply-add with one rounding (exact for every byte sum: tests/test_exl3_decode.py);
-// 3INST/MCG add the two fp16 halves of a masked word (one rounding).
+// Two states -> their fp16 values packed (first in the low half), bit-exact
+// (docs/exl3.md#codebooks): MUL1 is fp16(h * K_INV + K_BIAS) with h = 1024 + bytesum as fp16 bits
+// 0x6400 + bytesum, a fused multiply-add with one rounding (exact for every byte sum:
+// tests/test_exl3_decode.py); 3INST/MCG add the two fp16 halves of a masked word (one rounding).
 template <int CB>
 KX_INLINE u32 exl3_decode_pair(u32 s0, u32 s1) {
   if (CB == EXL3_CB_MUL1) {

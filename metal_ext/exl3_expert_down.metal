@@ -1,6 +1,6 @@
 // exl3_expert_down: per routed slot, the k-split partial sums (before w2's output transform) of
-// w2_e(h) for the experts of one (K, codebook) group of w2 (exl3 spec §3.3 steps 1-3): w2's input
-// xh (exl3_expert_swiglu: the routed SwiGLU product, its input transform done) is staged by a
+// w2_e(h) for the experts of one (K, codebook) group of w2 (docs/exl3.md#forward steps 1-3): w2's
+// input xh (exl3_expert_swiglu: the routed SwiGLU product, its input transform done) is staged by a
 // copy. Grid: x = 128-column blocks of the output, y = k split, z = slot; threadgroups as in
 // exl3_gemv (M = 1). Slots whose expert's w2 is in another group keep prev (HAS_PREV) or get 0,
 // as do slots outside the held range; exl3_expert_down_finish adds the splits and applies H128,

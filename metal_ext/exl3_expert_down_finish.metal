@@ -1,5 +1,5 @@
 // exl3_expert_down_finish: y [slot] = bf16(H128(the k-split partials of exl3_expert_down added in
-// split order) ⊙ svh2[e]) for the held slots, 0 for the others (exl3 spec §3.3 steps 4-6; the
+// split order) ⊙ svh2[e]) for the held slots, 0 for the others (docs/exl3.md#forward steps 4-6; the
 // reference's w2 linear returns bf16, held here in float32). One SIMD group per 128-column block
 // (a threadgroup's last SIMD groups may have none) and slot (KX_TGID_Y); no barriers.
 // Inputs: partial [slots, SPLITS, n] float32, indices [T, top_k] int32, svh2 [E, n].

@@ -1,9 +1,9 @@
 // exl3_expert_gate_up: for each routed slot, the k-split partial sums (before the output transform)
-// of g = w1_e·x and u = w3_e·x for the experts of one (K, codebook) group (exl3 spec §3.3 steps
-// 1-3, one row each; only the selected experts' tiles are read). Grid: x = 128-column blocks of the
-// intermediate dim, y = k split, z = 2*slot + (0: w1, 1: w3); threadgroups as in exl3_gemv (M = 1).
-// Slots whose expert has this projection in another group keep prev (HAS_PREV) or get 0, as do
-// slots outside the held range; launches for the other groups fill them in turn.
+// of g = w1_e·x and u = w3_e·x for the experts of one (K, codebook) group (docs/exl3.md#forward
+// steps 1-3, one row each; only the selected experts' tiles are read). Grid: x = 128-column blocks
+// of the intermediate dim, y = k split, z = 2*slot + (0: w1, 1: w3); threadgroups as in exl3_gemv
+// (M = 1). Slots whose expert has this projection in another group keep prev (HAS_PREV) or get 0,
+// as do slots outside the held range; launches for the other groups fill them in turn.
 // Inputs: x [T, in], indices [T, top_k] int32, suh1/suh3 [E, k], t1/t3 [G, k/16, n/16, 16K] int16
 // (this group's stacks), p1/p3 [E] int32 (local expert -> index in the stack, -1 if elsewhere),
 // prev [slots, 2, splits, n] float32. Output: out [slots, 2, splits, n] float32.

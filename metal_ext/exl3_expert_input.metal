@@ -1,8 +1,8 @@
 // exl3_expert_input: the input side of a linear per slot, xh[slot] = H128(fp16(x[slot] ⊙ suh[e]))
-// with e = indices[slot] - LO (exl3 spec §3.3 steps 1-2), stored as fp16 pairs in the staged word
-// order (exl3_store_xh) that exl3_expert_down copies in: a grouped linear (wo_a, one EXL3 linear
-// per group) runs as "experts" whose slot g reads group g's own input. Columns >= x's width are
-// zero (the zero-extension to k). A slot whose expert is not held gets zeros (exl3_expert_down
+// with e = indices[slot] - LO (docs/exl3.md#forward steps 1-2), stored as fp16 pairs in the staged
+// word order (exl3_store_xh) that exl3_expert_down copies in: a grouped linear (wo_a, one EXL3
+// linear per group) runs as "experts" whose slot g reads group g's own input. Columns >= x's width
+// are zero (the zero-extension to k). A slot whose expert is not held gets zeros (exl3_expert_down
 // never reads it). Grid: x = 128-blocks of k, one SIMD group each (a threadgroup's last SIMD
 // groups may have none); y = slot. No barriers.
 // Inputs: x [slots, in] (float), indices [slots] int32, suh [E, k]. Output: xh [slots, k / 2]

@@ -30,7 +30,7 @@ KX_INLINE void exl3_store_partials(KX_DEVICE float* out, u64 base, Exl3Acc<1, NC
 }
 
 // h = bf16(weight * (silu(min(g, L)) * clamp(u, -L, L))), float32 math, no clamp for L <= 0
-// (model spec §4.5: the routing weight multiplies the SwiGLU product, before w2). g and u arrive
+// (docs/model.md#moe: the routing weight multiplies the SwiGLU product, before w2). g and u arrive
 // rounded to bf16, as the reference's w1 / w3 linears return them. NaN propagates.
 KX_INLINE float exl3_routed_swiglu(float g, float u, float weight, float limit) {
   g = exl3_round_bf16(g);
@@ -62,7 +62,7 @@ KX_INLINE Exl3GateUp<SPLITS> exl3_load_gate_up(const KX_DEVICE float* gu, u32 in
 
 // w2's xh for the lane's 4 elements of 128-block `block` of one slot: g and u are finished from the
 // partials (splits added in order, H128, svh), then h = exl3_routed_swiglu (zero for columns >=
-// inter, the zero-extension of w2's input) and xh = H128(fp16(h * suh2)) (exl3 spec §3.3; the
+// inter, the zero-extension of w2's input) and xh = H128(fp16(h * suh2)) (docs/exl3.md#forward; the
 // caller rounds it to fp16 as it stores it).
 template <int SPLITS, typename VT>
 KX_INLINE Exl3Vec4 exl3_swiglu_xh(Exl3GateUp<SPLITS> p, u32 inter, const KX_DEVICE VT* svh1, const KX_DEVICE VT* svh3,

@@ -1,5 +1,5 @@
 // exl3_gemv: y = x·W (+ bias) for M <= 8 rows of x, decoding the EXL3 trellis on the fly
-// (exl3 spec §3.3; W̃ is never materialised). Threadgroup: NW SIMD groups for the 128 output
+// (docs/exl3.md#forward; W̃ is never materialised). Threadgroup: NW SIMD groups for the 128 output
 // columns of block KX_TGID_X and the k split KX_TGID_Y (see exl3_matmul.h).
 //   FUSED (one split): applies H128, svh and the bias and writes out = y [m, n] (OUT: 0 float32,
 //   1 fp16, 2 bf16).

@@ -1,7 +1,7 @@
 // exl3_gemv_out: y [m, n] = H128(sum of the k-split partials) ⊙ svh (+ bias), the output side of a
-// k-split exl3_gemv (exl3 spec §3.3 steps 4-6). Threadgroup: 8 SIMD groups for (128-column block
-// KX_TGID_X, row KX_TGID_Y). SIMD group w adds splits w, w+8, ... (their loads all independent),
-// then group 0 adds the 8 sums in group order and applies H128, svh and the bias.
+// k-split exl3_gemv (docs/exl3.md#forward steps 4-6). Threadgroup: 8 SIMD groups for (128-column
+// block KX_TGID_X, row KX_TGID_Y). SIMD group w adds splits w, w+8, ... (their loads all
+// independent), then group 0 adds the 8 sums in group order and applies H128, svh and the bias.
 // Template: HAS_BIAS, OUT (as exl3_gemv).
 const u32 lane = KX_LANE, warp = KX_WARP;
 const u32 col_block = KX_TGID_X, row = KX_TGID_Y;

@@ -1,10 +1,11 @@
 // The EXL3 product y = x·W for a few rows, shared by exl3_gemv and the expert kernels
-// (exl3 spec §3.3). Needs exl3_decode.h.
+// (docs/exl3.md#forward). Needs exl3_decode.h.
 //
 // A threadgroup owns 128 output columns (8 tile columns) and a range of nb 128-blocks of k. Its NW
 // SIMD groups are 8/NC column groups of NC adjacent tile columns x KG = NW*NC/8 k groups:
 // - trellis: the threadgroup's blocks (8 tile rows x its 8 tile columns; a tile row's 8 tiles are
-//   contiguous, spec §2.1) stream through a ring of STAGES threadgroup buffers by asynchronous
+//   contiguous, docs/exl3.md#tiles) stream through a ring of STAGES threadgroup buffers by
+// asynchronous
 //   16-byte copies, STAGES-1 blocks ahead of the decoding (no registers held while in flight;
 //   CUDA). Without asynchronous copies (Metal) the SIMD groups read their tiles from device memory;
 // - input: xh = fp16(H128(fp16(x·suh))) (or the experts' SwiGLU input) is staged in threadgroup
@@ -98,8 +99,8 @@ KX_INLINE Exl3Vec4 exl3_sum_splits(Exl3Splits<S> t) {
 }
 
 // Scaled H128 of a 128-block held 4 per lane: the 4-point butterfly in registers (element bits
-// 0-1), then xor shuffles for element bits 2-6 (= lane bits 0-4), as exllamav3 does (spec §3.1).
-// A stage is one fma per element: p + (+-1)·x is exactly x + p or p - x.
+// 0-1), then xor shuffles for element bits 2-6 (= lane bits 0-4), as exllamav3 does
+// (docs/exl3.md#hadamard). A stage is one fma per element: p + (+-1)·x is exactly x + p or p - x.
 KX_INLINE Exl3Vec4 exl3_hadamard128(Exl3Vec4 x, u32 lane) {
   const float a0 = x.v[0] + x.v[1], a1 = x.v[0] - x.v[1];
   const float a2 = x.v[2] + x.v[3], a3 = x.v[2] - x.v[3];
@@ -129,8 +130,9 @@ KX_INLINE void exl3_store_xh(P row, u32 block, Exl3Vec4 v, u32 lane) {
 }
 
 // The input side of a linear: xh = fp16(H128(fp16(x·suh))) for rows 0..M-1 of x [rows,
-// in_features] (rows >= `rows` and columns >= in_features are zero: spec §1.1 zero-extension);
-// x·suh is formed in float32 and rounded once to fp16 (exact products for fp16/bf16 x).
+// in_features] (rows >= `rows` and columns >= in_features are zero: docs/exl3.md#padding
+// zero-extension); x·suh is formed in float32 and rounded once to fp16 (exact products for
+// fp16/bf16 x).
 template <int M, int XSW, typename XT, typename ST>
 struct Exl3InputStager {
   const KX_DEVICE XT* x;

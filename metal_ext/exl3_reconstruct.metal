@@ -1,7 +1,8 @@
-// exl3_reconstruct: W̃ (k, n) fp16 from an EXL3 trellis (k/16, n/16, 16K), bit-exact (exl3 spec §2).
-// Threadgroup = 8 SIMD groups = tile row KX_TGID_Y x tile columns 8*KX_TGID_X .. +7, one tile per
-// group; the 16 x 128 block is staged in threadgroup memory and written as contiguous rows.
-// Template: K2 (= 2K), CB (codebook). The int16 trellis is read as little-endian uint32 words.
+// exl3_reconstruct: W̃ (k, n) fp16 from an EXL3 trellis (k/16, n/16, 16K), bit-exact
+// (docs/exl3.md#trellis). Threadgroup = 8 SIMD groups = tile row KX_TGID_Y x tile columns
+// 8*KX_TGID_X .. +7, one tile per group; the 16 x 128 block is staged in threadgroup memory and
+// written as contiguous rows. Template: K2 (= 2K), CB (codebook). The int16 trellis is read as
+// little-endian uint32 words.
 const u32 lane = KX_LANE, warp = KX_WARP;
 const u32 tk = KX_TGID_Y, col_block = KX_TGID_X;
 const u32 tiles_n = trellis_shape[1];

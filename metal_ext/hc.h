@@ -1,4 +1,4 @@
-// Helpers of the mHC kernels (hc_mix, hc_collapse_norm, hc_expand; spec §4.2).
+// Helpers of the mHC kernels (hc_mix, hc_collapse_norm, hc_expand; docs/model.md#mhc).
 #pragma once
 
 // The sum of v over a threadgroup of `warps` SIMD groups, in a fixed order: an xor butterfly in each

@@ -1,8 +1,9 @@
-// hc_collapse_norm: x = rms_norm(T(Σ_i pre[i] · stream_i), weight) for token KX_TGID_X (spec §4.2
-// collapse, §3 RMSNorm). The collapse in fp32 (FMAs in stream order), rounded to T as the reference
-// holds it; the norm in fp32 over D: x · (1 / sqrt(mean(x²) + EPS)) · weight, rounded to T.
-// 256 threads; the collapse is recomputed in the second pass (the same operations give the same
-// bits) rather than kept. Template: T (stream and output dtype), HC, EPS_BITS.
+// hc_collapse_norm: x = rms_norm(T(Σ_i pre[i] · stream_i), weight) for token KX_TGID_X
+// (docs/model.md#mhc collapse, docs/numerics.md#dtypes RMSNorm). The collapse in fp32 (FMAs in
+// stream order), rounded to T as the reference holds it; the norm in fp32 over D: x · (1 /
+// sqrt(mean(x²) + EPS)) · weight, rounded to T. 256 threads; the collapse is recomputed in the
+// second pass (the same operations give the same bits) rather than kept. Template: T (stream and
+// output dtype), HC, EPS_BITS.
 const u32 lid = KX_LID_X, lane = KX_LANE, warp = KX_WARP;
 const u32 t = KX_TGID_X;
 const u32 D = streams_shape[2];

@@ -1,6 +1,6 @@
 // hc_expand: new_j = post[j] · y + Σ_i comb[i][j] · old_i for (token KX_TID_Y, dim KX_TID_X)
-// (spec §4.2 expand: the streams mix with combᵀ), in fp32 with FMAs in stream order, rounded to T.
-// Template: T (residual and output dtype), HC.
+// (docs/model.md#mhc expand: the streams mix with combᵀ), in fp32 with FMAs in stream order,
+// rounded to T. Template: T (residual and output dtype), HC.
 const u32 d = KX_TID_X, t = KX_TID_Y;
 const u32 D = y_shape[1];
 if (d < D) {

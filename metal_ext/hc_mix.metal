@@ -1,5 +1,5 @@
-// hc_mix: one mHC site's mixes for token KX_TGID_X (spec §4.2), from mm = z · fnᵀ [T, (2+HC)·HC]
-// (z = the token's HC·D streams in fp32; an MLX matmul) and the streams themselves:
+// hc_mix: one mHC site's mixes for token KX_TGID_X (docs/model.md#mhc), from mm = z · fnᵀ [T,
+// (2+HC)·HC] (z = the token's HC·D streams in fp32; an MLX matmul) and the streams themselves:
 //   inv = 1 / sqrt(mean(z²) + NORM_EPS);  m = (mm · inv) · scale[part] + base
 //   pre = sigmoid(m[0:HC]) + HC_EPS;  post = 2 · sigmoid(m[HC:2HC])
 //   comb = softmax over each row of m[2HC:] viewed [HC, HC], + HC_EPS; then Sinkhorn: columns,

@@ -1,4 +1,4 @@
-// Helpers of moe_route (spec §4.5).
+// Helpers of moe_route (docs/model.md#moe).
 #pragma once
 
 // log(1 + x) for x >= 0, accurate where 1 + x rounds (Kahan: log(u) · x / (u - 1), u = 1 + x).

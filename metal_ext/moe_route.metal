@@ -1,4 +1,4 @@
-// moe_route: the router's choice for token KX_TGID_X (spec §4.5) from its fp32 logits:
+// moe_route: the router's choice for token KX_TGID_X (docs/model.md#moe) from its fp32 logits:
 //   s = sqrt(softplus(logit / TEMP)); pick the K largest s + bias (ties: the lower expert id);
 //   indices ascending; weights = s[idx] / (Σ s[idx] + 1e-20) · SCALE, the sum in index order.
 // softplus(l) = max(l, 0) + log1p(exp(-|l|)) (MLX's logaddexp(l, 0)). 256 threads: scores in

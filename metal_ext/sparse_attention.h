@@ -1,7 +1,7 @@
 // Sparse attention with a per-head sink: the one implementation behind both kernels.
 //
 //   out[b,s,h] = sum_j exp(l_j - m) kv_j / (sum_j exp(l_j - m) + exp(sink_h - m)),
-//   l_j = q[b,s,h] . kv_j * scale, j over indices[b,s,:] (spec 4.3)
+//   l_j = q[b,s,h] . kv_j * scale, j over indices[b,s,:] (docs/model.md#sparse-softmax)
 //
 // sparse_attention_serial.metal runs sa_attend with GROUPS = 1 (one SIMD group per (batch, row,
 // head)); sparse_attention_parallel.metal with GROUPS = 8 (256 threads). GROUPS changes only who

@@ -11,9 +11,9 @@ import os
 from importlib import import_module
 from importlib.util import find_spec
 
-# fp32 matmuls (router logits, the fp32 head, compressor pooling) are fp32 model semantics (spec
-# §3). MLX otherwise runs them as TF32 on CUDA and M5-class GPUs; it reads this variable once, at
-# the first matmul of the process, so it must be set before any model code runs.
+# fp32 matmuls (router logits, the fp32 head, compressor pooling) are fp32 model semantics
+# (docs/numerics.md#tf32). MLX otherwise runs them as TF32 on CUDA and M5-class GPUs; it reads this
+# variable once, at the first matmul of the process, so it must be set before any model code runs.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 __version__ = "0.1.0"

@@ -1,5 +1,5 @@
-"""Decode-time state (spec §5): one `LayerCache` per layer, the Engram n-gram history, and the
-DSpark draft head's `DraftCache` (dspark spec §7).
+"""Decode-time state (docs/cache.md#decode-state): one `LayerCache` per layer, the Engram n-gram
+history, and the DSpark draft head's `DraftCache` (docs/dspark.md#stage-cache).
 
 Every piece of state is indexed by absolute token position, so `trim(n)` is exact: a cache keeps
 `trim_slack` tokens more than decoding needs (window rows older than the window, the raw fp32
@@ -12,9 +12,10 @@ entries in a capacity that doubles), and index arithmetic reads the offset from 
 decode step can be compiled once and replayed (Model; docs/design.md, "Compiled decode step").
 Batched generation over these caches is in batch_cache.py.
 
-The classes follow the mlx-lm 0.32 cache contract (mlx-notes §8.4): `state` (arrays and Python
-scalars) get/set, `from_state`, `is_trimmable`, `trim`, `size`, `empty`, `nbytes`, and they are
-registered in `mlx_lm.models.cache` so `save_prompt_cache` / `load_prompt_cache` round-trip them.
+The classes follow the mlx-lm 0.32 cache contract (docs/mlx.md#cache-contract): `state` (arrays and
+Python scalars) get/set, `from_state`, `is_trimmable`, `trim`, `size`, `empty`, `nbytes`, and they
+are registered in `mlx_lm.models.cache` so `save_prompt_cache` / `load_prompt_cache` round-trip
+them.
 """
 
 from __future__ import annotations
@@ -101,13 +102,14 @@ class LayerCache(_PositionalCache):
     """The state of one attention layer, in buffers whose shapes change only when they grow.
 
     ring          [B, window + trim_slack, D] window KV; position p lives in slot p mod ring_size
-                  (spec §4.3 "Sliding window"; the slack keeps rows a trim may bring back)
+                  (docs/model.md#sliding-window; the slack keeps rows a trim may bring back)
     raw_kv, raw_gate  ratio > 1 owners: [B, trim_slack + ratio - 1, D] fp32 wkv / wgate
                   projections of the latest tokens, position p in slot p mod raw_capacity: the open
-                  group (spec §8.14) and what lets a trim reopen a group
+                  group (docs/cache.md#open-groups) and what lets a trim reopen a group
     kv, index_keys  owners only: compressed KV [B, capacity, D] and index keys [B, capacity, Di],
                   entry j = group j; `offset // ratio` are valid, the rest is never read (queries
-                  see entry j only once it is visible, spec §8.9); capacity doubles when it fills
+                  see entry j only once it is visible, docs/model.md#visibility); capacity doubles
+                  when it fills
 
     A forward places its S tokens at positions offset .. offset+S-1. The index arithmetic of a
     call uses `position`, an int32 array holding the offset that the Model binds once per forward
@@ -234,7 +236,8 @@ class LayerCache(_PositionalCache):
                           ) -> tuple[mx.array, mx.array]:
         """Owners: store the entries completed by this call (None: none); return the whole buffers
         (compressed KV [B, capacity, D], index keys [B, capacity, Di]). Entry j is valid once
-        j < (offset + S) // ratio; callers read entries only through visibility (spec §8.9)."""
+        j < (offset + S) // ratio; callers read entries only through visibility
+        (docs/model.md#visibility)."""
         n = 0 if kv is None else kv.shape[1]
         if n:
             self._ensure_compressed(kv.shape[0], n * self.ratio, kv.shape[2], index_keys.shape[2], kv.dtype)
@@ -356,7 +359,8 @@ class EngramHistoryState(NamedTuple):
 
 
 class EngramHistory(_PositionalCache):
-    """The last compressed token ids per batch row (spec §4.4d: decode needs max_ngram_size - 1).
+    """The last compressed token ids per batch row (docs/model.md#engram-hash: decode needs
+    max_ngram_size - 1).
 
     Host-side numpy int64 (the hash runs on the host: its row ids pick rows to read from SSD).
     Positions before the first token read as NO_TOKEN.
@@ -429,16 +433,18 @@ class EngramHistory(_PositionalCache):
 
 
 def make_engram_history(args: ModelArgs, trim_slack: int = DEFAULT_TRIM_SLACK) -> EngramHistory:
-    """The history the n-gram hash needs: the last max_ngram_size - 1 ids (spec §4.4d)."""
+    """The history the n-gram hash needs: the last max_ngram_size - 1 ids
+    (docs/model.md#engram-hash)."""
     return EngramHistory(args.engram_max_ngram_size - 1, trim_slack)
 
 
 class DraftCache(_PositionalCache):
-    """The DSpark state of a batch of sequences at one position (dspark spec §7, §10.4).
+    """The DSpark state of a batch of sequences at one position (docs/dspark.md#stage-cache,
+    docs/dspark.md#stage-rollback).
 
-    hidden  [B, m, F] the main model's captured rows (`Model(..., capture=True)`, dspark spec §3)
-            of positions offset - m .. offset - 1, m <= window + trim_slack; `offset` follows
-            the main caches (`append` after each main forward, `trim` with them)
+    hidden  [B, m, F] the main model's captured rows (`Model(..., capture=True)`,
+            docs/dspark.md#capture) of positions offset - m .. offset - 1, m <= window + trim_slack;
+            `offset` follows the main caches (`append` after each main forward, `trim` with them)
     rings   one LayerCache per stage, holding the entries of the positions below its own offset.
             An entry is a pure function of its hidden row, so the rings are written only when a
             draft runs (`rows_to_write`), and never for a position a trim took back: a ring past
@@ -519,7 +525,8 @@ class DraftCache(_PositionalCache):
 
 
 def make_draft_cache(args: ModelArgs, trim_slack: int = DEFAULT_TRIM_SLACK) -> DraftCache:
-    """The DSpark state of a model whose config drafts: one ring per stage (dspark spec §7)."""
+    """The DSpark state of a model whose config drafts: one ring per stage
+    (docs/dspark.md#stage-cache)."""
     if args.dspark_unavailable:
         raise ValueError(f"no DSpark draft cache: {args.dspark_unavailable}")
     rings = [make_layer_cache(args, args.num_hidden_layers + s, trim_slack) for s in range(args.dspark_stages)]
@@ -528,9 +535,9 @@ def make_draft_cache(args: ModelArgs, trim_slack: int = DEFAULT_TRIM_SLACK) -> D
 
 def register_with_mlx_lm() -> bool:
     """Put the cache classes into `mlx_lm.models.cache`, where `load_prompt_cache` looks classes up
-    by name (mlx-notes §8.4 pitfall), over the stand-ins of `mlx_dsv41_cache_hook` (which covers
-    programs that read a cache file before building a model). Returns False when mlx-lm is not
-    installed."""
+    by name (docs/mlx.md#cache-class-lookup), over the stand-ins of `mlx_dsv41_cache_hook` (which
+    covers programs that read a cache file before building a model). Returns False when mlx-lm is
+    not installed."""
     try:
         import mlx_lm.models.cache as mlx_lm_cache
     except ImportError:

@@ -1,4 +1,5 @@
-"""Model arguments for DeepSeek-V4.1 and the per-layer roles derived from them (spec §2)."""
+"""Model arguments for DeepSeek-V4.1 and the per-layer roles derived from them
+(docs/model.md#config)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class LayerRole:
-    """What one backbone layer does (spec §2.3).
+    """What one backbone layer does (docs/model.md#layer-roles).
 
     mode: "window" (ratio 0), "full" (owns compressed KV and index keys, runs the indexer),
     "reindex" (own indexer query over another layer's keys) or "reuse" (another layer's top-k).
@@ -103,9 +104,9 @@ class ModelArgs:
     engram_pad_token_id: int = 2
     engram_compressed_vocab_size: int = 99092
     num_nextn_predict_layers: int = 3
-    # DSpark draft head (dspark spec §1). The defaults are the reference's for a config without
-    # these keys (no stages, no noise id); the Flash config.json sets 5, 128799, [37, 38, 39], 256,
-    # 128 and 3. Expert counts of 0 fall back to the backbone's.
+    # DSpark draft head (docs/dspark.md#config). The defaults are the reference's for a config
+    # without these keys (no stages, no noise id); the Flash config.json sets 5, 128799, [37, 38,
+    # 39], 256, 128 and 3. Expert counts of 0 fall back to the backbone's.
     dspark_block_size: int = 0
     dspark_noise_token_id: int | None = None
     dspark_target_layer_ids: tuple[int, ...] = ()
@@ -184,7 +185,7 @@ class ModelArgs:
 
     def role(self, layer: int) -> LayerRole:
         """The role of a backbone layer, or of a DSpark stage (layers num_hidden_layers ..
-        len(compress_ratios) - 1), which is window-only (spec §2.3)."""
+        len(compress_ratios) - 1), which is window-only (docs/model.md#layer-roles)."""
         if 0 <= layer < self.num_hidden_layers:
             return self.roles[layer]
         if self.num_hidden_layers <= layer < len(self.compress_ratios):
@@ -193,7 +194,7 @@ class ModelArgs:
 
     @property
     def dspark_unavailable(self) -> str | None:
-        """Why this config cannot draft with DSpark, or None when it can (dspark spec §1: the
+        """Why this config cannot draft with DSpark, or None when it can (docs/dspark.md#config: the
         reference would draft with token 0 when the noise id is missing; we refuse instead)."""
         if self.dspark_block_size <= 0 or self.num_nextn_predict_layers <= 0:
             return "the config has no DSpark head (dspark_block_size / num_nextn_predict_layers)"
@@ -210,7 +211,7 @@ class ModelArgs:
 
     def dspark_stage_args(self) -> "ModelArgs":
         """The args a stage's modules are built from: the backbone's, with the stage's own expert
-        count and top-k (dspark spec §5.4; 0 falls back to the backbone's)."""
+        count and top-k (docs/dspark.md#stage-moe; 0 falls back to the backbone's)."""
         return dataclasses.replace(
             self, n_routed_experts=self.dspark_n_routed_experts or self.n_routed_experts,
             num_experts_per_tok=self.dspark_num_experts_per_tok or self.num_experts_per_tok)
@@ -229,7 +230,7 @@ class ModelArgs:
                      "candidate_topk_blocks"):
             need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
         need(self.topk_method == "noaux_tc", f"topk_method {self.topk_method!r} is not supported (only 'noaux_tc')")
-        # The reference always renormalises sqrtsoftplus routing weights (spec §4.5).
+        # The reference always renormalises sqrtsoftplus routing weights (docs/model.md#moe).
         need(self.norm_topk_prob is True, "norm_topk_prob must be true for sqrtsoftplus routing")
         need(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
         need(self.gate_temp > 0, f"gate_temp must be positive, got {self.gate_temp}")
@@ -279,8 +280,8 @@ class ModelArgs:
         targets = self.dspark_target_layer_ids
         for i in targets:
             need(0 <= i < self.num_hidden_layers, f"dspark_target_layer_ids: {i} is not a backbone layer")
-            # The capture is the block input after Engram (dspark spec §3); ours is taken before the
-            # block, which runs Engram first: exact only for targets without Engram.
+            # The capture is the block input after Engram (docs/dspark.md#capture); ours is taken
+            # before the block, which runs Engram first: exact only for targets without Engram.
             need(i not in self.engram_layer_ids, f"dspark_target_layer_ids: {i} is an Engram layer")
         need(len(set(targets)) == len(targets), f"dspark_target_layer_ids has duplicates: {list(targets)}")
         if self.dspark_noise_token_id is not None:
@@ -293,8 +294,8 @@ class ModelArgs:
              "dspark_num_experts_per_tok must be in 1..dspark_n_routed_experts")
         if self.dspark_stages:
             stage_ratios = self.compress_ratios[self.num_hidden_layers:]
-            need(not any(stage_ratios), f"compress_ratios of the DSpark stages must be 0 (dspark spec §1), "
-                                        f"got {list(stage_ratios)}")
+            need(not any(stage_ratios), "compress_ratios of the DSpark stages must be 0 "
+                                        f"(docs/dspark.md#config), got {list(stage_ratios)}")
 
 
 def _derive_roles(args: ModelArgs) -> tuple[LayerRole, ...]:

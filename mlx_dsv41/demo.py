@@ -7,13 +7,14 @@
                       EXL3 trellises (`.trellis/.suh/.svh` + codebook marker) for every linear
                       exllamav3 quantizes (attention, `wo_a.slice.G`, compressor, indexer,
                       per-expert `ffn.experts.E.w1/w3/w2` with ragged K in w2, shared experts, one
-                      Engram `wkv`, head) at the 2.9 bpw recipe's K per tensor class (exl3 spec §5.4),
-                      the DSpark draft head `mtp.0..2` at its K of 4 (linears, `main_proj`, experts),
-                      native tensors for the rest (embedding, norms, router, sinks, mHC, indexer
-                      `weights_proj`, Engram `q_weight`/`k_weight`, the other Engram `wkv` in fp16,
-                      the DSpark markov and confidence heads);
-                      config.json with an exl3 quantization_config, quantization_config.json; a
-                      byte-level BPE tokenizer with the DeepSeek control tokens
+                      Engram `wkv`, head) at the 2.9 bpw recipe's K per tensor class
+                      (docs/checkpoint.md#exl3-bitrates), the DSpark draft head `mtp.0..2` at its K
+                      of 4 (linears, `main_proj`, experts), native tensors for the rest (embedding,
+                      norms, router, sinks, mHC, indexer `weights_proj`, Engram
+                      `q_weight`/`k_weight`, the other Engram `wkv` in fp16, the DSpark markov and
+                      confidence heads); config.json with an exl3 quantization_config,
+                      quantization_config.json; a byte-level BPE tokenizer with the DeepSeek control
+                      tokens
     official-engram/  the two Engram tables as the official release stores them (F8_E4M3 values +
                       F8_E8M0 scales, `layers.L.engram.embed.{weight,scale}`, in shards named like
                       the release's last two)
@@ -46,7 +47,8 @@ from . import chat
 DEMO_VERSION = 2  # 2: the DSpark draft head
 CACHE_ENV = "MLX_DSV41_CACHE"
 
-# The tiny layer schedule of mlx_dsv41.testing (every role, spec §2.3), at head_dim 512.
+# The tiny layer schedule of mlx_dsv41.testing (every role, docs/model.md#layer-roles), at head_dim
+# 512.
 DEMO_CONFIG = dict(
     hidden_size=256, num_hidden_layers=8, num_attention_heads=4, head_dim=512, qk_rope_head_dim=64,
     q_lora_rank=128, o_lora_rank=128, o_groups=2, moe_intermediate_size=128, n_routed_experts=8,
@@ -56,8 +58,8 @@ DEMO_CONFIG = dict(
     candidate_block_size=4, index_n_heads=2, index_head_dim=128, index_topk=8, hc_mult=4,
     engram_layer_ids=(1, 2), engram_max_ngram_size=4, engram_vocab_size=512, engram_n_heads=2,
     engram_head_dim=64, engram_pad_token_id=2,
-    # DSpark (dspark spec §1): three stages of 4 experts top-2 drafting blocks of 5 from the inputs
-    # of the last three layers (the noise id is set by demo_args).
+    # DSpark (docs/dspark.md#config): three stages of 4 experts top-2 drafting blocks of 5 from the
+    # inputs of the last three layers (the noise id is set by demo_args).
     dspark_block_size=5, dspark_target_layer_ids=(5, 6, 7), dspark_markov_rank=32,
     dspark_n_routed_experts=4, dspark_num_experts_per_tok=2,
 )
@@ -69,7 +71,7 @@ IMAGE = "<｜deepseek_image｜>"
 _ADDED = (chat.USER, chat.ASSISTANT, chat.SYSTEM, chat.THINK, chat.END_THINK, chat.DSML,
           "<｜latest_reminder｜>", IMAGE)
 
-# spec §7: three isolating splits in sequence, then bytes.
+# docs/chat.md#chat-encoding: three isolating splits in sequence, then bytes.
 _SPLITS = (
     r"\p{N}{1,3}",
     r"[一-龥぀-ゟ゠-ヿ]+",
@@ -146,7 +148,7 @@ def tokenizer_config() -> dict:
 
 def demo_args(tokenizer):
     """The demo's ModelArgs: DEMO_CONFIG, the tokenizer's vocabulary, Engram sizes from both, and
-    `</think>` as the DSpark noise token (its id, 128799, in the release; dspark spec §1)."""
+    `</think>` as the DSpark noise token (its id, 128799, in the release; docs/dspark.md#config)."""
     from .model.engram_hash import compressed_keys
     from .testing import tiny_args
 
@@ -161,7 +163,8 @@ def demo_args(tokenizer):
 
 def tensor_storage(stored: dict[str, tuple[str, np.ndarray]]) -> dict:
     """quantization_config.json's `tensor_storage` for the EXL3 linears among `stored`, as
-    exllamav3 describes them (exl3 spec §1.4): stored tensors, bits per weight, codebook."""
+    exllamav3 describes them (docs/exl3.md#quantization-config): stored tensors, bits per weight,
+    codebook."""
     from .exl3.codebook import MARKER_VALUES
 
     storage: dict = {}

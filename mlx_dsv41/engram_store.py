@@ -1,9 +1,9 @@
 """SSD-resident Engram tables: the row-file format and :class:`EngramStore`, its reader.
 
-A token needs 24 rows of each Engram table (spec §4.4e); a row is ``head_dim`` e4m3 value bytes
-then ``head_dim / 32`` e8m0 scale bytes (264 bytes for Flash). The official tables are ~100 GB
-each (spec §6.3), so they stay on disk, re-laid by the converter (``convert/engram_rows.py``) as one
-row file per Engram layer:
+A token needs 24 rows of each Engram table (docs/model.md#engram-rows); a row is ``head_dim`` e4m3
+value bytes then ``head_dim / 32`` e8m0 scale bytes (264 bytes for Flash). The official tables are
+~100 GB each (docs/checkpoint.md#sizes), so they stay on disk, re-laid by the converter
+(``convert/engram_rows.py``) as one row file per Engram layer:
 
     offset  size  field (little-endian)
     0       8     magic b"DSV41ENG"
@@ -33,7 +33,7 @@ Read modes (``mode=``):
 - ``"pread"``: ``os.preadv`` of each distinct row straight into the result, spread over a thread
   pool so a cold SSD sees a deep queue. No page faults, no read-ahead.
 - ``"mmap"``: a read-only map with ``madvise(MADV_RANDOM)`` so a fault reads one page, not a
-  read-ahead window (~140x amplification without it, mlx-notes §9.4); rows are gathered with
+  read-ahead window (~140x amplification without it, docs/mlx.md#ssd-rows); rows are gathered with
   numpy. A cached row still costs a minor fault on its page's first touch, a cold row a
   synchronous major fault.
 - ``"ram"``: the whole data region read into memory once (~100 GB per Flash table), bypassing
@@ -76,7 +76,7 @@ import numpy as np
 MAGIC = b"DSV41ENG"
 FORMAT_VERSION = 1
 PAGE_BYTES = 16384  # Apple silicon page; also a multiple of the 4 KiB x86 page
-SCALE_GROUP = 32  # one e8m0 scale per 32 values (spec §4.4e)
+SCALE_GROUP = 32  # one e8m0 scale per 32 values (docs/model.md#engram-rows)
 DEFAULT_CHUNK_ROWS = 1 << 18
 DIGEST_BYTES = 32
 _FIXED = struct.Struct("<8sIIQIIQQQQ32s32s")  # 128 bytes, layout in the module docstring

@@ -5,7 +5,7 @@
       config.json                    the source's HF nested config (text_config, root ids), plus
                                      "model_file": "model.py" and our "mlx_dsv41" block (below);
                                      no root or text_config "quantization_config", so mlx-lm
-                                     quantizes nothing itself (mlx-notes §8.1 step 5)
+                                     quantizes nothing itself (docs/mlx.md#mlx-lm-load step 5)
       model.py                       mlx-lm shim: our Model, Engram bound to this directory
       model-XXXXX-of-YYYYY.safetensors   weights in official names, one shard per source shard
       model.safetensors.index.json   {"metadata": {"total_size", "format"}, "weight_map"}

@@ -78,7 +78,8 @@ def check_stored(tensors: dict[str, mx.array]) -> None:
     for name, value in tensors.items():
         if FP32_STORED.search(name) and value.dtype != mx.float32:
             raise LoadError(f"{name}: stored as {value.dtype}, expected float32 "
-                            f"(mHC parameters, attention sinks and the router bias are fp32, spec §3)")
+                            "(mHC parameters, attention sinks and the router bias are fp32, "
+                            "docs/numerics.md#dtypes)")
 
 
 def check_parameters(model: Model, weights: dict[str, mx.array]) -> None:

@@ -1,5 +1,5 @@
-"""Speculative decoding with the DSpark draft head (dspark spec §10): the main model's tokens, or
-its distribution when sampling, with fewer main-model forwards.
+"""Speculative decoding with the DSpark draft head (docs/dspark.md#speculative): the main model's
+tokens, or its distribution when sampling, with fewer main-model forwards.
 
 One round at main position p (the caches cover 0..p, x_{p+1} is chosen and emitted):
 
@@ -9,10 +9,12 @@ One round at main position p (the caches cover 0..p, x_{p+1} is chosen and emitt
   2. verify    ONE main forward over [x_{p+1}, d_1..d_k] at p+1..p+1+k, capturing its hidden rows
   3. accept    greedy: the longest prefix the main argmax agrees with, then the main argmax
                after it; sampling: the standard rule (accept d_j with min(1, P/Q), else draw from
-               norm(max(P - Q, 0)); all accepted: a bonus token from P), §10.2-10.3
+               norm(max(P - Q, 0)); all accepted: a bonus token from P), docs/dspark.md#greedy,
+               docs/dspark.md#sampling
   4. roll back every main cache (window rings, compressed and index state, Engram history) by
                the k - n rejected tokens with their exact `trim` (cache.py); the DraftCache keeps
-               the n + 1 accepted hidden rows, so the rings never see a rejected position (§10.4)
+               the n + 1 accepted hidden rows, so the rings never see a rejected position
+               (docs/dspark.md#stage-rollback)
 
 P and Q are the distributions plain sampling would use: mlx-lm's filters (top-p, min-p, top-k, in
 make_sampler's order) on the log-probabilities, then the temperature, for both the target and the
@@ -87,7 +89,8 @@ def accept(drafted: mx.array, draft_logits: mx.array, target_logits: mx.array,
 
     drafted [B, k] the drafts d_1..d_k; draft_logits [B, k, V] the logits each was chosen from
     (with `sampling.choose`); target_logits [B, k+1, V] the main logits L_0..L_k of the verify.
-    Returns (n [B]: drafts accepted, next [B]: the token after them), dspark spec §10.2-10.3."""
+    Returns (n [B]: drafts accepted, next [B]: the token after them), docs/dspark.md#greedy,
+    docs/dspark.md#sampling."""
     k = drafted.shape[1]
     if sampling.greedy:
         choice = mx.argmax(target_logits, axis=-1).astype(mx.int32)  # [B, k+1]

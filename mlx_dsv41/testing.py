@@ -8,7 +8,7 @@ weights in the official checkpoint names and dtypes, Engram tables, and a checkp
     write_checkpoint(dir, args, weights, tables)      # config.json + safetensors (+ index)
     model = tiny_model(args)                          # loaded, Engram attached, ready to run
 
-Layer roles of `tiny_args()` (spec §2.3):
+Layer roles of `tiny_args()` (docs/model.md#layer-roles):
     0 window-only   1 window-only + Engram   2 ratio-2 Full (KV/index source) + Engram
     3 ratio-2 Reuse 4 ratio-1 Full + candidate source   5 ratio-1 Reuse
     6 ratio-1 Reindex (uses candidates)      7 ratio-1 Reuse (of 6's top-k)
@@ -42,8 +42,8 @@ TINY = dict(
     engram_compressed_vocab_size=120, image_token_id=159,
 )
 
-# The tiny config with a DSpark head (dspark spec §2): three stages of 4 experts top-2, a block of 5
-# drafting from the inputs of the last three layers.
+# The tiny config with a DSpark head (docs/dspark.md#tensors): three stages of 4 experts top-2, a
+# block of 5 drafting from the inputs of the last three layers.
 TINY_DSPARK = dict(
     num_nextn_predict_layers=3, compress_ratios=TINY["compress_ratios"][:8] + (0, 0, 0),
     dspark_block_size=5, dspark_noise_token_id=157, dspark_target_layer_ids=(5, 6, 7),
@@ -80,15 +80,16 @@ def hf_config(args: ModelArgs) -> dict:
 
 
 def official_shapes(args: ModelArgs) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
-    """Name -> (shape, dtype) of every dense tensor the text model reads (spec §6.2, in bf16/fp32
-    where the release has FP8/FP4; `wo_a` is the dequantized bf16 the official converter makes)."""
+    """Name -> (shape, dtype) of every dense tensor the text model reads
+    (docs/checkpoint.md#tensor-names, in bf16/fp32 where the release has FP8/FP4; `wo_a` is the
+    dequantized bf16 the official converter makes)."""
     D, bf = args.hidden_size, mx.bfloat16
     out = {"embed.weight": ((args.vocab_size, D), bf), "head.weight": ((args.vocab_size, D), bf),
            "norm.weight": ((D,), bf)}
     for role in args.roles:
         out.update({f"layers.{role.layer}.{k}": v for k, v in _block_shapes(args, role).items()})
     stages, rank = args.dspark_stages, args.dspark_markov_rank
-    for s in range(stages):  # dspark spec §2
+    for s in range(stages):  # docs/dspark.md#tensors
         t = _block_shapes(args.dspark_stage_args(), args.role(args.num_hidden_layers + s))
         if s == 0:
             t["main_proj.weight"] = ((D, len(args.dspark_target_layer_ids) * D), bf)
@@ -170,7 +171,7 @@ def random_weights(args: ModelArgs, seed: int = 0) -> dict[str, mx.array]:
 
 def random_engram_tables(args: ModelArgs, seed: int = 0) -> dict[int, np.ndarray]:
     """{layer: uint8 [rows, row_bytes]}: e4m3 value bytes (no NaN codes), then e8m0 scales chosen
-    so values stay O(1) (the layout of spec §4.4e and of the row-source protocol)."""
+    so values stay O(1) (the layout of docs/model.md#engram-rows and of the row-source protocol)."""
     rng = np.random.default_rng(seed + 1)
     hd = args.engram_head_dim
     tables = {}

@@ -6,21 +6,22 @@
     ck.reference_model()                           # the float model the stored tensors decode to
     ck.source_model()                              # built directly from the stored tensors (quant seam)
 
-Official format (spec §6): the HF nested config.json with the release's `quantization_config`;
-FP8 linears (spec §3's list) as F8_E4M3 [out, in] + F8_E8M0 [ceil(out/32), ceil(in/32)] block
-scales (power-of-two amax scales, round to nearest); routed experts as I8 E2M1 pairs (low nibble =
-lower index) + F8_E8M0 [out, in/32]; bf16 / fp32 elsewhere; `gate.bias_vl`, MTP, vision and image
-tensors the text model drops; the Engram tables as F8_E4M3 [rows, hd] + F8_E8M0 [rows, hd/32] in
-the last two shards (as `model-00047/00048-of-00048`); an index; one scale in another shard than
-its weight. The reference weights decode the stored codes with numpy (the tables of
-`quant.official`), independently of the MLX code that converts and runs them.
+Official format (docs/checkpoint.md#official): the HF nested config.json with the release's
+`quantization_config`; FP8 linears (docs/numerics.md#dtypes's list) as F8_E4M3 [out, in] + F8_E8M0
+[ceil(out/32), ceil(in/32)] block scales (power-of-two amax scales, round to nearest); routed
+experts as I8 E2M1 pairs (low nibble = lower index) + F8_E8M0 [out, in/32]; bf16 / fp32 elsewhere;
+`gate.bias_vl`, MTP, vision and image tensors the text model drops; the Engram tables as F8_E4M3
+[rows, hd] + F8_E8M0 [rows, hd/32] in the last two shards (as `model-00047/00048-of-00048`); an
+index; one scale in another shard than its weight. The reference weights decode the stored codes
+with numpy (the tables of `quant.official`), independently of the MLX code that converts and runs
+them.
 
-EXL3 format (exl3 spec §1, §5): `quant_method: exl3`; random valid trellises (`exl3.testing`) at
-mixed K (routed experts ragged within w2) and all three codebooks, `wo_a` as `slice.G`, the head
-quantized, one Engram `wkv` quantized and the other an unquantized fp16 `.weight`; native norms,
-router, sinks, mHC, indexer `weights_proj` and Engram `q/k_weight`; no `gate.bias_vl`, no Engram
-tables. Every `suh` is rescaled so W has std ~ 1/sqrt(in) (activations stay O(1)); the reference
-weights are the dequantized W (float32 -> bf16).
+EXL3 format (docs/exl3.md#storage, docs/checkpoint.md#exl3-pack): `quant_method: exl3`; random valid
+trellises (`exl3.testing`) at mixed K (routed experts ragged within w2) and all three codebooks,
+`wo_a` as `slice.G`, the head quantized, one Engram `wkv` quantized and the other an unquantized
+fp16 `.weight`; native norms, router, sinks, mHC, indexer `weights_proj` and Engram `q/k_weight`; no
+`gate.bias_vl`, no Engram tables. Every `suh` is rescaled so W has std ~ 1/sqrt(in) (activations
+stay O(1)); the reference weights are the dequantized W (float32 -> bf16).
 
 A word-level `tokenizer.json` whose Engram normalization yields exactly
 `engram_compressed_vocab_size` keys (uppercase variants collide with their lowercase words).
@@ -48,10 +49,10 @@ OFFICIAL_QUANTIZATION = {"quant_method": "fp8", "activation_scheme": "dynamic", 
 EXL3_QUANTIZATION = {"quant_method": "exl3", "version": "1.4.2", "bits": 3.9, "head_bits": 6,
                      "calibration": {"rows": 250, "cols": 2048}, "out_scales": "always", "codebook": "mul1"}
 
-# spec §3: the FP8 linears of the release (wo_a too: the converter dequantizes it)
+# docs/numerics.md#dtypes: the FP8 linears of the release (wo_a too: the converter dequantizes it)
 _FP8_SITES = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.indexer.wq_b",
               "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3", "engram.wkv",
-              "main_proj")  # main_proj: DSpark stage 0 (dspark spec §2)
+              "main_proj")  # main_proj: DSpark stage 0 (docs/dspark.md#tensors)
 _FP8_MAX, _FP4_MAX = 448.0, 6.0
 
 
@@ -326,9 +327,11 @@ def exl3_tensors(args: ModelArgs, seed: int = 0, with_dspark: bool = True
     reference: dict[str, mx.array] = {}
     stored: dict[str, tuple[str, np.ndarray]] = {}
     d, inter = args.hidden_size, args.moe_intermediate_size
-    # K per tensor class, most specific prefix first (the Mia-AiLab 2.9 bpw recipe, exl3 spec §5.4)
+    # K per tensor class, most specific prefix first (the Mia-AiLab 2.9 bpw recipe,
+    # docs/checkpoint.md#exl3-bitrates)
     bits = {"attn.indexer.wk": 8, "attn": 5, "ffn.shared_experts": 4, "engram.wkv": 4, "head": 6}
-    # exl3 spec §5.2-5.4: never quantized; the DSpark markov and confidence heads neither (exl3 spec §5.3)
+    # docs/checkpoint.md#exl3-pack: never quantized; the DSpark markov and confidence heads neither
+    # (docs/checkpoint.md#exl3-quantized-tensors)
     native_linears = ("ffn.gate", "attn.indexer.weights_proj", "markov_head.embed", "markov_head.head",
                       "confidence_head.proj")
     for k, (name, w) in enumerate(native.items()):
@@ -349,14 +352,17 @@ def exl3_tensors(args: ModelArgs, seed: int = 0, with_dspark: bool = True
         out_f, in_f = w.shape
         kbits = 4 if parts[0] == "mtp" else next((b for key, b in bits.items() if site.startswith(key)), 5)
         codebook = "mcg" if layer == 3 else "3inst" if layer == 5 and site.startswith("ffn.") else "mul1"
-        if site == "attn.wo_a":  # exllamav3 slices wo_a's rows into o_groups linears (exl3 spec §5.2)
+        # exllamav3 slices wo_a's rows into o_groups linears
+        # (docs/checkpoint.md#exl3-quantized-tensors)
+        if site == "attn.wo_a":
             rows = out_f // args.o_groups
             reference[name] = mx.concatenate([
                 _exl3_linear(f"{prefix}.slice.{g}", in_f, rows, kbits, codebook, seed * 10000 + k * 10 + g, q)
                 for g in range(args.o_groups)])
         else:
             reference[name] = _exl3_linear(prefix, in_f, out_f, kbits, codebook, seed * 10000 + k * 10, q)
-    # Routed experts: w2 ragged (2 and 3 bits) in the backbone, the stages' at mtp_bits 4 (exl3 spec §5.4).
+    # Routed experts: w2 ragged (2 and 3 bits) in the backbone, the stages' at mtp_bits 4
+    # (docs/checkpoint.md#exl3-bitrates).
     stage_experts = args.dspark_stage_args().n_routed_experts
     blocks = [(f"layers.{i}", args.n_routed_experts, {"w1": 3, "w3": 3, "w2": (2, 3)})
               for i in range(args.num_hidden_layers)]

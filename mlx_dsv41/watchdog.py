@@ -46,7 +46,7 @@ _PEER_LOST = re.compile(r"^\[(ring|nccl|jaccl|mpi)\].*(lost|closed|connection|ti
 
 
 def hub_host() -> str | None:
-    """Rank 0's address as the launch environment gives it (mlx.launch, mlx-notes §7.2), or the
+    """Rank 0's address as the launch environment gives it (mlx.launch, docs/mlx.md#launch), or the
     MLX_DSV41_WATCHDOG_HOST override; None when it cannot be told."""
     if os.environ.get("MLX_DSV41_WATCHDOG_HOST"):
         return os.environ["MLX_DSV41_WATCHDOG_HOST"]

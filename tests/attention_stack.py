@@ -1,6 +1,7 @@
 """Test helpers for the attention side: a tiny config covering every attention role, a residual
 stack of Attention layers with random non-zero weights, and an independent float64 numpy
-reference of the spec (§4.3) for the whole stack, written from the spec without the MLX code.
+reference of docs/model.md#attention for the whole stack, written from the docs without the MLX
+code.
 
 The reference rounds to bf16 where the model holds bf16 values (linear outputs, norms, RoPE
 outputs, the attention output, the residual) and computes everything else in float64; the fake
@@ -38,8 +39,9 @@ def tiny_args(**overrides) -> ModelArgs:
 
 
 def build_stack(args: ModelArgs, seed: int = 0) -> list[Attention]:
-    """Attention layers with random non-zero weights in the checkpoint dtypes (spec §3): bf16,
-    except fp32 attn_sink and fp32 compressor wkv / wgate on ratio > 1 layers."""
+    """Attention layers with random non-zero weights in the checkpoint dtypes
+    (docs/numerics.md#dtypes): bf16, except fp32 attn_sink and fp32 compressor wkv / wgate on ratio
+    > 1 layers."""
     mx.random.seed(seed)
     layers = []
     for i in range(args.num_hidden_layers):
@@ -149,7 +151,8 @@ def random_input(args: ModelArgs, batch: int, length: int, seed: int) -> mx.arra
     return mx.array(rng.standard_normal((batch, length, args.hidden_size)).astype(np.float32)).astype(mx.bfloat16)
 
 
-# ---------------------------------------------------------------- float64 reference (spec §4.3)
+# ---------------------------------------------------------------- float64 reference
+# (docs/model.md#attention)
 
 BF16 = ml_dtypes.bfloat16
 
@@ -167,7 +170,8 @@ def ref_rms_norm(x, w, eps):
     return rb(x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w)
 
 
-# Flash's rope_scaling (spec §4.3), written out rather than read from ModelArgs' defaults.
+# Flash's rope_scaling (docs/model.md#attention), written out rather than read from ModelArgs'
+# defaults.
 FLASH_YARN = {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
               "original_max_position_embeddings": 65536}
 

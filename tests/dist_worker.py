@@ -1,7 +1,7 @@
 """One rank of the distributed tests (tests/test_distributed.py), or the one-process reference.
 
-Launched with MLX_RANK / MLX_HOSTFILE (ring backend, mlx-notes §7.3) or without them (one process,
-`distributed.init` gives None and nothing distributed runs: the same code path as the CLI).
+Launched with MLX_RANK / MLX_HOSTFILE (ring backend, docs/mlx.md#ring-backend) or without them (one
+process, `distributed.init` gives None and nothing distributed runs: the same code path as the CLI).
 
     generate CKPT OUT   prefill + greedy decode; writes tokens, logits and load figures to OUT
                         ("{rank}" in OUT is replaced by the rank)

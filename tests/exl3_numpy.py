@@ -1,7 +1,8 @@
-"""An independent, deliberately plain numpy EXL3 decoder (exl3 spec §2-3), the oracle for tests.
+"""An independent, deliberately plain numpy EXL3 decoder (docs/exl3.md#trellis,
+docs/exl3.md#transforms), the oracle for tests.
 
-Written from the spec's own formulations, not from mlx_dsv41.exl3: the bit ring is unpacked into
-an array of bits, half-integer K uses the spec's D(p) = KA + ((0xAAAA >> (p & 15)) & 1) rule, and
+Written from the formulations of docs/exl3.md, not from mlx_dsv41.exl3: the bit ring is unpacked into
+an array of bits, half-integer K uses the D(p) = KA + ((0xAAAA >> (p & 15)) & 1) rule, and
 the codebooks use numpy's float16 type for the one rounding.
 """
 
@@ -14,13 +15,14 @@ MUL1, MCG = 0x83DCD12D, 0xCBAC1FED
 
 def ring_bits(tiles_int16: np.ndarray) -> np.ndarray:
     """Bit rings S[..., 0 .. 256K) of tiles [..., 16K]: little-endian uint32 words read MSB-first
-    (spec §2.3)."""
+    (docs/exl3.md#bit-ring)."""
     words = np.ascontiguousarray(tiles_int16).view(np.uint32)
     return np.unpackbits(words.astype(">u4").view(np.uint8), axis=-1)
 
 
 def window_ends(k_bits: float) -> np.ndarray:
-    """End bit of each position's state: (p+1)K for integer K, S(p) of spec §2.6 for K + 0.5."""
+    """End bit of each position's state: (p+1)K for integer K, S(p) of docs/exl3.md#half-integer-k
+    for K + 0.5."""
     if float(k_bits).is_integer():
         return (np.arange(256) + 1) * int(k_bits)
     ka = int(k_bits)
@@ -37,7 +39,7 @@ def tile_states(tiles_int16: np.ndarray, k_bits: float) -> np.ndarray:
 
 
 def decode(states: np.ndarray, codebook: str) -> np.ndarray:
-    """fp16 value of each state (spec §2.5)."""
+    """fp16 value of each state (docs/exl3.md#codebooks)."""
     s = np.asarray(states, np.uint64)
     if codebook == "mul1":
         x = (s * MUL1) % (1 << 32)
@@ -51,7 +53,7 @@ def decode(states: np.ndarray, codebook: str) -> np.ndarray:
 
 
 def positions() -> list[tuple[int, int]]:
-    """(row, col) of trellis position p in a tile (spec §2.2)."""
+    """(row, col) of trellis position p in a tile (docs/exl3.md#tile-permutation)."""
     out = []
     for t in range(32):
         r0, c0 = 2 * (t % 4), t // 4
@@ -89,7 +91,7 @@ def hadamard_blocks(a: np.ndarray, axis: int) -> np.ndarray:
 
 
 def dequantize(trellis, suh, svh, codebook) -> np.ndarray:
-    """W = diag(suh) · H · W̃ · H · diag(svh) in float64 (spec §3.2)."""
+    """W = diag(suh) · H · W̃ · H · diag(svh) in float64 (docs/exl3.md#weight-meaning)."""
     w = hadamard_blocks(hadamard_blocks(reconstruct(np.asarray(trellis), codebook), 0), 1)
     return np.asarray(suh, np.float64)[:, None] * w * np.asarray(svh, np.float64)[None, :]
 

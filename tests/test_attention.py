@@ -1,5 +1,5 @@
-"""CSA2 attention (spec §4.3): norms, compressor, indexer and selection, and a stack of layers with
-every attention role, against the float64 numpy reference in attention_stack.py.
+"""CSA2 attention (docs/model.md#attention): norms, compressor, indexer and selection, and a stack
+of layers with every attention role, against the float64 numpy reference in attention_stack.py.
 
 Tolerances. The reference rounds to bf16 where the model does and computes the rest in float64;
 the model computes the rest in fp32. An fp32 result rarely lands on the other side of a bf16

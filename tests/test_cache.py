@@ -1,5 +1,6 @@
-"""Per-layer caches and the Engram history (spec §5, §8.14): window ring, open compression groups,
-compressed entries, exact trim, and the mlx-lm cache contract (save / load round trips).
+"""Per-layer caches and the Engram history (docs/cache.md#decode-state, docs/cache.md#open-groups):
+window ring, open compression groups, compressed entries, exact trim, and the mlx-lm cache contract
+(save / load round trips).
 
 Unit tests fill the caches with position-coded values (value = position + 1000 · batch row), so
 what a cache returns or still holds can be read off the values themselves."""

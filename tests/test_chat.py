@@ -1,10 +1,10 @@
-"""The DeepSeek-V4.1 chat encoding (spec §7) against exact strings.
+"""The DeepSeek-V4.1 chat encoding (docs/chat.md#chat-encoding) against exact strings.
 
-The first string is the spec's own example (with the effort sentence in full, as the task gives
-it); the others are written by hand from §7's rules: BOS once, the effort prefix only in thinking
-mode at message 0, `<think>` / `</think>` headers, drop_thinking before the last user turn (off
-with tools), tool results merged into one user turn in call order, a mid-conversation system turn
-counting as a user turn, DSML markup with a space after `｜DSML｜`.
+The first string is the example of docs/chat.md#chat-encoding (with the effort sentence in full, as the task gives
+it); the others are written by hand from docs/chat.md#chat-encoding's rules: BOS once, the effort
+prefix only in thinking mode at message 0, `<think>` / `</think>` headers, drop_thinking before the
+last user turn (off with tools), tool results merged into one user turn in call order, a
+mid-conversation system turn counting as a user turn, DSML markup with a space after `｜DSML｜`.
 """
 
 import json

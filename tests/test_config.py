@@ -1,4 +1,5 @@
-"""Config parsing (HF nested layout), the Flash layer schedule of spec §2.3, and validation errors."""
+"""Config parsing (HF nested layout), the Flash layer schedule of docs/model.md#layer-roles, and
+validation errors."""
 
 import json
 

@@ -9,7 +9,7 @@ Tolerances (teacher-forced, every position of two 16-token sequences):
 - every linear / experts module of a converted model vs its float reference, on the same input:
   max |diff| <= 4% of max |ref| for mxfp8 / mxfp4 (MLX's CPU quantized matmul accumulates bf16
   inputs in reduced precision: ~1% per matmul, three chained in an expert) and <= 2% for EXL3
-  (its fp16 internals, exl3 spec §3.3);
+  (its fp16 internals, docs/exl3.md#forward);
 - whole-model logits vs the float model: correlation >= 0.95 and top-1 agreement >= 75%; the
   remainder is the model's discrete choices (expert routing, indexer top-k) flipping under those
   rounding differences, which a random tiny model amplifies.
@@ -93,7 +93,8 @@ def test_official_converts_exactly(official):
     assert np.array_equal(_logits(model), _logits(ck.source_model()))
     assert type(model.layers[3].ffn.experts).__name__ == "MXExperts"
     assert type(model.layers[3].attn.wq_b).__name__ == "MXLinear" and model.layers[3].attn.wq_b.mode == "mxfp8"
-    assert model.layers[3].attn.wo_a.weight.dtype == mx.bfloat16  # dequantized with its scales (spec §3)
+    # dequantized with its scales (docs/numerics.md#dtypes)
+    assert model.layers[3].attn.wo_a.weight.dtype == mx.bfloat16
     bf16 = load_converted(root / "out_bf16")
     assert np.array_equal(_logits(bf16), _logits(ck.reference_model()))
 
@@ -120,7 +121,8 @@ def test_exl3_converts_exactly_and_matches_the_dequantized_model(exl3):
 
 def test_exl3_legacy_sign_fields(exl3, tmp_path):
     """Pre-public EXL3 linears store su / sv (int16 sign bitfields, bit i of word w = sign of
-    element 16w+i, exl3 spec §1.2) instead of suh / svh: converted as stored, loaded the same."""
+    element 16w+i, docs/exl3.md#stored-tensors) instead of suh / svh: converted as stored, loaded
+    the same."""
     ck, root = exl3
     src = shutil.copytree(ck.path, tmp_path / "src")
     prefix, legacy = "layers.0.attn.wq_a", {}

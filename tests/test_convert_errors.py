@@ -78,7 +78,8 @@ def test_wrong_quant_method(official, tmp_path):
     ("layers.1.attn.wkv.scale", ("F8_E8M0", np.full((2, 3), 127, np.uint8)),
      "layers.1.attn.wkv.scale: shape [2, 3], expected [2, 2]"),
     ("layers.2.attn.attn_sink", ("BF16", np.ones(4, np.uint16)),
-     "layers.2.attn.attn_sink: dtype BF16, expected F32 (fp32 in the release, spec §3)"),
+     "layers.2.attn.attn_sink: dtype BF16, expected F32 "
+     "(fp32 in the release, docs/numerics.md#dtypes)"),
     ("layers.0.ffn.experts.3.w2.weight", ("F8_E5M2", np.ones((64, 32), np.uint8)),
      "layers.0.ffn.experts.3.w2.weight: dtype F8_E5M2, expected F8_E4M3"),
     ("layers.5.ffn_norm.weight", ("I32", np.ones(64, np.int32)),

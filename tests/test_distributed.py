@@ -7,7 +7,7 @@ with one clear line; a dead, frozen, stalled or failed peer ends the others with
 bound.
 
 Ranks are subprocesses of tests/dist_worker.py with MLX_RANK / MLX_HOSTFILE on free ports
-(mlx-notes §7.3); the one-process reference is the same script without them.
+(docs/mlx.md#ring-backend); the one-process reference is the same script without them.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-OLD_FORMS_REWRITTEN = False
+OLD_FORMS_REWRITTEN = True
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

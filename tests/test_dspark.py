@@ -1,5 +1,5 @@
-"""The DSpark draft head (mlx_dsv41/model/dspark.py, dspark spec): its config, the main model's
-capture, one draft block against the spec written out independently, loading (any format per
+"""The DSpark draft head (mlx_dsv41/model/dspark.py, docs/dspark.md): its config, the main model's
+capture, one draft block against docs/dspark.md written out independently, loading (any format per
 tensor; a checkpoint without `mtp.*` runs without speculation) and conversion (from the source,
 from `--dspark-from` reading only the shards that hold it, or without; every bad input one line)."""
 
@@ -73,7 +73,8 @@ def test_bad_dspark_config_is_one_clear_error(change, message):
 
 def test_capture_is_the_stream_mean_of_the_target_inputs_and_changes_nothing(model):
     """main_hidden = concat over the target layers (loop order) of bf16(mean of the 4 streams of
-    the block input), for every row of the chunk (dspark spec §3); the logits are unchanged."""
+    the block input), for every row of the chunk (docs/dspark.md#capture); the logits are
+    unchanged."""
     inputs = {}
 
     class Recording(Block):
@@ -102,8 +103,9 @@ def test_capture_is_the_stream_mean_of_the_target_inputs_and_changes_nothing(mod
 
 
 def spec_block(model, hidden: mx.array, token: int):
-    """One greedy draft block written out from dspark spec §4-§6, with the keys of the ring
-    recomputed from the main rows (not read from a cache) and dense sink attention."""
+    """One greedy draft block written out from docs/dspark.md#main-x to #output,
+    with the keys of the ring recomputed from the main rows (not read from a cache) and dense sink
+    attention."""
     args, stages = model.args, model.mtp
     S, W, p = args.dspark_block_size, args.sliding_window, hidden.shape[1] - 1
     first, last = stages[0], stages[-1]
@@ -209,7 +211,8 @@ def test_a_checkpoint_without_mtp_loads_and_says_why_it_cannot_draft(tmp_path, w
         model.make_draft_cache()
     full = _load(write_checkpoint(tmp_path / "full", ARGS, weights))
     assert len(full.mtp) == 3 and full.dspark_unavailable is None
-    assert full.mtp[2].markov_head.head.weight.dtype == mx.float32  # held fp32 (dspark spec §2)
+    # held fp32 (docs/dspark.md#tensors)
+    assert full.mtp[2].markov_head.head.weight.dtype == mx.float32
     assert full.mtp[2].confidence_head.proj.weight.dtype == mx.float32
     ids = mx.array([PROMPT])
     assert np.array_equal(np.array(model(ids)), np.array(full(ids)))  # the main model is the same

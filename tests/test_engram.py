@@ -1,4 +1,5 @@
-"""Engram row decoding (spec §4.4e) and the gated projection (§4.4f) against float64 references."""
+"""Engram row decoding (docs/model.md#engram-rows) and the gated projection
+(docs/model.md#engram-gate) against float64 references."""
 
 import mlx.core as mx
 import numpy as np

@@ -1,5 +1,6 @@
-"""Engram hashing: the Flash constants of spec §4.4 reproduced exactly, the hash against a direct
-scalar transcription of §4.4d, and the compressed token map against an independent normalizer."""
+"""Engram hashing: the Flash constants of docs/model.md#engram reproduced exactly, the hash against
+a direct scalar transcription of docs/model.md#engram-hash, and the compressed token map against an
+independent normalizer."""
 
 import json
 import re
@@ -13,7 +14,8 @@ from mlx_dsv41.model.engram_hash import (
     DEAD, CompressedTokenMap, EngramHashLayout, bucket_primes, hash_multipliers,
 )
 
-# Spec §4.4b, copied from the spec text (Flash: layers 1 and 14; n = 2, 3, 4; 8 heads).
+# docs/model.md#engram-buckets, as the docs list them (Flash: layers 1 and 14; n = 2, 3, 4; 8
+# heads).
 FLASH_PRIMES = {
     1: [[16000057, 16000079, 16000081, 16000097, 16000121, 16000129, 16000133, 16000183],
         [16000189, 16000207, 16000211, 16000253, 16000277, 16000289, 16000307, 16000321],
@@ -96,7 +98,8 @@ def test_num_embeddings_mismatch_is_a_clear_error():
 
 
 def _scalar_hash(layout, li, seq, t):
-    """§4.4d for one position, with Python ints: seq holds compressed ids, DEAD for dead tokens."""
+    """docs/model.md#engram-hash for one position, with Python ints: seq holds compressed ids, DEAD
+    for dead tokens."""
     toks, dead = [], False
     for s in range(layout.max_ngram):
         if t - s < 0 or seq[t - s] == DEAD:
@@ -155,7 +158,8 @@ _U2B = {v: k for k, v in _B2U.items()}
 
 
 def _oracle_key(raw_token):
-    """Spec §4.4a written with Python's unicodedata/re, independent of `tokenizers`."""
+    """docs/model.md#engram-token-map written with Python's unicodedata/re, independent of
+    `tokenizers`."""
     text = bytes(_U2B[c] for c in raw_token).decode("utf-8", errors="replace")
     if "\ufffd" in text:
         return raw_token

@@ -1,5 +1,6 @@
-"""EXL3 decoding in plain MLX (exl3 spec §2): codebook tables, known-answer states, reconstruct
-bit for bit against an independent numpy decoder (tests/exl3_numpy.py) and the exllamav3 fixture."""
+"""EXL3 decoding in plain MLX (docs/exl3.md#trellis): codebook tables, known-answer states,
+reconstruct bit for bit against an independent numpy decoder (tests/exl3_numpy.py) and the exllamav3
+fixture."""
 
 import hashlib
 from pathlib import Path
@@ -15,7 +16,8 @@ from mlx_dsv41.exl3.trellis import tile_states
 
 FIXTURE = Path(__file__).parent / "fixtures" / "exl3_ref_fixture.safetensors"
 FIXTURE_SHA256 = "1d8b80cc288eaeed1597d668866c578d19fcbaf78101fbd64b6dc55feb805171"
-# Spec §7: relative Frobenius error of the decoded W against W0 (the quantization error).
+# docs/exl3.md#fixture: relative Frobenius error of the decoded W against W0 (the quantization
+# error).
 FIXTURE_TAGS = {
     "K2_mul1_fb": ("mul1", 0.26), "K2_mul1_cal": ("mul1", 0.26),
     "K3_mul1_fb": ("mul1", 0.13), "K3_mul1_cal": ("mul1", 0.13),
@@ -24,7 +26,7 @@ FIXTURE_TAGS = {
 ALL_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 HALF_BITS = (1.5, 2.5, 3.5)
 
-# Spec §2.5.
+# docs/exl3.md#codebooks.
 LUT_SHA256 = {
     "3inst": "ad88de2dcff5bb05fff2faec37cceceb43aa1c2e8203f9d81a6fbd6dd3393eea",
     "mcg": "95383563929baa9d1ae5de0be22490284382673620bdd85929feea7bdbef04a9",
@@ -68,7 +70,8 @@ def test_codebook_table_matches_numpy_decoder(codebook):
 
 
 def test_mul1_two_fp16_roundings_would_be_wrong():
-    # Guard for the one-rounding rule (spec §2.5): rounding after the multiply changes 60,326 states.
+    # Guard for the one-rounding rule (docs/exl3.md#codebooks): rounding after the multiply changes
+    # 60,326 states.
     x = (np.arange(65536, dtype=np.uint64) * 0x83DCD12D) % (1 << 32)
     bs = sum((x >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4))
     h = (1024 + bs).astype(np.float16)
@@ -80,7 +83,7 @@ def test_mul1_packed_fp16_fma_is_exact_for_every_byte_sum():
     # The kernels form h = 1024 + bytesum as the fp16 bits 0x6400 + bytesum (dp4a) and then
     # value = fma(h, 0x1EEE, 0xC931) on fp16 operands with ONE rounding (a packed half2 fma): model
     # that fma exactly (float64 holds the product and sum exactly) and round once to fp16, for all
-    # 1021 byte sums, against the spec's definition (float32, then one rounding) and the table.
+    # 1021 byte sums, against the definition in docs/exl3.md#codebooks (float32, then one rounding) and the table.
     bs = np.arange(1021)
     h = (0x6400 + bs).astype(np.uint16).view(np.float16)
     assert np.array_equal(h.astype(np.float64), 1024.0 + bs)  # exact: fp16 integers up to 2048
@@ -96,7 +99,7 @@ def test_mul1_packed_fp16_fma_is_exact_for_every_byte_sum():
 
 
 def test_known_answer_states():
-    # Spec §2.3: two tiles with known states[0..7] and state[255].
+    # docs/exl3.md#bit-ring: two tiles with known states[0..7] and state[255].
     k4 = ((np.arange(64) * 0x0F0F + 0x1234) & 0xFFFF).astype(np.uint16).view(np.int16)
     k2 = (np.arange(32) + 1).astype(np.uint16).view(np.int16)
     for words, first, last in (

@@ -38,7 +38,8 @@ def test_linear_matches_exllamav3_fixture(tag):
     assert y.dtype == np.float16 and y.shape == (4, 512)
     w = exl3_numpy.dequantize(d[f"{tag}.trellis"], d[f"{tag}.suh"], d[f"{tag}.svh"], "mul1")
     y64 = x.astype(np.float64) @ w
-    # Spec §7: exllamav3 is ~5e-4 from float64; the two fp16 paths agree to the same order.
+    # docs/exl3.md#fixture: exllamav3 is ~5e-4 from float64; the two fp16 paths agree to the same
+    # order.
     assert rel_err(y, y64) < 8e-4
     assert rel_err(y, y_ref) < 8e-4
     assert rel_err(y_ref, y64) < 6e-4
@@ -64,7 +65,8 @@ def test_linear_vs_float64(in_f, out_f, bits, codebook, dtype, bias):
     assert y.dtype == dtype and y.shape == (2, 3, out_f)
     y64 = linear_f64(tensors, np.array(x_mx.astype(mx.float32)), in_f, out_f)
     out_eps = {mx.float32: 0.0, mx.float16: 2**-12, mx.bfloat16: 2**-9}[dtype]
-    # fp16 rounding of x·suh and of xh (spec §3.3): ~3e-4 relative, plus the output rounding.
+    # fp16 rounding of x·suh and of xh (docs/exl3.md#forward): ~3e-4 relative, plus the output
+    # rounding.
     assert rel_err(np.array(y.astype(mx.float32)), y64) < 6e-4 + out_eps
 
 
@@ -130,7 +132,7 @@ def test_shape_errors():
 
 
 def test_legacy_sign_bitfields():
-    # Spec §1.2: signs [+,-,-,+,+,+,+,+,-,+,+,+,+,+,+,-] pack to 0x8106.
+    # docs/exl3.md#stored-tensors: signs [+,-,-,+,+,+,+,+,-,+,+,+,+,+,+,-] pack to 0x8106.
     t = random_linear_tensors(128, 128, 3, prefix="p")
     signs = np.array([1, -1, -1, 1, 1, 1, 1, 1, -1, 1, 1, 1, 1, 1, 1, -1], np.float16)
     word = np.array([0x8106], np.uint16).view(np.int16)
@@ -151,7 +153,7 @@ def _bf16(v):
 
 def experts_f64(tensors, prefix, x, indices, weights, hidden, inter, limit, lo, hi):
     """Per-slot outputs in float64 from the numpy decoder; g, u, h and y are rounded to bf16 where
-    the reference's bf16 linears round them (the experts contract, spec §4.5)."""
+    the reference's bf16 linears round them (the experts contract, docs/model.md#moe)."""
     T, k = indices.shape
     out = np.zeros((T, k, hidden))
     cache = {}

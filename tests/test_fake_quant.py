@@ -1,4 +1,4 @@
-"""QAT fake quantization (spec §8.4), element by element.
+"""QAT fake quantization (docs/model.md#fake-quant), element by element.
 
 Oracles: ml_dtypes' float8_e4m3fn / float4_e2m1fn casts (round-to-nearest-even, independent of our
 code) inside their finite range; hand-derived known answers for the tie table, saturation and the
@@ -64,7 +64,8 @@ def test_round_to_grid_matches_ml_dtypes_on_random_values(grid, dtype, scale):
 
 
 def test_fp4_tie_table():
-    # spec §8.4: ties at 0.25, 1.25, 2.5, 5 round down; at 0.75, 1.75, 3.5 round up (to even).
+    # docs/model.md#fake-quant: ties at 0.25, 1.25, 2.5, 5 round down; at 0.75, 1.75, 3.5 round up
+    # (to even).
     ties = np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
     want = np.float32([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0])
     got = np.array(round_to_grid(mx.array(np.concatenate([ties, -ties])), E2M1))
@@ -162,9 +163,10 @@ def test_fake_quant_fp4(block, kind, dtype):
 
 
 def test_fp4_e4m3_scale_is_not_a_power_of_two_and_saturates():
-    # Hand-derived (spec §4.3, §8.4): amax 5 -> amax/6 = 0.8333 -> e4m3 0.8125 (step 1/16 in
-    # [0.5, 1)); 5 / 0.8125 = 6.15 saturates to 6 -> 4.875; 1 / 0.8125 = 1.23 -> 1 -> 0.8125;
-    # 2 / 0.8125 = 2.46 -> 2 -> 1.625. A power-of-two scale (1.0) would give 5 -> 4, 1 -> 1, 2 -> 2.
+    # Hand-derived (docs/model.md#attention, docs/model.md#fake-quant): amax 5 -> amax/6 = 0.8333 ->
+    # e4m3 0.8125 (step 1/16 in [0.5, 1)); 5 / 0.8125 = 6.15 saturates to 6 -> 4.875; 1 / 0.8125 =
+    # 1.23 -> 1 -> 0.8125; 2 / 0.8125 = 2.46 -> 2 -> 1.625. A power-of-two scale (1.0) would give 5
+    # -> 4, 1 -> 1, 2 -> 2.
     x = np.zeros((1, 16), np.float32)
     x[0, :3] = [5.0, 1.0, 2.0]
     got = np.array(fake_quant_fp4(mx.array(x), 16, scale="e4m3"))[0, :3]

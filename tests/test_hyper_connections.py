@@ -1,4 +1,5 @@
-"""mHC mixes, Sinkhorn, collapse and expand against float64 references written from spec §4.2."""
+"""mHC mixes, Sinkhorn, collapse and expand against float64 references written from
+docs/model.md#mhc."""
 
 import mlx.core as mx
 import numpy as np
@@ -19,7 +20,8 @@ def _site(scale=1.0):
 
 
 def mixes_f64(streams, fn, base, sc, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS):
-    """Spec §4.2 line by line, float64: streams [..., HC, D] -> pre, post, comb (test_model uses it)."""
+    """docs/model.md#mhc line by line, float64: streams [..., HC, D] -> pre, post, comb (test_model
+    uses it)."""
     *lead, hc, dim = streams.shape
     z = streams.reshape(*lead, hc * dim).astype(np.float64)
     m = (z @ fn.astype(np.float64).T) / np.sqrt(np.mean(z * z, axis=-1, keepdims=True) + norm_eps)

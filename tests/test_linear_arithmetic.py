@@ -5,8 +5,8 @@ grouped `wo_a` dense, FP8-dequantized and as EXL3 slices, EXL3 at several K and 
 routed-experts formats (MX, dense, EXL3) and the shared expert are run on random non-zero bf16
 activations at K = 5120 and compared with float64 `x @ W`, W decoded exactly from the stored
 codes (numpy decoders, independent of MLX), rounded once. EXL3 rounds its input side to fp16 by
-definition of the format (xh = fp16(H(fp16(x * suh))), exl3 spec §3.3), so its reference applies
-those two roundings, then the product, the output transform and svh in float64.
+definition of the format (xh = fp16(H(fp16(x * suh))), docs/exl3.md#forward), so its reference
+applies those two roundings, then the product, the output transform and svh in float64.
 Bound: relative L2 error <= 0.3 %; one rounding to bf16 costs ~0.16 % and MLX's CPU quantized
 kernels, which sum in bf16 for bf16 x, 1.5-8 % (the canary below pins that). Linear outputs must
 also mostly equal the float64 result rounded once: at least 97 % of them bit for bit (fp32 sums

@@ -56,7 +56,7 @@ def test_round_trip_gives_the_same_logits(checkpoint, weights):
                                                  for L in ARGS.engram_layer_ids})
     direct = tiny_model(ARGS, weights=weights)
     assert np.array_equal(np.array(model(IDS)), np.array(direct(IDS)))
-    # Held dtypes: fp32 where spec §3 says so, bf16 as stored elsewhere.
+    # Held dtypes: fp32 where docs/numerics.md#dtypes says so, bf16 as stored elsewhere.
     params = dict(tree_flatten(model.parameters()))
     assert params["layers.2.attn.compressor.wkv.weight"].dtype == mx.float32  # ratio 2: pooled in fp32
     assert params["layers.4.attn.compressor.wkv.weight"].dtype == mx.bfloat16  # ratio 1 stays bf16
@@ -66,7 +66,7 @@ def test_round_trip_gives_the_same_logits(checkpoint, weights):
 
 
 def test_official_names_per_role():
-    """Spec §6.2: which layers carry which optional tensors."""
+    """docs/checkpoint.md#tensor-names: which layers carry which optional tensors."""
     names = set(official_shapes(ARGS))
     has = lambda layer, t: f"layers.{layer}.{t}" in names  # noqa: E731
     assert has(2, "attn.compressor.wgate.weight") and not has(4, "attn.compressor.wgate.weight")
@@ -225,8 +225,8 @@ def test_exl3_tensors_load_through_the_seam(weights):
 
 
 def test_mlx_lm_load_model_builds_the_same_model(checkpoint, weights):
-    """mlx-lm's own loader (class injection, mlx-notes §8.2) goes through our from_dict, sanitize
-    and load_weights and gives the model `load_model` gives."""
+    """mlx-lm's own loader (class injection, docs/mlx.md#external-model) goes through our from_dict,
+    sanitize and load_weights and gives the model `load_model` gives."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
     from mlx_dsv41.config import ModelArgs

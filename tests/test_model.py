@@ -1,6 +1,7 @@
 """The assembled model on the tiny config (every layer role, two Engram layers, hc_mult 4, 8 experts
-top-2): the spec §4.1/§4.2 wiring against a float64 reference, and the cache contract: decode ==
-prefill, chunked prefill == prefill, trim + re-decode == never decoded, batched == solo.
+top-2): the docs/model.md#top-level/docs/model.md#mhc wiring against a float64 reference, and the
+cache contract: decode == prefill, chunked prefill == prefill, trim + re-decode == never decoded,
+batched == solo.
 
 On this CPU the paths agree bit for bit (MLX's CPU matmuls give each row the same result whatever
 the number of rows), and the tests assert exactly that: the same logit bytes. On a GPU backend,
@@ -244,7 +245,8 @@ def test_mlx_lm_generate_step_drives_the_model(model, ids):
     assert got == want
 
 
-# ------------------------------------------------------------------ wiring vs float64 (§4.1, §4.2)
+# ------------------------------------------------------------------ wiring vs float64
+# (docs/model.md#top-level, docs/model.md#mhc)
 
 
 class _StubAttention(nn.Module):
@@ -276,9 +278,10 @@ def _is_prime(n):
 
 
 def _independent_row_ids(args, ids):
-    """Spec §4.4b-d written out again, sharing no code with mlx_dsv41.model.engram_hash: row ids
-    [B, S, Engram layers, columns] of the n-grams ending at each position of ids [B, S] (from
-    position 0), with the synthetic token map t -> t mod C and the image id DEAD."""
+    """docs/model.md#engram-hashing written out again, sharing no code with
+    mlx_dsv41.model.engram_hash: row ids [B, S, Engram layers, columns] of the n-grams ending at
+    each position of ids [B, S] (from position 0), with the synthetic token map t -> t mod C and the
+    image id DEAD."""
     C, heads, N = args.engram_compressed_vocab_size, args.engram_n_heads, args.engram_max_ngram_size
     seen, primes = set(), []
     for _ in args.engram_layer_ids:
@@ -314,8 +317,9 @@ def _independent_row_ids(args, ids):
 
 
 def ref_engram(streams, raw, wkv, q_weight, k_weight, head_dim, dead):
-    """Spec §4.4e-f in float64 with the reference's roundings: streams [B, S, HC, D], raw rows
-    uint8 [B, S, columns, row_bytes], dead [B, S] -> the new streams (bf16 values)."""
+    """docs/model.md#engram-rows-and-gate in float64 with the reference's roundings: streams [B, S,
+    HC, D], raw rows uint8 [B, S, columns, row_bytes], dead [B, S] -> the new streams (bf16
+    values)."""
     *lead, hc, D = streams.shape
     vals = raw[..., :head_dim].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
     e = rb(vals * np.repeat(np.exp2(raw[..., head_dim:].astype(np.float64) - 127), 32, -1))
@@ -329,7 +333,8 @@ def ref_engram(streams, raw, wkv, q_weight, k_weight, head_dim, dead):
 
 
 def _reference(args, w, tables, ids, stubs, lag=True):
-    """Spec §4.1 / §4.2 / §4.4f / §4.6 in float64 with the bf16 roundings of the reference."""
+    """docs/model.md#top-level / docs/model.md#mhc / docs/model.md#engram-gate / docs/model.md#head
+    in float64 with the bf16 roundings of the reference."""
     hc, D = args.hc_mult, args.hidden_size
     row_ids = _independent_row_ids(args, ids)
     comp = np.where(ids == args.image_token_id, -1, 0)

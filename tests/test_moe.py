@@ -1,4 +1,5 @@
-"""Router, dense experts and the MoE block against float64 references written from spec §4.5."""
+"""Router, dense experts and the MoE block against float64 references written from
+docs/model.md#moe."""
 
 import mlx.core as mx
 import numpy as np

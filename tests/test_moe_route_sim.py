@@ -1,7 +1,7 @@
 """The moe_route kernel body (metal_ext/moe_route.metal) on the CPU simulator: the same choice and
-weights as the plain-MLX router (spec §4.5) on Flash's 384 experts top-6 and on small cases, with
-a temperature, ties (the lower expert id wins), NaN logits that never win, and untouched guards.
-tests/gpu/test_moe_route_gpu.py repeats this on the device."""
+weights as the plain-MLX router (docs/model.md#moe) on Flash's 384 experts top-6 and on small cases,
+with a temperature, ties (the lower expert id wins), NaN logits that never win, and untouched
+guards. tests/gpu/test_moe_route_gpu.py repeats this on the device."""
 
 import shutil
 

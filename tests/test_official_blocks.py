@@ -1,9 +1,9 @@
 """A tiny official-format model (FP8 linears, FP4 routed experts, bf16 / fp32 rest), teacher-forced
-block by block against a float64 reference of spec §4.2-§4.5 that rounds to bf16 exactly where
-the reference implementation does (linear outputs, norms, the residual streams, w2's input, ...):
-every block's output streams must sit at the level of those roundings (issue 15). With MLX's CPU
-quantized kernels summing in bf16 (the state before quant/accumulation.py) the same blocks are
-~1-4 % off, which the second test shows by switching the policy off.
+block by block against a float64 reference of docs/model.md#mhc to #moe that rounds to
+bf16 exactly where the reference implementation does (linear outputs, norms, the residual streams,
+w2's input, ...): every block's output streams must sit at the level of those roundings (issue 15).
+With MLX's CPU quantized kernels summing in bf16 (the state before quant/accumulation.py) the same
+blocks are ~1-4 % off, which the second test shows by switching the policy off.
 
 The reference reuses the float64 pieces other tests check in isolation: mixes_f64 (mHC),
 ReferenceStack.layer (CSA2 attention with compressor, indexer and candidates) and
@@ -56,7 +56,8 @@ def _block_io(model, ids):
 
 
 class ReferenceBlocks:
-    """Spec §4.2 blocks in float64 from the checkpoint's decoded weights (official names)."""
+    """docs/model.md#mhc blocks in float64 from the checkpoint's decoded weights (official
+    names)."""
 
     def __init__(self, args, weights):
         self.args = args
@@ -117,8 +118,8 @@ def test_bf16_partial_sums_would_move_the_blocks(checkpoint, monkeypatch):
 
 @pytest.mark.parametrize("policy", ["fp32 sums", "bf16 sums"])
 def test_engram_with_an_fp8_wkv(checkpoint, monkeypatch, policy):
-    """Engram (spec §4.4e-f) with the release's FP8 `wkv`: the same bf16 values as the float64
-    reference with fp32 sums; off by bf16 partial sums without them."""
+    """Engram (docs/model.md#engram-rows-and-gate) with the release's FP8 `wkv`: the same bf16
+    values as the float64 reference with fp32 sums; off by bf16 partial sums without them."""
     if policy == "bf16 sums":
         monkeypatch.setattr(accumulation, "needs_fp32_activations", lambda *a, **k: False)
     args = tiny_args()  # with Engram layers

@@ -3,20 +3,24 @@
 Same random weights, in official names, go through each model's own `sanitize` (mlx-lm renames and
 stacks them itself). The differences between the two implementations, and how each is handled:
 
-1. Routed weights: mlx-lm multiplies after `w2`; the reference (and we) before it (spec §4.5).
-   It acts only through the bf16 rounding of w2's input: it vanishes in fp32.        [known]
+1. Routed weights: mlx-lm multiplies after `w2`; the reference (and we) before it
+   (docs/model.md#moe). It acts only through the bf16 rounding of w2's input: it vanishes in fp32.
+   [known]
 2. RMSNorm: mlx-lm's `nn.RMSNorm` on bf16 input rounds the normalised value before the weight
-   multiply; the spec computes in fp32 and rounds once (spec §3). 1 bf16 ulp.        [found]
+   multiply; the reference computes in fp32 and rounds once (docs/numerics.md#dtypes). 1 bf16 ulp.
+   [found]
 3. CPU only: mlx-lm's grouped `wo_a` and routed experts use `mx.gather_mm`, which runs only in
    fp32 on the CPU, so their weights are given to it in fp32 and those paths skip the bf16
    rounding of their outputs. (On GPU they would run in bf16.)                       [found]
 4. Top-k when fewer candidate entries than index_topk survive the candidate mask: both keep
-   visible picks whose masked score is -inf (as the reference, spec §4.3), but among those tied
-   entries mlx-lm's argpartition picks in backend order and ours by lowest index. Impossible at
-   Flash sizes (2048 blocks of 8 ≫ 512), so the parity config keeps 3 blocks of 2 >= index_topk
-   4 + 1, where it cannot happen.                                                     [found]
-5. The head: mlx-lm computes logits in the head weight's dtype; given the fp32 head the spec
-   asks for (spec §4.6), it matches.                                                  [neutralised]
+   visible picks whose masked score is -inf (as the reference, docs/model.md#attention), but among
+   those tied entries mlx-lm's argpartition picks in backend order and ours by lowest index.
+   Impossible at Flash sizes (2048 blocks of 8 ≫ 512), so the parity config keeps 3 blocks of 2 >=
+   index_topk 4 + 1, where it cannot happen.
+   [found]
+5. The head: mlx-lm computes logits in the head weight's dtype; given the fp32 head the reference
+   asks for (docs/model.md#head), it matches.
+   [neutralised]
 6. Official FP8 / FP4 weights (not in the bf16 runs below): mlx-lm keeps them packed (mxfp8 /
    mxfp4) and runs MLX's quantized kernels on bf16 activations, which on the CPU keep bf16
    running sums (~0.7 % per linear at these widths, 1.5 % at K = 5120); ours give those kernels

@@ -1,4 +1,4 @@
-"""RoPE (spec §4.3 "RoPE", pitfall §8.11) against a float64 numpy rotation written from the spec.
+"""RoPE (docs/model.md#rope) against a float64 numpy rotation written from the docs.
 
 Angles are fp32 in the model, as in the reference (fp32 outer product of positions and
 frequencies): an fp32 angle is within about one fp32 ulp (2^-23 relative) of the exact one, so
@@ -19,7 +19,7 @@ from mlx_dsv41.config import ConfigError, ModelArgs
 from mlx_dsv41.model.rope import RoPE, make_rope, rope_frequencies, yarn_correction_range
 
 def test_flash_yarn_correction_dims_are_floored_and_ceiled():
-    # spec §4.3: unfloored 15.45 and 24.71 -> low 15, high 25.
+    # docs/model.md#rope: unfloored 15.45 and 24.71 -> low 15, high 25.
     def corr(rot):
         return 64 * math.log(65536 / (rot * 2 * math.pi)) / (2 * math.log(160000))
 
@@ -61,7 +61,7 @@ def test_rope_matches_float64_rotation(yarn, offset, ndim):
 
 
 def test_compressed_positions_step_by_the_ratio():
-    # Group j sits at position j·r (spec §4.3): offset=first, step=r.
+    # Group j sits at position j·r (docs/model.md#rope): offset=first, step=r.
     rope = RoPE(16, 160000.0, FLASH_YARN)
     x = np.random.default_rng(1).standard_normal((1, 6, 32)).astype(np.float32)
     got = np.array(rope(mx.array(x), 9, step=2))

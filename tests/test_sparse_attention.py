@@ -18,9 +18,9 @@ from mlx_dsv41.kernels import sparse_attention as sa
 # float64 oracle and inputs (shared with the GPU tests)
 
 def attention_f64(q, window, pool, indices, sinks, scale):
-    """The spec §4.3 formula in float64, one (b, s) at a time, with IEEE nonfinite semantics:
-    the maximum over logits and sink propagates NaN; a -1 index is no key at all; any other index
-    outside [0, W + T) makes the (b, s) outputs NaN (the kernels' documented contract).
+    """The docs/model.md#attention formula in float64, one (b, s) at a time, with IEEE nonfinite
+    semantics: the maximum over logits and sink propagates NaN; a -1 index is no key at all; any
+    other index outside [0, W + T) makes the (b, s) outputs NaN (the kernels' documented contract).
     einsum (not BLAS) so that 0 * inf is NaN exactly as IEEE says."""
     q, window, pool, sinks = (np.asarray(a, np.float64) for a in (q, window, pool, sinks))
     indices = np.asarray(indices)

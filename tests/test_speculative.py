@@ -1,4 +1,4 @@
-"""DSpark speculative decoding (mlx_dsv41.speculative, dspark spec §10) on the CPU.
+"""DSpark speculative decoding (mlx_dsv41.speculative, docs/dspark.md#speculative) on the CPU.
 
 Greedy: the output is plain greedy decoding's, token for token, whatever the drafts are: forced
 rejections at every draft position (the drafts replaced by the true continuation with position j
@@ -224,7 +224,8 @@ def test_a_rejected_tail_leaves_every_cache_as_if_never_decoded(model, reference
 
 def test_rings_equal_a_from_scratch_recomputation(model, reference):
     """After rounds with rejections, each stage's ring holds fq8(rope_t(kv_norm(wkv(main_x[t]))))
-    of the accepted sequence's own hidden rows for the window before p (dspark spec §7, §10.4)."""
+    of the accepted sequence's own hidden rows for the window before p (docs/dspark.md#stage-cache,
+    docs/dspark.md#stage-rollback)."""
     decoder = SpeculativeDecoder(model)
     emitted = run(decoder, PROMPT, 11, reference, wrong_at=1)
     decoder.draft()  # writes the rings up to p

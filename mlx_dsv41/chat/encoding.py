@@ -1,4 +1,5 @@
-"""The DeepSeek-V4.1 chat encoding (spec §7): messages -> prompt string or token ids.
+"""The DeepSeek-V4.1 chat encoding (docs/chat.md#chat-encoding): messages -> prompt string or token
+ids.
 
     <｜begin▁of▁sentence｜>                                         once, first
     <｜System｜>Reasoning Effort: 75 (range 1-100, ...)\\n\\n          thinking mode, at message 0
@@ -8,7 +9,7 @@
     <｜Assistant｜><think>   (thinking)  |  <｜Assistant｜></think>   header before an answer
     {reasoning}</think>{content}{DSML tool calls}<｜end▁of▁sentence｜>   an assistant turn
 
-Rules (spec §7; the official `encoding/encoding.py` as its ports describe it):
+Rules (docs/chat.md#chat-encoding; the official `encoding/encoding.py` as its ports describe it):
 - Reasoning effort is an integer 1..100 or a name: the official aliases low = 50, high = 75
   (default), max = 100 (not vLLM's mapping), and OpenAI's other `reasoning_effort` names mapped
   onto the same scale: minimal = 25 (half of low), medium = 62 (midway between low and high).
@@ -22,8 +23,9 @@ Rules (spec §7; the official `encoding/encoding.py` as its ports describe it):
 - DSML: `｜DSML｜` is a control token; the tag names after it start with a space
   (`<｜DSML｜ calls>`, `<｜DSML｜ invoke name="f">`, `<｜DSML｜ parameter name="k" string="true">`).
 
-The spec gives the structure; the exact text of the `## Tools` instructions is taken from
-third-party ports of the official file (spec §0 VLLM and others) and is not verified against it.
+docs/chat.md gives the structure; the exact text of the `## Tools` instructions is taken from
+third-party ports of the official file (docs/model.md#sources VLLM and others) and is not verified
+against it.
 
 Two outputs: `render` gives the string (what a Jinja template would produce); `encode` gives
 token ids with every control token placed by id and every piece of text (user content, tool

@@ -1,4 +1,4 @@
-"""EXL3 codebooks: one 16-bit trellis state -> one fp16 weight (exl3 spec §2.5).
+"""EXL3 codebooks: one 16-bit trellis state -> one fp16 weight (docs/exl3.md#codebooks).
 
 All integer arithmetic is unsigned 32-bit with wrap-around on the zero-extended state; each
 codebook rounds to fp16 exactly once, which is what makes a float32 computation bit-exact.
@@ -48,7 +48,8 @@ def decode_states(states: mx.array, codebook: str) -> mx.array:
     if codebook == "mul1":
         x = s * _u32(MUL1_MULTIPLIER)
         h = (byte_sum(x) + 1024).astype(mx.float32)
-        # (1024+bs)*1774 - 2721792 fits in 21 bits: this float32 expression is exact (spec §2.5).
+        # (1024+bs)*1774 - 2721792 fits in 21 bits: this float32 expression is exact
+        # (docs/exl3.md#codebooks).
         return (h * MUL1_K_INV + MUL1_K_BIAS).astype(mx.float16)
     if codebook == "mcg":
         x = s * _u32(MCG_MULTIPLIER)
@@ -64,6 +65,6 @@ def decode_states(states: mx.array, codebook: str) -> mx.array:
 
 
 def codebook_table(codebook: str) -> np.ndarray:
-    """All 65,536 values of a codebook, fp16, indexed by state (the spec's SHA-256 is over these)."""
+    """All 65,536 values of a codebook, fp16, indexed by state (docs/exl3.md#codebooks gives their SHA-256)."""
     states = mx.arange(1 << 16, dtype=mx.uint32)
     return np.array(decode_states(states, codebook))

@@ -1,9 +1,10 @@
 """EXL3Experts: routed MoE experts stored as one EXL3 linear per expert and projection.
 
-Checkpoints store ``{prefix}.{e}.w1|w3|w2.{trellis,suh,svh,mul1|mcg}`` per expert (exl3 spec §5.1;
-w1 = gate, w3 = up, w2 = down, HF orientation [out, in], so EXL3 k = in, n = out). K and even the
-codebook are per tensor, so each projection stacks its experts' trellises in groups of equal
-(K, codebook): a kernel launch serves one group. suh/svh are stacked over all local experts.
+Checkpoints store ``{prefix}.{e}.w1|w3|w2.{trellis,suh,svh,mul1|mcg}`` per expert
+(docs/exl3.md#experts-storage; w1 = gate, w3 = up, w2 = down, HF orientation [out, in], so EXL3 k =
+in, n = out). K and even the codebook are per tensor, so each projection stacks its experts'
+trellises in groups of equal (K, codebook): a kernel launch serves one group. suh/svh are stacked
+over all local experts.
 """
 
 from __future__ import annotations
@@ -164,10 +165,11 @@ class EXL3Experts(nn.Module):
 
 
 class EXL3GroupedLinear(nn.Module):
-    """A grouped linear (model spec §4.3 `wo_a`: group g maps x[..., g, :] to y[..., g, :]) stored as one
-    EXL3 linear per group (`P.slice.{g}`, as exllamav3 stores it): the groups as the "experts" of
-    one EXL3ExpertProjection, so a GPU serves them all in one set of launches (kernels.exl3.grouped)
-    instead of one GEMV per group. Each group's output is rounded as its own linear's is."""
+    """A grouped linear (docs/model.md#attention `wo_a`: group g maps x[..., g, :] to y[..., g, :])
+    stored as one EXL3 linear per group (`P.slice.{g}`, as exllamav3 stores it): the groups as the
+    "experts" of one EXL3ExpertProjection, so a GPU serves them all in one set of launches
+    (kernels.exl3.grouped) instead of one GEMV per group. Each group's output is rounded as its own
+    linear's is."""
 
     def __init__(self, proj: EXL3ExpertProjection):
         super().__init__()

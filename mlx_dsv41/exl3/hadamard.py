@@ -1,4 +1,4 @@
-"""The EXL3 input and output transforms around W̃ (exl3 spec §3).
+"""The EXL3 input and output transforms around W̃ (docs/exl3.md#transforms).
 
 Both sides use the natural-order (Sylvester) Hadamard of size 128, scaled by 1/sqrt(128) and applied
 block-diagonally to consecutive 128-element blocks; it is symmetric and orthonormal.
@@ -25,7 +25,8 @@ def hadamard_128(x: mx.array, axis: int = -1) -> mx.array:
 
 
 def input_transform(x: mx.array, suh: mx.array) -> mx.array:
-    """xh = fp16(H128(fp16(x ⊙ suh))) for x [m, k] (already zero-extended to k): spec §3.3 steps 1-2.
+    """xh = fp16(H128(fp16(x ⊙ suh))) for x [m, k] (already zero-extended to k):
+    docs/exl3.md#forward steps 1-2.
 
     x ⊙ suh is formed in float32 and rounded once to fp16: for fp16 or bf16 x the product is exact
     in float32, so this equals exllamav3's fp16 multiply.
@@ -35,5 +36,6 @@ def input_transform(x: mx.array, suh: mx.array) -> mx.array:
 
 
 def output_transform(acc: mx.array, svh: mx.array) -> mx.array:
-    """y = H128(acc) ⊙ svh in float32 for acc [m, n]: spec §3.3 steps 4-5 (fp32-output form)."""
+    """y = H128(acc) ⊙ svh in float32 for acc [m, n]: docs/exl3.md#forward steps 4-5 (fp32-output
+    form)."""
     return hadamard_128(acc) * svh.astype(mx.float32)

@@ -1,4 +1,4 @@
-"""EXL3Linear: y = x·W (+ bias) with W kept as the packed trellis (exl3 spec §3.3)."""
+"""EXL3Linear: y = x·W (+ bias) with W kept as the packed trellis (docs/exl3.md#forward)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ class EXL3Linear(nn.Module):
         self.suh = suh.astype(mx.float16)
         self.svh = svh.astype(mx.float16)
         if bias is not None:
-            # exllamav3 keeps the bias in fp16 (an fp32 bias is cast at load, spec §1.2).
+            # exllamav3 keeps the bias in fp16 (an fp32 bias is cast at load,
+            # docs/exl3.md#stored-tensors).
             self.bias = bias[: self.out_features].astype(mx.float16)
         self.codebook = codebook
         self.bits = bits_per_weight(k2)

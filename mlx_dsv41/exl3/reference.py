@@ -1,7 +1,9 @@
 """The EXL3 forward in plain MLX: the CPU path and the oracle the kernels are tested against.
 
-    W = diag(suh) · H · W̃ · H · diag(svh)                              (exl3 spec §3.2)
-    y = H(xh @ W̃) ⊙ svh (+ bias),  xh = fp16(H(fp16(x ⊙ suh)))         (spec §3.3, float32 sums)
+    W = diag(suh) · H · W̃ · H · diag(svh)                       (docs/exl3.md#weight-meaning)
+    y = H(xh @ W̃) ⊙ svh (+ bias),  xh = fp16(H(fp16(x ⊙ suh)))  (docs/exl3.md#forward)
+
+The sums are float32.
 """
 
 from __future__ import annotations
@@ -22,24 +24,26 @@ def dequantize(trellis, suh, svh, codebook: str) -> mx.array:
 
 
 def pad_features(x: mx.array, k: int) -> mx.array:
-    """Zero-extend the last dim of x to k (inputs narrower than the padded weight, spec §1.1)."""
+    """Zero-extend the last dim of x to k (inputs narrower than the padded weight,
+    docs/exl3.md#padding)."""
     extra = k - x.shape[-1]
     return x if extra == 0 else mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
 def linear(x, trellis, suh, svh, codebook, bias=None, out_features=None, out_dtype=None, w_tilde=None):
-    """y [m, out_features] = x [m, in] @ W (+ bias), spec §3.3 order, float32 accumulation.
-    ``w_tilde``: W̃ already decoded to float32 (the same values: reconstruct is exact)."""
+    """y [m, out_features] = x [m, in] @ W (+ bias), docs/exl3.md#forward order, float32
+    accumulation. ``w_tilde``: W̃ already decoded to float32 (the same values: reconstruct is
+    exact)."""
     w = reconstruct(trellis, codebook).astype(mx.float32) if w_tilde is None else w_tilde
     return with_transforms(lambda xh: xh.astype(mx.float32) @ w, x, suh, svh, bias, out_features, out_dtype)
 
 
 def experts_gathered(x, indices, weights, w1, w3, w2, expert_range, limit, tildes):
-    """Per-slot expert outputs [T, k, D] float32 as ``experts_by_expert`` computes them, every slot at
-    once: per-slot input transforms, one ``gather_mm`` per projection over the experts' decoded W̃
-    (``tildes``: float32 [E, k, n] for w1, w3, w2) and per-slot output transforms. No host read of
-    the routing. The same bytes as one expert at a time wherever the CPU's GEMMs give each row the
-    same sums whatever the number of rows (tests/test_exl3_layers.py checks it)."""
+    """Per-slot expert outputs [T, k, D] float32 as ``experts_by_expert`` computes them, every slot
+    at once: per-slot input transforms, one ``gather_mm`` per projection over the experts' decoded
+    W̃ (``tildes``: float32 [E, k, n] for w1, w3, w2) and per-slot output transforms. No host read
+    of the routing. The same bytes as one expert at a time wherever the CPU's GEMMs give each row
+    the same sums whatever the number of rows (tests/test_exl3_layers.py checks it)."""
     T, top_k = indices.shape
     lo, hi = expert_range
     inside = (indices >= lo) & (indices < hi)
@@ -60,7 +64,7 @@ def experts_gathered(x, indices, weights, w1, w3, w2, expert_range, limit, tilde
 
 def with_transforms(product, x, suh, svh, bias=None, out_features=None, out_dtype=None):
     """y = H(product(xh)) ⊙ svh (+ bias) [m, out_features] in out_dtype (default x.dtype), with
-    xh = fp16(H(fp16(x ⊙ suh))) and product(xh) = xh @ W̃ in float32 (spec §3.3)."""
+    xh = fp16(H(fp16(x ⊙ suh))) and product(xh) = xh @ W̃ in float32 (docs/exl3.md#forward)."""
     out_features = svh.shape[0] if out_features is None else out_features
     xh = input_transform(pad_features(x, suh.shape[0]), suh)
     y = output_transform(product(xh), svh)[:, :out_features]
@@ -86,7 +90,8 @@ def experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit, line
         s = mx.array(slots.astype(np.int32))
         xe = x[mx.array((slots // top_k).astype(np.int32))]
         local = int(e) - lo
-        # The reference's expert linears return bf16: g, u and y are bf16-valued (spec §4.5).
+        # The reference's expert linears return bf16: g, u and y are bf16-valued
+        # (docs/model.md#moe).
         g = linear_fn(xe, *w1.expert(local), out_features=w1.out_features, out_dtype=mx.bfloat16)
         u = linear_fn(xe, *w3.expert(local), out_features=w3.out_features, out_dtype=mx.bfloat16)
         h = swiglu(g, u, limit, w_flat[s][:, None])  # bf16(w * (silu(min(g, L)) * clamp(u)))

@@ -1,4 +1,4 @@
-"""Reading and validating EXL3 tensors as stored in a checkpoint (exl3 spec §1.2).
+"""Reading and validating EXL3 tensors as stored in a checkpoint (docs/exl3.md#stored-tensors).
 
 A quantized linear under prefix P is ``P.trellis`` (int16, (k/16, n/16, 16K)), ``P.suh`` (fp16,
 (k,)), ``P.svh`` (fp16, (n,)), an optional ``P.bias`` and at most one 0-dim int32 codebook marker

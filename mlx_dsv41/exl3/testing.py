@@ -1,8 +1,8 @@
 """Random but valid EXL3 tensors, for tests and tiny checkpoints (numpy arrays as stored).
 
-Every int16 pattern is a valid trellis (exl3 spec §2.3), so trellises are uniform random. suh/svh
-get the magnitudes exllamav3 produces for weights ~N(0, 0.02²) (spec §4): |suh| ≈ 0.02 with
-per-channel spread, |svh| ≈ 1, random signs, and 0 on padded channels (their RMS is 0).
+Every int16 pattern is a valid trellis (docs/exl3.md#bit-ring), so trellises are uniform random.
+suh/svh get the magnitudes exllamav3 produces for weights ~N(0, 0.02²) (docs/exl3.md#scales): |suh|
+≈ 0.02 with per-channel spread, |svh| ≈ 1, random signs, and 0 on padded channels (their RMS is 0).
 """
 
 from __future__ import annotations

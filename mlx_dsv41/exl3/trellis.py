@@ -1,9 +1,11 @@
-"""EXL3 trellis geometry and the plain-MLX decoder: trellis -> W̃ (k, n) fp16 (exl3 spec §2).
+"""EXL3 trellis geometry and the plain-MLX decoder: trellis -> W̃ (k, n) fp16
+(docs/exl3.md#trellis).
 
 K2 = 2K (bits per two positions) names a bitrate with an integer: even K2 is integer K = 1..8, odd
-K2 = 3, 5, 7 is the half-integer K = 1.5, 2.5, 3.5 (§2.6). Position p's 16-bit state is the window
-of ring bits ending at floor((p+1)·K2/2), taken mod the tile's 128·K2-bit ring, MSB-first across
-little-endian uint32 words; this one rule covers both kinds of K (§2.3, §2.6).
+K2 = 3, 5, 7 is the half-integer K = 1.5, 2.5, 3.5 (docs/exl3.md#half-integer-k). Position p's
+16-bit state is the window of ring bits ending at floor((p+1)·K2/2), taken mod the tile's 128·K2-bit
+ring, MSB-first across little-endian uint32 words; this one rule covers both kinds of K
+(docs/exl3.md#bit-ring, docs/exl3.md#half-integer-k).
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def bits_per_weight(k2: int) -> float:
 
 @cache
 def tile_permutation() -> np.ndarray:
-    """perm[p] = element index (row*16 + col) of trellis position p in a tile (spec §2.2)."""
+    """perm[p] = element index (row*16 + col) of trellis position p in a tile
+    (docs/exl3.md#tile-permutation)."""
     perm = np.empty(256, np.int64)
     for t in range(32):
         r0, c0 = 2 * (t % 4), t // 4

@@ -1,7 +1,7 @@
 """EXL3 ops: reconstruct, linear and routed experts, each on a Metal/CUDA kernel or plain MLX.
 
-    reconstruct(trellis, codebook) -> W̃ (k, n) fp16, bit-exact           (exl3 spec §2)
-    linear(x [m, in], trellis, suh, svh, codebook, bias) -> [m, out]    (exl3 spec §3.3)
+    reconstruct(trellis, codebook) -> W̃ (k, n) fp16, bit-exact           (docs/exl3.md#trellis)
+    linear(x [m, in], trellis, suh, svh, codebook, bias) -> [m, out]    (docs/exl3.md#forward)
     experts(x [T, D], indices [T, k], weights [T, k], w1, w3, w2, ...) -> [T, k, D] float32
 
 On the CPU every op runs the plain-MLX reference (mlx_dsv41.exl3.reference). On a GPU:
@@ -384,7 +384,7 @@ def _group(proj, key):
 
 
 def reconstruct(trellis: mx.array, codebook: str) -> mx.array:
-    """W̃ (k, n) fp16, bit-exact (exl3 spec §2)."""
+    """W̃ (k, n) fp16, bit-exact (docs/exl3.md#trellis)."""
     check_trellis(trellis, codebook, BLOCK)
     if backend() == "cpu":
         return reference.reconstruct(trellis, codebook)
@@ -449,7 +449,7 @@ def experts(x, indices, weights, w1, w3, w2, expert_range, limit: float):
 
 def swiglu_mlp(x, w1, w3, w2, limit: float) -> mx.array:
     """w2(bf16(silu(min(g, L)) · clamp(u, -L, L))), g = w1(x), u = w3(x), for EXL3Linear w1, w3, w2:
-    the shared expert (model spec §4.5, weight 1) -> [T, out] in x.dtype. On a GPU, up to
+    the shared expert (docs/model.md#moe, weight 1) -> [T, out] in x.dtype. On a GPU, up to
     FUSED_MAX_TOKENS tokens run the fused expert kernels as one expert of weight 1 (w1 and w3 in one
     launch, the SwiGLU and w2's input transform in another: 4 launches instead of 7, the same
     roundings); otherwise, and on the CPU, the three linears."""

@@ -1,4 +1,4 @@
-"""mHC ops (spec §4.2), each on a Metal/CUDA kernel or plain MLX:
+"""mHC ops (docs/model.md#mhc), each on a Metal/CUDA kernel or plain MLX:
 
     mixes(streams [.., HC, D], fn, base, scale)     -> pre [.., HC], post [.., HC], comb [.., HC, HC]
     collapse(streams, pre)                         -> Σ_i pre[i]·stream_i, in the stream dtype
@@ -57,7 +57,7 @@ def _scale_ids(hc: int) -> mx.array:
 def mixes_reference(streams, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: float):
     *lead, hc, dim = streams.shape
     z = streams.reshape(*lead, hc * dim).astype(mx.float32)  # stream-major flatten
-    # One RMS statistic over all HC·D values, applied after the projection (spec §4.2).
+    # One RMS statistic over all HC·D values, applied after the projection (docs/model.md#mhc).
     inv_rms = mx.rsqrt(mx.mean(z * z, axis=-1, keepdims=True) + norm_eps)
     m = (z @ fn.astype(mx.float32).T) * inv_rms
     # scale[0] scales the pre columns, scale[1] the post columns, scale[2] the comb columns.
@@ -78,7 +78,8 @@ def collapse(streams: mx.array, pre: mx.array) -> mx.array:
 def collapse_norm_reference(streams, pre, weight, eps: float) -> mx.array:
     x = collapse(streams, pre)
     # fp32 input and weight: the fused norm then normalises and multiplies in fp32 with no
-    # intermediate rounding (spec §8.5: never feed bf16 to a fused norm at eps 1e-20).
+    # intermediate rounding (docs/numerics.md#rms-eps: never feed bf16 to a fused norm at eps
+    # 1e-20).
     return mx.fast.rms_norm(x.astype(mx.float32), weight.astype(mx.float32), eps).astype(x.dtype)
 
 

@@ -1,9 +1,11 @@
-"""The MoE router's choice from its fp32 logits (spec §4.5), on a Metal/CUDA kernel or plain MLX:
+"""The MoE router's choice from its fp32 logits (docs/model.md#moe), on a Metal/CUDA kernel or plain
+MLX:
 
     route(logits [T, E], bias [E], top_k, temperature, scale) -> indices [T, k] int32 (ascending),
                                                                 weights [T, k] float32
     s = sqrt(softplus(logits / temperature)); the k largest s + bias (the bias only chooses);
-    weights = s[indices] / (Σ s[indices] + 1e-20) · scale (1e-20 a literal, spec §8.8).
+    weights = s[indices] / (Σ s[indices] + 1e-20) · scale (1e-20 a literal,
+    docs/numerics.md#router-eps).
 
 On the CPU the plain-MLX reference runs; on a GPU one moe_route launch per call replaces its ~10
 (softplus, sqrt, the biased arg-partition, a sort, a gather, the normalisation). Selection ties

@@ -1,7 +1,8 @@
 """Sparse attention over a sliding window ∪ selected compressed entries, with a per-head sink.
 
     out[b, s, h] = Σ_j exp(l_j - m) kv_j / (Σ_j exp(l_j - m) + exp(sink_h - m)),
-    l_j = scale · (q[b, s, h] · kv_j),  j over indices[b, s, :] that are >= 0   (spec §4.3)
+    l_j = scale · (q[b, s, h] · kv_j),  j over indices[b, s, :] that are >= 0
+    (docs/model.md#attention)
 
 Index i < W reads window[b, i]; i >= W reads pool[b, i - W]; -1 is skipped; any other index outside
 [0, W + T) is invalid and makes the outputs of its (b, s) NaN (a device kernel cannot raise, and a

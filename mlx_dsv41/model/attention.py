@@ -1,5 +1,5 @@
 """CSA2 attention: one shared K=V latent, a sliding window, and selected compressed entries of the
-layer's KV source (spec §4.3; roles §2.3).
+layer's KV source (docs/model.md#attention; docs/model.md#layer-roles).
 
   Q:       qr = q_norm(wq_a(x)); q = wq_b(qr) -> [B, S, H, head_dim]; RoPE on the last dims at t
   KV:      kv = kv_norm(wkv(x)); RoPE at t; FP8 fake quant -> the layer's window ring
@@ -13,8 +13,8 @@ layer's KV source (spec §4.3; roles §2.3).
 Layers share compressed KV, index keys, top-k and the candidate mask through `shared`, one dict
 per forward pass: sources publish under "kv.<layer>", "index_keys.<layer>", "topk.<layer>",
 "candidates.<layer>" and later layers read by their role's source ids. Owners publish their whole
-running index-key cache on every call, also when no group completed (spec §8.2: the reference's
-stale-key bug is fixed on purpose).
+running index-key cache on every call, also when no group completed
+(docs/numerics.md#stale-index-keys: the reference's stale-key bug is fixed on purpose).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         self.layer_id, self.hidden_size = layer_id, args.hidden_size
         self.candidate_source = args.candidate_source_layer_id
         self.n_heads, self.head_dim, self.o_groups = args.num_attention_heads, args.head_dim, args.o_groups
-        self.scale = args.head_dim**-0.5  # exactly; no YaRN mscale (spec §4.3)
+        self.scale = args.head_dim**-0.5  # exactly; no YaRN mscale (docs/model.md#attention)
         self.rope = make_rope(args, layer_id)
         # Ablation switch: False attends to the window only (the compressed path still runs and
         # publishes, so other layers are unaffected).
@@ -102,7 +102,7 @@ class Attention(nn.Module):
 
     def window_keys(self, x: mx.array, offset: mx.array | int) -> mx.array:
         """The window KV [B, S, head_dim] of x at positions offset..: kv_norm(wkv(x)), roped, FP8
-        fake-quantized over all dims (spec §4.3)."""
+        fake-quantized over all dims (docs/model.md#attention)."""
         return fake_quant_fp8(self.rope(self.kv_norm(self.wkv(x)), offset), 32)
 
     def output(self, o: mx.array, offset: mx.array | int) -> mx.array:

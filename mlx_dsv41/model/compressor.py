@@ -1,10 +1,10 @@
-"""The KV compressor of the KV-source layers (spec §4.3 "Compressor").
+"""The KV compressor of the KV-source layers (docs/model.md#compressor).
 
 ratio r > 1: fp32 projections a = wkv(x), g = wgate(x); every complete group of r consecutive
 tokens pools to latent_j = Σ_k softmax_k(g)[k] · a[k], the softmax taken per channel over the
 group's r tokens; then bf16 and `norm`. A group still open at the end of a call waits in the cache
-as raw fp32 projections (spec §8.14), so chunk boundaries and decode steps may fall anywhere.
-ratio 1: latent = norm(wkv(x)) in the model dtype, no gate.
+as raw fp32 projections (docs/cache.md#open-groups), so chunk boundaries and decode steps may fall
+anywhere. ratio 1: latent = norm(wkv(x)) in the model dtype, no gate.
 
 The latent returned is pre-RoPE: the index keys are derived from it before it is rotated.
 """
@@ -42,7 +42,7 @@ class Compressor(nn.Module):
         first = cache.position // self.ratio
         if self.ratio == 1:
             return self.norm(self.wkv(x)), first
-        # The loader stores these weights in fp32 (spec §3); pooling stays in fp32.
+        # The loader stores these weights in fp32 (docs/numerics.md#dtypes); pooling stays in fp32.
         xf = x.astype(mx.float32)
         kv, gate = cache.group_inputs(self.wkv(xf).astype(mx.float32), self.wgate(xf).astype(mx.float32))
         n = kv.shape[1] // self.ratio

@@ -1,16 +1,17 @@
-"""DeepSeek-V4.1: Block and Model (spec §4.1, §4.2, §4.6), following the mlx-lm model contract
-(mlx-notes §8.3): `Model(args)`, `layers`, `make_cache()`, `sanitize(weights)`,
-`__call__(inputs, cache=None, input_embeddings=None) -> logits`.
+"""DeepSeek-V4.1: Block and Model (docs/model.md#top-level, docs/model.md#mhc, docs/model.md#head),
+following the mlx-lm model contract (docs/mlx.md#model-contract): `Model(args)`, `layers`,
+`make_cache()`, `sanitize(weights)`, `__call__(inputs, cache=None, input_embeddings=None) ->
+logits`.
 
-Module attributes carry the official checkpoint names (spec §6.2), so a plain checkpoint loads
-without renaming; `sanitize` only re-lays formats through `mlx_dsv41.quant`.
+Module attributes carry the official checkpoint names (docs/checkpoint.md#tensor-names), so a plain
+checkpoint loads without renaming; `sanitize` only re-lays formats through `mlx_dsv41.quant`.
 
 The DSpark draft head's stages (`mtp.{s}`, model/dspark.py) are built here when the config can
 draft; `__call__(..., capture=True)` also returns the hidden rows they draft from.
 
-Engram (spec §4.4) runs partly on the host: the n-gram hash needs the token ids, and its row ids
-pick rows to read from SSD. The model therefore holds a compressed-token map and one row source per
-Engram layer, set with `set_engram(...)`; they are not parameters.
+Engram (docs/model.md#engram) runs partly on the host: the n-gram hash needs the token ids, and its
+row ids pick rows to read from SSD. The model therefore holds a compressed-token map and one row
+source per Engram layer, set with `set_engram(...)`; they are not parameters.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class Block(nn.Module):
         self.ffn = MoE(args, expert_range)
         self.attn_norm = RMSNorm(d, args.rms_norm_eps)
         self.ffn_norm = RMSNorm(d, args.rms_norm_eps)
-        for site in ("attn", "ffn"):  # fp32 (spec §3); official names hc_{attn,ffn}_{fn,base,scale}
+        # fp32 (docs/numerics.md#dtypes); official names hc_{attn,ffn}_{fn,base,scale}
+        for site in ("attn", "ffn"):
             setattr(self, f"hc_{site}_fn", mx.random.normal((mix, hc * d)) * (hc * d) ** -0.5)
             setattr(self, f"hc_{site}_base", mx.random.normal((mix,)) * 0.5)
             setattr(self, f"hc_{site}_scale", mx.ones((3,), dtype=mx.float32))
@@ -66,10 +68,11 @@ class Block(nn.Module):
                  engram_rows: mx.array | None = None, engram_live: mx.array | None = None
                  ) -> tuple[mx.array, mx.array]:
         """streams [B, S, HC, D] bf16, pre [B, S, HC] fp32 (from the previous site) -> (streams, pre
-        for the next block's attention). Engram, if any, runs first (spec §4.1)."""
+        for the next block's attention). Engram, if any, runs first (docs/model.md#top-level)."""
         if engram_rows is not None:
             streams = self.engram(streams, engram_rows, engram_live)
-        # Single-pass mHC (spec §4.2, §8.1): each site collapses with the previous site's pre.
+        # Single-pass mHC (docs/model.md#mhc, docs/model.md#mhc-schedule): each site collapses with
+        # the previous site's pre.
         a_pre, a_post, a_comb = self._mixes(streams, "attn")
         x = self.attn(collapse_norm(streams, pre, self.attn_norm.weight, self.norm_eps), cache, shared)
         streams = expand(x, streams, a_post, a_comb)
@@ -79,13 +82,14 @@ class Block(nn.Module):
         return streams, f_pre
 
 
-# Checkpoint tensors the text model never reads (spec §6.2; mlx-notes §8.8: dropped tensors are
-# never loaded, which is how the Engram tables stay on SSD).
+# Checkpoint tensors the text model never reads (docs/checkpoint.md#tensor-names;
+# docs/mlx.md#lazy-loading: dropped tensors are never loaded, which is how the Engram tables stay on
+# SSD).
 _DROP = re.compile(r"^(vision\.|aligner\.|image_)|\.gate\.bias_vl$|^layers\.\d+\.engram\.embed\.")
-# The DSpark draft head (dspark spec §2): read when the model drafts, dropped otherwise.
+# The DSpark draft head (docs/dspark.md#tensors): read when the model drafts, dropped otherwise.
 MTP = re.compile(r"^mtp\.")
 _EXPERT_PREFIX = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.")
-# Stored in fp32 in the release and computed from fp32 (spec §3).
+# Stored in fp32 in the release and computed from fp32 (docs/numerics.md#dtypes).
 FP32_STORED = re.compile(r"\.(hc_(attn|ffn)_(fn|base|scale)|attn_sink|ffn\.gate\.bias)$")
 _DSPARK_FP32 = re.compile(r"^mtp\.\d+\.(markov_head\.head|confidence_head\.proj)\.weight$")
 
@@ -102,7 +106,7 @@ class Model(nn.Module):
         self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         from .dspark import DSparkStage  # it subclasses Block (defined here)
 
-        # The DSpark stages (`mtp.{s}`); embed and head are the ones above (dspark spec §2).
+        # The DSpark stages (`mtp.{s}`); embed and head are the ones above (docs/dspark.md#tensors).
         self.mtp = [DSparkStage(args, s, expert_range) for s in range(args.dspark_stages)]
         self.dspark_unavailable: str | None = args.dspark_unavailable  # why there are no stages
         self._capture_layers = frozenset(args.dspark_target_layer_ids)
@@ -118,7 +122,8 @@ class Model(nn.Module):
     def set_engram(self, token_map: CompressedTokenMap, row_sources: dict[int, RowSource]) -> None:
         """The compressed-token map and one row source per Engram layer (not parameters).
 
-        Checks the map size and the bucket primes against the config (spec §8.12)."""
+        Checks the map size and the bucket primes against the config
+        (docs/model.md#engram-checks)."""
         layout = EngramHashLayout.from_args(self.args, token_map)
         missing = sorted(set(self._engram_layers) - set(row_sources))
         extra = sorted(set(row_sources) - set(self._engram_layers))
@@ -189,7 +194,7 @@ class Model(nn.Module):
         (model/compiled_step.py).
         capture=True returns (logits, main_hidden [B, S, T·D] bf16): for every position, the mean
         over the streams of the inputs of the dspark_target_layer_ids layers, in layer order, one
-        bf16 rounding of the fp32 mean (dspark spec §3). The logits are the same either way.
+        bf16 rounding of the fp32 mean (docs/dspark.md#capture). The logits are the same either way.
         """
         if inputs.ndim != 2:
             raise ValueError(f"inputs must be token ids [B, S], got shape {inputs.shape}")
@@ -238,7 +243,8 @@ class Model(nn.Module):
             if capture and i in self._capture_layers:
                 captured.append(mx.mean(streams.astype(mx.float32), axis=2).astype(streams.dtype))
             streams, pre = layer(streams, pre, layer_cache, shared, rows.get(i), live)
-        x = collapse_norm(streams, pre, self.norm.weight, self.args.rms_norm_eps)  # the last FFN site's pre (spec §4.6)
+        # The last FFN site's pre (docs/model.md#head).
+        x = collapse_norm(streams, pre, self.norm.weight, self.args.rms_norm_eps)
         logits = self.head(x.astype(mx.float32))
         # Evaluating the logits also materialises every cache array, so a long generation never
         # builds a lazy chain through state the logits do not read (e.g. pending groups).
@@ -285,16 +291,20 @@ class Model(nn.Module):
         return {k: self._held_dtype(k, v) for k, v in out.items()}
 
     def _held_dtype(self, key: str, value: mx.array) -> mx.array:
-        """fp32 where the reference computes from fp32 weights (spec §3); else as stored."""
+        """fp32 where the reference computes from fp32 weights (docs/numerics.md#dtypes); else as
+        stored."""
         if not mx.issubdtype(value.dtype, mx.floating):
             return value
         m = re.match(r"layers\.(\d+)\.attn\.compressor\.(wkv|wgate)\.weight$", key)
         if m and self.args.compress_ratios[int(m.group(1))] > 1:
-            return value.astype(mx.float32)  # fp32 pooling (spec §8.6); ratio 1 stays bf16
+            # fp32 pooling (docs/numerics.md#fp32-where); ratio 1 stays bf16
+            return value.astype(mx.float32)
         if FP32_STORED.search(key) or key.endswith(".ffn.gate.weight") or key == "head.weight":
-            return value.astype(mx.float32)  # router logits and the head are fp32 too (spec §3, §4.6)
+            # router logits and the head are fp32 too (docs/numerics.md#dtypes, docs/model.md#head)
+            return value.astype(mx.float32)
         if _DSPARK_FP32.search(key):
-            return value.astype(mx.float32)  # the reference holds these in fp32 (dspark spec §2)
+            # the reference holds these in fp32 (docs/dspark.md#tensors)
+            return value.astype(mx.float32)
         return value
 
     @property

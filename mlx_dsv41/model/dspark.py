@@ -1,22 +1,26 @@
-"""DSpark, the checkpoint's own draft head (`mtp.0..`; the dspark spec, and model spec §4.7).
+"""DSpark, the checkpoint's own draft head (`mtp.0..`; docs/dspark.md#overview).
 
 Given the main model's state at position p and the token x_{p+1} it chose, one pass proposes
-`dspark_block_size` tokens for p+2.. (dspark spec §0):
+`dspark_block_size` tokens for p+2.. (docs/dspark.md#overview):
 
   block:   [x_{p+1}, NOISE, ...] embedded with the main `embed`, 4 equal streams, one-hot pre,
-           at RoPE positions p+1 ..                                           (§5.1)
+           at RoPE positions p+1 ..
+           (docs/dspark.md#block-input)
   stages:  `mtp.s` is a full mHC block (window-only attention, MoE with its own expert count,
-           no Engram); (streams, ffn_pre) chain from stage to stage            (§5.2)
+           no Engram); (streams, ffn_pre) chain from stage to stage
+           (docs/dspark.md#stage-chaining)
   context: the main model enters only through attention: each stage's ring holds
            fq8(rope_t(kv_norm(wkv(main_x[t])))), main_x = main_norm(main_proj(main_hidden))
            (stage 0's weights, used by every stage); the block attends to the ring's last window
-           positions plus its own keys, not causally, and never caches them       (§4, §5.3)
+           positions plus its own keys, not causally, and never caches them
+           (docs/dspark.md#main-x, docs/dspark.md#stage-attention)
   head:    collapse, the last stage's `norm`, the main `head` (fp32), then slot by slot a
-           rank-R markov bias from the previous token and a raw confidence logit   (§6)
+           rank-R markov bias from the previous token and a raw confidence logit
+           (docs/dspark.md#output)
 
 The stages are `Block`s with their own attention class; `draft_block` runs them for one block.
 Their rings live in a `cache.DraftCache`, written only by `draft_block` from the main hidden rows
-the cache holds (§7, §10.4).
+the cache holds (docs/dspark.md#stage-cache, docs/dspark.md#stage-rollback).
 """
 
 from __future__ import annotations
@@ -39,10 +43,11 @@ MAIN_X = "dspark.main_x"  # key of the shared dict: main_x rows of the positions
 
 
 class StageAttention(Attention):
-    """A stage's attention (dspark spec §5.3). First the ring gets the entries of the main positions
-    it lacks (main_x rows in shared[MAIN_X], the last one at p); then each block slot, at p+1+i,
-    attends to the ring's positions p-window+1 .. p (those before 0 excluded) and to all block
-    keys, which are not cached. One key set for every slot: not causal inside the block."""
+    """A stage's attention (docs/dspark.md#stage-attention). First the ring gets the entries of the
+    main positions it lacks (main_x rows in shared[MAIN_X], the last one at p); then each block
+    slot, at p+1+i, attends to the ring's positions p-window+1 .. p (those before 0 excluded) and to
+    all block keys, which are not cached. One key set for every slot: not causal inside the
+    block."""
 
     def __call__(self, x: mx.array, cache: LayerCache, shared: dict) -> mx.array:
         B, S, _ = x.shape
@@ -50,7 +55,7 @@ class StageAttention(Attention):
         window, rows = cache.update_window(self.window_keys(main_x, cache.offset))
         cache.advance(main_x.shape[1])
         start = cache.offset  # p + 1
-        q, _ = self.queries(x, start)  # no fake quant on q (dspark spec §8)
+        q, _ = self.queries(x, start)  # no fake quant on q (docs/dspark.md#dtypes)
         keys = mx.concatenate([window, self.window_keys(x, start)], axis=1)
         # rows[-1]: where the window of position p sits in `window`; the block keys follow it.
         idx = mx.concatenate([rows[-1], window.shape[1] + mx.arange(S, dtype=mx.int32)])
@@ -60,8 +65,8 @@ class StageAttention(Attention):
 
 
 class MarkovHead(nn.Module):
-    """`markov_head.embed` [V, R] and `.head` [V, R] (dspark spec §6): a rank-R logit bias from the
-    previous token; the head is held in fp32."""
+    """`markov_head.embed` [V, R] and `.head` [V, R] (docs/dspark.md#output): a rank-R logit bias
+    from the previous token; the head is held in fp32."""
 
     def __init__(self, vocab_size: int, rank: int):
         super().__init__()
@@ -70,7 +75,7 @@ class MarkovHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
-    """`confidence_head.proj` [1, D + R], no bias, held in fp32 (dspark spec §6)."""
+    """`confidence_head.proj` [1, D + R], no bias, held in fp32 (docs/dspark.md#output)."""
 
     def __init__(self, dims: int):
         super().__init__()
@@ -80,7 +85,7 @@ class ConfidenceHead(nn.Module):
 class DSparkStage(Block):
     """`mtp.{stage}`: a window-only block (layer id num_hidden_layers + stage) with the stage's
     expert count; stage 0 adds `main_proj` / `main_norm`, the last stage `norm`, `markov_head` and
-    `confidence_head` (dspark spec §2)."""
+    `confidence_head` (docs/dspark.md#tensors)."""
 
     attention_class = StageAttention
 
@@ -112,7 +117,7 @@ def scaled_expert_range(expert_range: tuple[int, int] | None, n_from: int, n_to:
 
 @dataclass
 class Draft:
-    """One draft block (dspark spec §6), lazy until evaluated.
+    """One draft block (docs/dspark.md#output), lazy until evaluated.
 
     tokens      [B, S + 1] int32: x_{p+1}, then the drafts d_1 .. d_S
     logits      [B, S, V] fp32: G_0 .. G_{S-1}, the markov-biased logits d_{j+1} was chosen from
@@ -140,7 +145,7 @@ def draft_block(model, cache: DraftCache, token: mx.array,
         raise ValueError(f"this model cannot draft: {model.dspark_unavailable}")
     rows = cache.rows_to_write()
     first, last = stages[0], stages[-1]
-    shared = {MAIN_X: first.main_norm(first.main_proj(rows))}  # dspark spec §4
+    shared = {MAIN_X: first.main_norm(first.main_proj(rows))}  # docs/dspark.md#main-x
     B, S, hc = token.shape[0], args.dspark_block_size, args.hc_mult
     noise = mx.full((B, S - 1), args.dspark_noise_token_id, dtype=mx.int32)
     h = model.embed(mx.concatenate([token.astype(mx.int32)[:, None], noise], axis=1))
@@ -148,7 +153,7 @@ def draft_block(model, cache: DraftCache, token: mx.array,
     pre = initial_pre(B, S, hc)
     for stage, ring in zip(stages, cache.rings):
         streams, pre = stage(streams, pre, ring, shared)
-    z = collapse(streams, pre)  # the last stage's ffn pre; not normed (dspark spec §6)
+    z = collapse(streams, pre)  # the last stage's ffn pre; not normed (docs/dspark.md#output)
     base = model.head(last.norm(z).astype(mx.float32))  # [B, S, V] fp32
     draft = _markov_chain(last, z, base, token.astype(mx.int32), choose)
     draft.tokens = mx.depends(draft.tokens, cache.arrays())  # evaluating the tokens writes the rings
@@ -156,8 +161,8 @@ def draft_block(model, cache: DraftCache, token: mx.array,
 
 
 def _markov_chain(last: DSparkStage, z: mx.array, base: mx.array, token: mx.array, choose) -> Draft:
-    """Slot by slot (dspark spec §6): the bias and the confidence come from the PREVIOUS token
-    (x_{p+1} for slot 0, then the chain's own choices)."""
+    """Slot by slot (docs/dspark.md#output): the bias and the confidence come from the PREVIOUS
+    token (x_{p+1} for slot 0, then the chain's own choices)."""
     out, logits, confidence = [token], [], []
     for i in range(base.shape[1]):
         e = last.markov_head.embed(out[-1])  # [B, R] bf16

@@ -1,4 +1,5 @@
-"""Engram (spec §4.4e-f): hashed n-gram rows -> a gated value added to every residual stream.
+"""Engram (docs/model.md#engram-rows-and-gate): hashed n-gram rows -> a gated value added to every
+residual stream.
 
 Rows come from a *row source* (docs/design.md): `read(row_ids int64 [N]) -> uint8 [N, row_bytes]`
 with each row = head_dim e4m3 bytes then head_dim/32 e8m0 scale bytes, plus `prefetch(row_ids)`
@@ -19,7 +20,7 @@ import numpy as np
 
 from ..config import ModelArgs
 
-# |dot| floor before the signed square root (spec §4.4f).
+# |dot| floor before the signed square root (docs/model.md#engram-gate).
 _GATE_FLOOR = 1e-6
 
 
@@ -82,7 +83,7 @@ def _e8m0_table() -> mx.array:
 
 
 def decode_rows(raw: mx.array, head_dim: int) -> mx.array:
-    """uint8 [..., head_dim + head_dim/32] rows -> bf16 [..., head_dim] (spec §4.4e).
+    """uint8 [..., head_dim + head_dim/32] rows -> bf16 [..., head_dim] (docs/model.md#engram-rows).
 
     value = e4m3(byte) · 2^(scale byte - 127), one scale per 32 values, in fp32, then cast to bf16.
     """
@@ -128,7 +129,8 @@ class Engram(nn.Module):
         key = kv[..., : self.hc * self.dim].reshape(B, S, self.hc, self.dim).astype(mx.float32)
         value = kv[..., self.hc * self.dim :].astype(mx.float32)  # one value for all streams
         h = streams.astype(mx.float32)
-        # Only the product q_weight·k_weight enters the gate; per-stream norms over D (spec §4.4f).
+        # Only the product q_weight·k_weight enters the gate; per-stream norms over D
+        # (docs/model.md#engram-gate).
         wqk = self.q_weight.astype(mx.float32) * self.k_weight.astype(mx.float32)
         dot = mx.sum(h * wqk * key, axis=-1)
         dot = dot * mx.rsqrt(mx.mean(h * h, axis=-1) + self.eps)

@@ -1,4 +1,4 @@
-"""Engram n-gram hashing on the host (spec §4.4a-d; pitfall §8.12).
+"""Engram n-gram hashing on the host (docs/model.md#engram-hashing; docs/model.md#engram-checks).
 
 Everything here is numpy int64: the row ids select rows of tables that live on SSD, so they are
 needed on the CPU before the rows can be read.
@@ -8,7 +8,7 @@ needed on the CPU before the rows can be read.
 - `EngramHashLayout.row_ids`: the row ids of the n-grams ending at every position.
 
 Compressed ids use -1 for DEAD positions (image tokens, and "before the sequence start" in
-histories): the look-back stops there (spec §4.4d).
+histories): the look-back stops there (docs/model.md#engram-hash).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ DEAD = -1  # a compressed id that stops the n-gram look-back
 
 # ----------------------------------------------------------------------------- token map
 
-_SENTINEL = "\ue000"  # keeps a token that is exactly one space alive through Strip (§4.4a)
+# Keeps a token that is exactly one space alive through Strip (docs/model.md#engram-token-map).
+_SENTINEL = "\ue000"
 
 
 def _normalizer():
@@ -47,7 +48,8 @@ def _normalizer():
 
 
 def compressed_keys(tokenizer) -> list[str]:
-    """The normalization key of every token id 0..len-1 (spec §4.4a), from a tokenizers.Tokenizer."""
+    """The normalization key of every token id 0..len-1 (docs/model.md#engram-token-map), from a
+    tokenizers.Tokenizer."""
     norm = _normalizer()
     keys = []
     for tid in range(tokenizer.get_vocab_size(with_added_tokens=True)):
@@ -152,9 +154,9 @@ def _is_prime(n: int) -> bool:
 
 
 def bucket_primes(args: ModelArgs) -> np.ndarray:
-    """int64 [n_engram_layers, max_ngram - 1, n_heads] (spec §4.4b): per layer, per n, per head,
-    the next prime above the previous candidate, restarting at engram_vocab_size - 1 for every n,
-    never reusing a prime (one seen set across all layers)."""
+    """int64 [n_engram_layers, max_ngram - 1, n_heads] (docs/model.md#engram-buckets): per layer,
+    per n, per head, the next prime above the previous candidate, restarting at engram_vocab_size -
+    1 for every n, never reusing a prime (one seen set across all layers)."""
     seen: set[int] = set()
     out = np.zeros((len(args.engram_layer_ids), len(args.engram_ngram_sizes), args.engram_n_heads),
                    dtype=np.int64)
@@ -171,7 +173,7 @@ def bucket_primes(args: ModelArgs) -> np.ndarray:
 
 
 def hash_multipliers(args: ModelArgs, layer_id: int) -> np.ndarray:
-    """int64 [max_ngram] odd multipliers of one Engram layer (spec §4.4c)."""
+    """int64 [max_ngram] odd multipliers of one Engram layer (docs/model.md#engram-multipliers)."""
     bound = (2**63 - 1) // args.engram_compressed_vocab_size // 2
     draws = np.random.default_rng(seed=10007 * layer_id).integers(
         low=0, high=bound, size=args.engram_max_ngram_size, dtype=np.int64)
@@ -217,7 +219,7 @@ class EngramHashLayout:
         return self.max_ngram - 1
 
     def row_ids(self, compressed: np.ndarray, history: np.ndarray) -> np.ndarray:
-        """Row ids of the n-grams ending at each position (spec §4.4d).
+        """Row ids of the n-grams ending at each position (docs/model.md#engram-hash).
 
         compressed [B, S] int64: this call's compressed ids (DEAD = -1 for dead positions).
         history [B, max_ngram - 1] int64: the ids just before them, oldest first (DEAD before the

@@ -1,6 +1,6 @@
-"""QAT fake quantization (spec §8.4): round a tensor to the values an FP8 / FP4 block format can hold,
-and keep it in its own dtype. This is model semantics, not an optimisation: the reference attends
-over, and scores with, these rounded values.
+"""QAT fake quantization (docs/model.md#fake-quant): round a tensor to the values an FP8 / FP4 block
+format can hold, and keep it in its own dtype. This is model semantics, not an optimisation: the
+reference attends over, and scores with, these rounded values.
 
 Three uses, all along the last axis:
   window KV          fake_quant_fp8(x, 32)                    e4m3, ue8m0 scale per 32
@@ -36,9 +36,9 @@ E4M3 = FloatGrid(mantissa_bits=3, min_exponent=-6, max_value=448.0)  # OCP float
 E2M1 = FloatGrid(mantissa_bits=1, min_exponent=0, max_value=6.0)  # OCP float4_e2m1fn
 
 # Floors on a block's amax, so an all-zero block gets a finite, normal scale.
-_FP8_AMAX_FLOOR = 1e-4  # as the reference's FP8 activation quantizer (spec §3)
-_FP4_UE8M0_AMAX_FLOOR = 6.0 * 2.0**-126  # amax/6 = smallest normal fp32 (spec §4.3 indexer)
-_FP4_E4M3_AMAX_FLOOR = 6.0 * 2.0**-9  # amax/6 = smallest e4m3 subnormal (spec §4.3 compressor)
+_FP8_AMAX_FLOOR = 1e-4  # as the reference's FP8 activation quantizer (docs/numerics.md#dtypes)
+_FP4_UE8M0_AMAX_FLOOR = 6.0 * 2.0**-126  # amax/6 = smallest normal fp32 (docs/model.md#indexer)
+_FP4_E4M3_AMAX_FLOOR = 6.0 * 2.0**-9  # amax/6 = smallest e4m3 subnormal (docs/model.md#compressor)
 
 
 def _floor_log2(a: mx.array) -> mx.array:

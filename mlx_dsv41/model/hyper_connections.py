@@ -1,10 +1,11 @@
-"""mHC single-pass hyper-connections (spec §4.2).
+"""mHC single-pass hyper-connections (docs/model.md#mhc).
 
 The residual is `hc_mult` bf16 streams [B, S, HC, D]. Each block site (attention, FFN) computes
 three mixes from the streams in fp32: `pre` (how the *next* site collapses the streams into its
 input), `post` (how the site's output is spread over the streams) and `comb` (a doubly stochastic
 HC×HC stream mix, made by Sinkhorn). The lag is the V4.1 "single-pass" change: a site collapses
-with the `pre` computed at the site before it (spec §8.1); the Block does that bookkeeping.
+with the `pre` computed at the site before it (docs/model.md#mhc-schedule); the Block does that
+bookkeeping.
 
 The math and its kernels are in mlx_dsv41.kernels.hyper_connections (plain MLX on the CPU, one
 launch per op on a GPU); this module is the model's view of them.

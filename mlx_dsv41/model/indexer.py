@@ -1,5 +1,6 @@
-"""The lightning indexer and the two-level selection of compressed entries (spec §4.3 "Indexer",
-"Two-level selection"; pitfalls §8.2, §8.3, §8.9, §8.10).
+"""The lightning indexer and the two-level selection of compressed entries (docs/model.md#indexer,
+docs/model.md#two-level-selection; docs/numerics.md#stale-index-keys, docs/numerics.md#topk-ties,
+docs/model.md#visibility).
 
 Keys (KV-source layers only): k = k_norm(wk(latent)) from the PRE-RoPE compressed latent, RoPE on
 its last dims at position j·r, FP4 fake quant (block 32, ue8m0).
@@ -13,10 +14,10 @@ takes the top min(index_topk, T) entries, sorted ascending; picks that are not v
 As in the reference (`idx >= lens -> -1`), a visible entry masked out by the candidate blocks can
 still be picked when fewer than index_topk entries survive the mask (never at Flash sizes).
 
-Ties (spec §8.3): ReLU and FP4 make exactly equal scores common, and top-k among ties is
-backend-dependent in the reference. Here selection is made deterministic: entries (and blocks) are
-ranked by (score, then lower index), a strict order, so every backend and every chunking picks the
-same set.
+Ties (docs/numerics.md#topk-ties): ReLU and FP4 make exactly equal scores common, and top-k among
+ties is backend-dependent in the reference. Here selection is made deterministic: entries (and
+blocks) are ranked by (score, then lower index), a strict order, so every backend and every chunking
+picks the same set.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def select_candidate_blocks(scores: mx.array, visible: mx.array, block: int, kee
     nb = -(-T // block)
     padded = mx.pad(scores, [(0, 0), (0, 0), (0, nb * block - T)], constant_values=-mx.inf)
     block_scores = mx.max(padded.reshape(B, S, nb, block), axis=-1)
-    # Pin the block of the newest visible entry: it is only partly filled (spec §8.10).
+    # Pin the block of the newest visible entry: it is only partly filled
+    # (docs/model.md#two-level-selection).
     newest = mx.where(visible > 0, (visible - 1) // block, -1)
     block_scores = mx.where(mx.arange(nb, dtype=mx.int32)[None, :] == newest[:, None], mx.inf, block_scores)
     keep = min(keep, nb)

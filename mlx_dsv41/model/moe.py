@@ -1,5 +1,5 @@
-"""Mixture of experts (spec §4.5): sqrtsoftplus router with bias-only selection, routed experts
-through the experts contract (docs/design.md), and one shared expert."""
+"""Mixture of experts (docs/model.md#moe): sqrtsoftplus router with bias-only selection, routed
+experts through the experts contract (docs/design.md), and one shared expert."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rotary embedding of DeepSeek-V4.1 (spec §4.3 "RoPE", pitfall §8.11).
+"""Rotary embedding of DeepSeek-V4.1 (docs/model.md#rope).
 
 Interleaved pairs (2k, 2k+1) of the LAST `dims` features are rotated by position · f_k, with
 f_k = θ^(-2k/dims). Two flavours, chosen per layer:
@@ -68,7 +68,7 @@ class RoPE:
 
 
 def make_rope(args: ModelArgs, layer_id: int) -> RoPE:
-    """The RoPE flavour of one layer (spec §4.3): by its compression ratio."""
+    """The RoPE flavour of one layer (docs/model.md#rope): by its compression ratio."""
     ratio = args.compress_ratios[layer_id]
     if ratio == 0:
         return RoPE(args.qk_rope_head_dim, args.rope_theta)

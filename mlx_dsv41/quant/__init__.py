@@ -14,8 +14,9 @@ Each returns a module whose `parameters()` are what it reads at run time; the ca
 them under P (`module_tensors`). New formats are new branches of these three functions.
 
 Official FP8 linears become mxfp8 `MXLinear`s and FP4 experts mxfp4 `MXExperts` (both exact
-re-layouts, `official.py`); a grouped linear (`wo_a`) stored as FP8 is dequantized to bf16 (spec
-§3). A converted checkpoint stores the MX re-layouts themselves (`P.weight` uint32 + `P.scales`).
+re-layouts, `official.py`); a grouped linear (`wo_a`) stored as FP8 is dequantized to bf16
+(docs/numerics.md#dtypes). A converted checkpoint stores the MX re-layouts themselves (`P.weight`
+uint32 + `P.scales`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ __all__ = [
 
 
 class GroupedLinear(nn.Module):
-    """Block-diagonal linear (spec §4.3 `wo_a`): group g maps x[..., g, :] to y[..., g, :].
+    """Block-diagonal linear (docs/model.md#attention-output `wo_a`): group g maps x[..., g, :] to
+    y[..., g, :].
 
     Dense storage is the checkpoint's own `weight [groups * out, in]`; other formats replace the
     module with one linear per group (`slice.{g}`, as exllamav3 stores `wo_a`; see GroupSlices).
@@ -174,7 +176,8 @@ def make_linear(tensors: Mapping[str, mx.array], prefix: str, in_features: int,
 def make_grouped_linear(tensors: Mapping[str, mx.array], prefix: str, groups: int,
                         in_features: int, out_features: int) -> nn.Module:
     """`P.weight [groups·out, in]` (dense, or official FP8 dequantized to bf16 with its scales:
-    spec §3 says `wo_a` runs unquantized) or `P.slice.{g}` linears of any format."""
+    docs/checkpoint.md#official-conversion says `wo_a` runs unquantized) or `P.slice.{g}` linears of
+    any format."""
     if any(k.startswith(f"{prefix}.slice.") for k in tensors) and f"{prefix}.weight" not in tensors:
         slices = [f"{prefix}.slice.{g}" for g in range(groups)]
         if all(stored_format(tensors, p) == "exl3" and f"{p}.bias" not in tensors for p in slices):
@@ -198,8 +201,8 @@ def make_grouped_linear(tensors: Mapping[str, mx.array], prefix: str, groups: in
 
 
 def swiglu_mlp(x: mx.array, w1: nn.Module, w3: nn.Module, w2: nn.Module, limit: float) -> mx.array:
-    """w2(swiglu(w1(x), w3(x))) in x.dtype (the shared expert, spec §4.5), each linear of its own
-    format; three EXL3 linears take the EXL3 path (fused expert kernels on a GPU)."""
+    """w2(swiglu(w1(x), w3(x))) in x.dtype (the shared expert, docs/model.md#moe), each linear of
+    its own format; three EXL3 linears take the EXL3 path (fused expert kernels on a GPU)."""
     if "mlx_dsv41.exl3" in sys.modules:  # only a model holding EXL3 tensors has imported it
         from mlx_dsv41 import exl3
         from mlx_dsv41.kernels import exl3 as exl3_ops

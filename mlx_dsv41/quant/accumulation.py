@@ -1,5 +1,5 @@
-"""Every linear sums in fp32 and rounds once to its output dtype, as the reference does (spec §3:
-its linears multiply in fp32 and round to bf16 once).
+"""Every linear sums in fp32 and rounds once to its output dtype, as the reference does
+(docs/numerics.md#dtypes: its linears multiply in fp32 and round to bf16 once).
 
 MLX's own matmul kernels pick their accumulator by backend, op, weight width and row count (read in
 MLX 0.32's sources and measured; the table and the measurements are in docs/design.md, "Linear

@@ -3,10 +3,10 @@
     experts(x [T, D], indices [T, k] int32, weights [T, k] float32) -> y [T, k, D] float32
 
 Slot (t, s) is w2_e(bf16(weights[t, s] · silu(min(g, limit)) · clamp(u, -limit, limit))) with
-g = w1_e(x_t), u = w3_e(x_t), e = indices[t, s]: the routing weight goes in before w2 (spec §4.5).
-"bf16" is the activation dtype x.dtype (bf16 in the model): the w2 input is rounded to it.
-Slots are not summed here; the MoE sums them in slot order. A module holding only the experts
-lo..hi-1 (`expert_range`) returns exactly 0 for slots routed elsewhere.
+g = w1_e(x_t), u = w3_e(x_t), e = indices[t, s]: the routing weight goes in before w2
+(docs/model.md#moe). "bf16" is the activation dtype x.dtype (bf16 in the model): the w2 input is
+rounded to it. Slots are not summed here; the MoE sums them in slot order. A module holding only the
+experts lo..hi-1 (`expert_range`) returns exactly 0 for slots routed elsewhere.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import mlx.nn as nn
 
 def swiglu(g: mx.array, u: mx.array, limit: float, weights: mx.array | None = None,
            dtype: mx.Dtype = mx.bfloat16) -> mx.array:
-    """The clamped SwiGLU of spec §4.5 in fp32, optionally times the routing weight, cast to `dtype`.
+    """The clamped SwiGLU of docs/model.md#moe in fp32, optionally times the routing weight, cast to
+    `dtype`.
 
     The weight multiplies silu(g)·u (the reference forms the product first, then weights it).
     """

@@ -1,8 +1,9 @@
 """Routed experts in MLX's MX formats (mxfp4 / mxfp8): stacked packed weights, `mx.gather_qmm`.
 
 The official release stores routed experts as FP4 (E2M1 + per-32 E8M0 scales), which is mxfp4 byte
-for byte (spec §6.1); the converter stores them per expert as MLX `weight` uint32 + `scales` uint8.
-Here each projection stacks its experts into `weight [n, out, in·bits/32]`, `scales [n, out, in/32]`.
+for byte (docs/checkpoint.md#official-formats); the converter stores them per expert as MLX `weight`
+uint32 + `scales` uint8. Here each projection stacks its experts into `weight [n, out, in·bits/32]`,
+`scales [n, out, in/32]`.
 
 Numerics follow DenseExperts (docs/design.md, "Experts"): w1 and w3 outputs in the activation
 dtype, the clamped SwiGLU times the routing weight rounded to it, w2's output rounded to it, then

@@ -1,4 +1,5 @@
-"""The official DeepSeek-V4.1 release formats (spec §6.1) → MLX-native quantized weights.
+"""The official DeepSeek-V4.1 release formats (docs/checkpoint.md#official-formats) → MLX-native
+quantized weights.
 
 FP8 linears: `weight` F8_E4M3 [out, in] + `scale` E8M0 [ceil(out/32), ceil(in/32)], one scale per
 32x32 tile. MLX's mxfp8 stores the same e4m3 bytes with one E8M0 scale per 32 inputs of a row, so
@@ -77,7 +78,8 @@ def fp4_to_mxfp4(weight: mx.array, scale: mx.array, name: str = "fp4 weight"):
 
 
 def dequantize_fp8_block(weight, scale, dtype=mx.bfloat16, name: str = "fp8 weight") -> mx.array:
-    """Dense [out, in] (spec §3: `wo_a` must be dequantized with its scales, never used raw)."""
+    """Dense [out, in] (docs/checkpoint.md#official-conversion: `wo_a` must be dequantized with its
+    scales, never used raw)."""
     wq, rows = fp8_block_to_mxfp8(weight, scale, name)
     return mx.dequantize(wq, rows, group_size=GROUP, bits=8, mode="mxfp8", dtype=dtype)
 

@@ -104,7 +104,8 @@ def check_gemv(m, in_f, out_f, bits, codebook, dtype, out_dtype, splits, tuning,
     w64 = exl3_numpy.dequantize(t["trellis"], t["suh"], t["svh"], codebook)[:in_f, :out_f]
     y64 = x64 @ w64 + (t["bias"][:out_f].astype(np.float64) if bias else 0.0)
     out_eps = {mx.float32: 0.0, mx.float16: 2**-11, mx.bfloat16: 2**-8}[out_dtype]
-    assert rel_err(y, y64) < 1.5e-3 + out_eps  # fp16 xh (spec §3.3), MMA fp32 accumulation
+    # fp16 xh (docs/exl3.md#forward), MMA fp32 accumulation
+    assert rel_err(y, y64) < 1.5e-3 + out_eps
     want = to_np(on_cpu(reference.linear, x, trellis, suh, svh, codebook, b, out_f, out_dtype))
     assert rel_err(y, want) < 2e-4 + out_eps
 
