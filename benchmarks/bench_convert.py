@@ -57,7 +57,7 @@ def bench_args():
 
 def _random_rows(rng, dtype: str, shape: tuple[int, ...], rows: slice) -> np.ndarray:
     """Random raw bytes for rows of a tensor, valid for its format (no NaN codes or NaN scales)."""
-    from convert.safetensors_io import DTYPES
+    from mlx_dsv41.convert.safetensors_io import DTYPES
 
     n = (rows.stop - rows.start,) + shape[1:] if shape else ()
     if dtype == "F8_E8M0":
@@ -76,8 +76,8 @@ def write_source(path: Path, args, seed: int = 3) -> dict:
     """The synthetic official checkpoint (skipped if already complete)."""
     import mlx.core as mx
 
-    from convert.safetensors_io import DTYPES
-    from convert.safetensors_writer import SafetensorsWriter
+    from mlx_dsv41.convert.safetensors_io import DTYPES
+    from mlx_dsv41.convert.safetensors_writer import SafetensorsWriter
     from mlx_dsv41.quant.official import fp4_shapes, fp8_shapes
     from mlx_dsv41.testing import official_shapes
     from mlx_dsv41.tiny_checkpoints import OFFICIAL_QUANTIZATION, official_format, write_config, write_tokenizer
@@ -183,7 +183,7 @@ def conversion(workdir: Path, trials: int) -> dict:
 def decode_faults(workdir: Path, steps: int = 64, warmup: int = 8) -> list[dict]:
     import mlx.core as mx
 
-    from convert.checkpoint import convert_checkpoint
+    from mlx_dsv41.convert.checkpoint import convert_checkpoint
     from mlx_dsv41.loading import load_converted
     from mlx_dsv41.tiny_checkpoints import write_engram_shards, write_exl3_checkpoint, write_official_checkpoint
 

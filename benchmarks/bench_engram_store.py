@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.engram_rows import EngramTable, write_engram_rows
+from mlx_dsv41.convert.engram_rows import EngramTable, write_engram_rows
 from mlx_dsv41.engram_store import EngramStore, row_file_name
 
 HEAD_DIM = 256
@@ -73,8 +73,8 @@ def relayout_throughput(directory: Path, gigabytes: float) -> dict:
     import safetensors
     from safetensors import TensorSpec
 
-    from convert.engram_rows import table_from_checkpoint
-    from convert.safetensors_io import SafetensorsCheckpoint
+    from mlx_dsv41.convert.engram_rows import table_from_checkpoint
+    from mlx_dsv41.convert.safetensors_io import SafetensorsCheckpoint
 
     rows = int(gigabytes * 1e9) // ROW_BYTES
     shard = directory / "model-00047-of-00048.safetensors"

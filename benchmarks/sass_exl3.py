@@ -2,7 +2,7 @@
 
 The EXL3 product kernels are bound by instruction issue (docs/benchmarks.md, EXL3), so the SASS
 instructions per decoded 16x16 tile are the figure to watch when changing a body. This script
-assembles the CUDA source MLX would JIT for a Flash-shaped launch (mlx_dsv41.kernels.source_check),
+assembles the CUDA source MLX would JIT for a Flash-shaped launch (tests/kernel_source_check.py),
 compiles it for sm_90 with nvcc and disassembles it with nvdisasm, then prints the registers and
 threadgroup memory, and for the block loop (the loop with the fewest always-run instructions per
 MMA): its instructions per tile by opcode and by the pipe that executes them (Hopper: shifts, masks, byte permutes and
@@ -31,11 +31,12 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))  # kernel_source_check
 from bench_exl3 import HIDDEN, INTER, random_trellis  # noqa: E402
 
 from mlx_dsv41.exl3.experts import EXL3ExpertProjection, EXL3Experts  # noqa: E402
 from mlx_dsv41.kernels import exl3 as ops  # noqa: E402
-from mlx_dsv41.kernels import source_check  # noqa: E402
+import kernel_source_check as source_check  # noqa: E402
 
 # SASS opcode (first dotted part) -> Hopper pipe, as Nsight Compute names them.
 PIPES = {
@@ -92,7 +93,7 @@ def disassemble(kernel, call) -> tuple[list[str], dict[str, int], str]:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "k.cu").write_text(src)
         r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-I",
-                            str(source_check.CI_DIR), "-o", f"{tmp}/k.cubin", f"{tmp}/k.cu"],
+                            str(source_check.STUBS), "-o", f"{tmp}/k.cubin", f"{tmp}/k.cu"],
                            capture_output=True, text=True)
         if r.returncode:
             sys.exit(f"sass_exl3: nvcc failed:\n{r.stderr[:3000]}")

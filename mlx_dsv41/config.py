@@ -118,7 +118,7 @@ class ModelArgs:
     pad_token_id: int = 2
     image_token_id: int = 129264
     quantization_config: dict | None = None
-    # Written by our converter: source checkpoint and per-tensor formats (see convert/).
+    # Written by our converter: source checkpoint and per-tensor formats (see mlx_dsv41/convert/).
     mlx_dsv41: dict | None = None
 
     @classmethod

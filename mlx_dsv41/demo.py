@@ -193,7 +193,7 @@ def _average_bits(storage: dict) -> float:
 
 def _write_weights(directory: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
     """Two shards (layers split in the middle, the head with the second half) and their index."""
-    from convert.safetensors_writer import write_safetensors
+    from mlx_dsv41.convert.safetensors_writer import write_safetensors
 
     layers = sorted({int(k.split(".")[1]) for k in tensors if k.startswith("layers.")})
     half = layers[len(layers) // 2]
@@ -255,7 +255,7 @@ def ensure_demo(root: str | os.PathLike | None = None, progress: bool = True) ->
     with _locked(root / ".lock"):
         if is_converted(out):
             return out
-        from convert import ConvertError, convert_checkpoint
+        from mlx_dsv41.convert import ConvertError, convert_checkpoint
 
         if progress:
             print(f"Building the demo checkpoint (synthetic weights) in {root} ...", flush=True,

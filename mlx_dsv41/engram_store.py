@@ -3,7 +3,7 @@
 A token needs 24 rows of each Engram table (docs/model.md#engram-rows); a row is ``head_dim`` e4m3
 value bytes then ``head_dim / 32`` e8m0 scale bytes (264 bytes for Flash). The official tables are
 ~100 GB each (docs/checkpoint.md#sizes), so they stay on disk, re-laid by the converter
-(``convert/engram_rows.py``) as one row file per Engram layer:
+(``mlx_dsv41/convert/engram_rows.py``) as one row file per Engram layer:
 
     offset  size  field (little-endian)
     0       8     magic b"DSV41ENG"

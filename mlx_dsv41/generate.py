@@ -95,7 +95,7 @@ def fetch_repo(repo_id: str) -> Path:
 def convert_source(src: Path, kind: str, convert_to: Path | None, engram_from: Path | None,
                    interactive: bool, dspark_from: Path | None = None) -> Path:
     """An EXL3 / official checkpoint -> a converted directory (after the user agrees)."""
-    from convert import convert_checkpoint
+    from mlx_dsv41.convert import convert_checkpoint
 
     how = (f"python -m mlx_dsv41.convert {src} OUT"
            + (" --engram-from OFFICIAL_DIR" if kind == "exl3" and engram_from is None else ""))

@@ -54,7 +54,7 @@ def checkpoint_tensors(path: str | Path) -> dict[str, mx.array]:
         shards = sorted(p.name for p in path.glob("*.safetensors"))
     if not shards:
         raise LoadError(f"{path}: no *.safetensors files")
-    from convert.safetensors_io import SafetensorsError, SafetensorsFile
+    from mlx_dsv41.convert.safetensors_io import SafetensorsError, SafetensorsFile
 
     tensors: dict[str, mx.array] = {}
     for shard in shards:

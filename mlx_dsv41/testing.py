@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from convert.safetensors_writer import write_safetensors
+from mlx_dsv41.convert.safetensors_writer import write_safetensors
 
 from .config import ModelArgs
 from .model.engram_hash import CompressedTokenMap, bucket_primes

@@ -36,7 +36,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from convert.safetensors_writer import write_safetensors
+from mlx_dsv41.convert.safetensors_writer import write_safetensors
 
 from .config import ModelArgs
 from .exl3.testing import random_experts_tensors, random_linear_tensors

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from convert import convert_checkpoint
-from convert.safetensors_io import SafetensorsFile
-from convert.safetensors_writer import write_safetensors
+from mlx_dsv41.convert import convert_checkpoint
+from mlx_dsv41.convert.safetensors_io import SafetensorsFile
+from mlx_dsv41.convert.safetensors_writer import write_safetensors
 from mlx_dsv41.tiny_checkpoints import write_engram_shards, write_exl3_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]

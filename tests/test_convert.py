@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 import mlx_dsv41
-from convert import ConvertError, convert_checkpoint
-from convert.safetensors_io import SafetensorsCheckpoint
+from mlx_dsv41.convert import ConvertError, convert_checkpoint
+from mlx_dsv41.convert.safetensors_io import SafetensorsCheckpoint
 from convert_fixtures import add_tensors, convert_tiny_exl3, edit_tensors, read_tensor, run_cli
 from mlx_dsv41 import layout
 from mlx_dsv41.config import ModelArgs
@@ -235,10 +235,10 @@ def test_interrupted_conversion_resumes(official, tmp_path):
 def test_row_chunked_conversion_writes_the_same_bytes(official, tmp_path, monkeypatch, dtype):
     """Large tensors are converted / copied in row chunks (whole 32-row FP8 tiles): with tiny
     chunks, every output file is byte-identical to the one-piece conversion."""
-    import convert.plan
+    from mlx_dsv41.convert import plan
 
     ck, root = official
-    monkeypatch.setattr(convert.plan, "PASS_CHUNK_BYTES", 1000)  # FP8: 32-row tiles; embed: 7 rows
+    monkeypatch.setattr(plan, "PASS_CHUNK_BYTES", 1000)  # FP8: 32-row tiles; embed: 7 rows
     convert_checkpoint(ck.path, tmp_path / "out", dtype=dtype, progress=False)
     reference = root / ("out" if dtype is None else "out_bf16")
     files = sorted(p.relative_to(reference) for p in reference.rglob("*") if p.is_file())

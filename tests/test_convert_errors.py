@@ -152,7 +152,7 @@ def test_not_enough_disk_space_is_refused_before_writing(sources, tmp_path):
 
     out = tmp_path / "out"
     code = ("import shutil, sys; real = shutil.disk_usage; shutil.disk_usage = lambda p: real(p)._replace(free=10**6); "
-            "from mlx_dsv41.convert import main; sys.argv[0] = 'convert'; main()")
+            "from mlx_dsv41.convert.cli import main; sys.argv[0] = 'convert'; main()")
     r = subprocess.run([sys.executable, "-c", code, str(sources / "exl3"), str(out), "--engram-from",
                         str(sources / "engram"), "--quiet"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
@@ -162,10 +162,10 @@ def test_not_enough_disk_space_is_refused_before_writing(sources, tmp_path):
 
 
 def test_the_space_estimate_covers_what_is_written(sources, tmp_path):
-    from convert import convert_checkpoint
-    from convert.checkpoint import SPACE_MARGIN, output_bytes
-    from convert.plan import plan_steps
-    from convert.source import open_source
+    from mlx_dsv41.convert import convert_checkpoint
+    from mlx_dsv41.convert.checkpoint import SPACE_MARGIN, output_bytes
+    from mlx_dsv41.convert.plan import plan_steps
+    from mlx_dsv41.convert.source import open_source
 
     out = convert_checkpoint(sources / "exl3", tmp_path / "out", engram_from=sources / "engram", progress=False)
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())

@@ -1,4 +1,4 @@
-"""convert/safetensors_writer.py: files written tensor by tensor (whole or in row chunks) are read
+"""mlx_dsv41/convert/safetensors_writer.py: files written tensor by tensor (whole or in row chunks) are read
 back exactly by the reference `safetensors` library and by mx.load; misuse is refused and leaves
 no file under the final name."""
 
@@ -7,8 +7,8 @@ import pytest
 import safetensors
 
 import mlx.core as mx
-from convert.safetensors_io import DTYPES, SafetensorsError
-from convert.safetensors_writer import PARTIAL_SUFFIX, SafetensorsWriter, write_safetensors
+from mlx_dsv41.convert.safetensors_io import DTYPES, SafetensorsError
+from mlx_dsv41.convert.safetensors_writer import PARTIAL_SUFFIX, SafetensorsWriter, write_safetensors
 from test_safetensors_io import random_tensor, raw_bits
 
 

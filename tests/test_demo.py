@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from convert.safetensors_io import SafetensorsCheckpoint
+from mlx_dsv41.convert.safetensors_io import SafetensorsCheckpoint
 from demo_helpers import demo_checkpoint
 
 import mlx_dsv41

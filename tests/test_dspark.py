@@ -15,7 +15,7 @@ import pytest
 from convert_fixtures import edit_tensors, run_cli
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from convert import ConvertError, convert_checkpoint
+from mlx_dsv41.convert import ConvertError, convert_checkpoint
 from mlx_dsv41 import layout
 from mlx_dsv41.cache import DraftCache, make_draft_cache
 from mlx_dsv41.config import ConfigError, ModelArgs

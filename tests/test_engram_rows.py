@@ -1,4 +1,4 @@
-"""convert/engram_rows.py: row files hold exactly the source rows at the documented layout, from
+"""mlx_dsv41/convert/engram_rows.py: row files hold exactly the source rows at the documented layout, from
 arrays or from official-format safetensors shards; interrupted writes resume and never leave a
 file that opens; a second write over a finished file is a no-op."""
 
@@ -11,14 +11,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from convert.engram_rows import (
+from mlx_dsv41.convert.engram_rows import (
     PARTIAL_SUFFIX,
     EngramTable,
     table_from_arrays,
     table_from_checkpoint,
     write_engram_rows,
 )
-from convert.safetensors_io import SafetensorsCheckpoint, SafetensorsError
+from mlx_dsv41.convert.safetensors_io import SafetensorsCheckpoint, SafetensorsError
 from mlx_dsv41.engram_store import EngramStore, EngramStoreError
 from test_safetensors_io import save_safetensors
 

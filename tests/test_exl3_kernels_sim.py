@@ -1,4 +1,4 @@
-"""The EXL3 kernel bodies (metal_ext/exl3_*.metal) run on the CPU simulator (tests/exl3_sim) with
+"""The EXL3 kernel bodies (mlx_dsv41/metal_ext/exl3_*.metal) run on the CPU simulator (tests/exl3_sim) with
 the exact launch kwargs mlx_dsv41.kernels.exl3 hands to MLX: reconstruct bit-exact for every K and
 codebook, the GEMV (both the CUDA configuration -- tensor-core MMAs, the trellis streamed through a
 threadgroup ring by asynchronous copies -- and the Metal one -- per-lane FMAs, tiles read from

@@ -1,4 +1,4 @@
-"""The mHC kernel bodies (metal_ext/hc_*.metal) on the CPU simulator (tests/exl3_sim), with the launch
+"""The mHC kernel bodies (mlx_dsv41/metal_ext/hc_*.metal) on the CPU simulator (tests/exl3_sim), with the launch
 kwargs mlx_dsv41.kernels.hyper_connections hands to MLX: hc_mix against the float64 transcription
 of docs/model.md#mhc (every Sinkhorn iteration counts: peaked inputs, where 19 or 21 iterations move
 the mix by ~2e-3), hc_collapse_norm and hc_expand against float64 with the reference's roundings.

@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from mlx_dsv41 import kernels
-from mlx_dsv41.kernels import source_check
+import kernel_source_check as source_check
 
 CASES = [
     (name, i)

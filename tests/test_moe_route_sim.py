@@ -1,4 +1,4 @@
-"""The moe_route kernel body (metal_ext/moe_route.metal) on the CPU simulator: the same choice and
+"""The moe_route kernel body (mlx_dsv41/metal_ext/moe_route.metal) on the CPU simulator: the same choice and
 weights as the plain-MLX router (docs/model.md#moe) on Flash's 384 experts top-6 and on small cases,
 with a temperature, ties (the lower expert id wins), NaN logits that never win, and untouched
 guards. tests/gpu/test_moe_route_gpu.py repeats this on the device."""

@@ -1,4 +1,4 @@
-"""convert/safetensors_io.py: files written by the reference `safetensors` library read back exactly;
+"""mlx_dsv41/convert/safetensors_io.py: files written by the reference `safetensors` library read back exactly;
 every malformed file is refused on open with a one-line error naming the file and tensor."""
 
 import json
@@ -11,7 +11,7 @@ import pytest
 import safetensors
 from safetensors import TensorSpec
 
-from convert.safetensors_io import (
+from mlx_dsv41.convert.safetensors_io import (
     INDEX_NAME,
     SafetensorsCheckpoint,
     SafetensorsError,

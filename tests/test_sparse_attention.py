@@ -5,6 +5,7 @@ the kernels' launch geometry. The kernels themselves run in tests/gpu/test_spars
 tests/test_kernel_sources.py."""
 
 import math
+from pathlib import Path
 import re
 
 import mlx.core as mx
@@ -467,11 +468,11 @@ def test_benchmark_clock_kernel_compiles(tmp_path):
     import shutil
     import subprocess
 
-    from mlx_dsv41.kernels import source_check
+    import kernel_source_check as source_check
 
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not installed")
-    path = source_check.CI_DIR.parent.parent / "benchmarks" / "bench_sparse_attention.py"
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_sparse_attention.py"
     spec = importlib.util.spec_from_file_location("bench_sparse_attention", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -479,7 +480,7 @@ def test_benchmark_clock_kernel_compiles(tmp_path):
               "__global__ void bench_gpu_clock(const float* x, const int32_t* n, float* y, uint64_t* ns) {"
               f"{bench.STAMP_SOURCE}}}\n}}\n")
     (tmp_path / "k.cu").write_text(source)
-    r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-ptx", "-I", str(source_check.CI_DIR),
+    r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-ptx", "-I", str(source_check.STUBS),
                         "-o", str(tmp_path / "k.ptx"), str(tmp_path / "k.cu")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[:2000]
     assert "%globaltimer" in (tmp_path / "k.ptx").read_text()
@@ -526,7 +527,7 @@ def test_launch_stand_ins_for_empty_inputs():
 
 def test_bodies_share_one_implementation():
     """Both kernels are sa_kernel from one header, differing only in the SIMD-group count."""
-    import metal_ext
+    from mlx_dsv41 import metal_ext
 
     serial = metal_ext.body("sparse_attention_serial")
     parallel = metal_ext.body("sparse_attention_parallel")
@@ -647,7 +648,7 @@ def emulated(tmp_path_factory):
     import shutil
     import subprocess
 
-    import metal_ext
+    from mlx_dsv41 import metal_ext
 
     cxx = shutil.which("g++")
     if cxx is None:

@@ -1,6 +1,6 @@
 """The single place that chooses how an op runs: a Metal kernel, a CUDA kernel, or plain MLX.
 
-Every custom kernel is one body (``metal_ext/<name>.metal``) compiled for the active GPU backend
+Every custom kernel is one body (``mlx_dsv41/metal_ext/<name>.metal``) compiled for the active GPU backend
 with that backend's macro header. Ops (``sparse_attention``, ``exl3``) ask :func:`backend` once per
 call and fall back to their plain-MLX reference on the CPU.
 
@@ -22,7 +22,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-import metal_ext
+from mlx_dsv41 import metal_ext
 
 # Metal only passes a [[thread_position_in_grid]]-style argument when its name occurs in the body
 # text; the KX_* macros hide the names in the header, so every Metal body gets this comment.

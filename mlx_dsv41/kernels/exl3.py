@@ -6,7 +6,7 @@
 
 On the CPU every op runs the plain-MLX reference (mlx_dsv41.exl3.reference). On a GPU:
 - ``reconstruct``: exl3_reconstruct (one tile per SIMD group);
-- ``linear`` with m <= 8 rows: exl3_gemv decodes the trellis on the fly (metal_ext/exl3_matmul.h:
+- ``linear`` with m <= 8 rows: exl3_gemv decodes the trellis on the fly (mlx_dsv41/metal_ext/exl3_matmul.h:
   a threadgroup per 128 output columns and k range). A wide output (``dense_single_blocks`` or
   more 128-column blocks) is one launch that also applies the output transform; a narrow one
   splits k over enough threadgroups to fill the GPU (``dense_split_warps``) and exl3_gemv_out

@@ -9,7 +9,7 @@ Index i < W reads window[b, i]; i >= W reads pool[b, i - W]; -1 is skipped; any 
 host-side check would force a sync). K = V (one shared latent). The sink is an extra logit in the
 denominator only. Nonfinite inputs give what the formula gives in float64.
 
-On a GPU two kernels compute this (metal_ext/sparse_attention.h): ``serial`` (one SIMD group per
+On a GPU two kernels compute this (mlx_dsv41/metal_ext/sparse_attention.h): ``serial`` (one SIMD group per
 (b, s, h)) and ``parallel`` (eight SIMD groups). Their output bytes are identical by construction,
 so the choice is only about speed: ``variant=`` per call, else :func:`set_default_variant`, else
 ``MLX_DSV41_ATTENTION``, else ``auto``, which times both once per shape class (see

@@ -24,7 +24,7 @@ import ml_dtypes
 import mlx.core as mx
 import numpy as np
 
-import metal_ext
+from mlx_dsv41 import metal_ext
 
 HERE = Path(__file__).parent
 _C_TYPES = {

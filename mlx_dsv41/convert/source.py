@@ -19,8 +19,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from convert.engram_rows import EngramTable, check_table, table_from_checkpoint
-from convert.safetensors_io import SafetensorsCheckpoint, SafetensorsError
+from mlx_dsv41.convert.engram_rows import EngramTable, check_table, table_from_checkpoint
+from mlx_dsv41.convert.safetensors_io import SafetensorsCheckpoint, SafetensorsError
 from mlx_dsv41 import layout
 from mlx_dsv41.config import ConfigError, ModelArgs
 from mlx_dsv41.engram_store import WHERE_TO_GET, EngramStoreError

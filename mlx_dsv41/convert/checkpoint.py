@@ -33,11 +33,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from convert.engram_rows import write_engram_rows
-from convert.plan import Step, plan_steps
-from convert.safetensors_io import SafetensorsError
-from convert.safetensors_writer import SafetensorsWriter, sync_dir, sync_file
-from convert.source import DSPARK_HINT, ConvertError, Source, open_source
+from mlx_dsv41.convert.engram_rows import write_engram_rows
+from mlx_dsv41.convert.plan import Step, plan_steps
+from mlx_dsv41.convert.safetensors_io import SafetensorsError
+from mlx_dsv41.convert.safetensors_writer import SafetensorsWriter, sync_dir, sync_file
+from mlx_dsv41.convert.source import DSPARK_HINT, ConvertError, Source, open_source
 from mlx_dsv41 import __version__, layout
 from mlx_dsv41.config import ConfigError
 from mlx_dsv41.engram_store import DEFAULT_CHUNK_ROWS, EngramStoreError, RowFileHeader, open_row_file

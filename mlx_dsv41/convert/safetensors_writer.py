@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.safetensors_io import DTYPES, SafetensorsError
+from mlx_dsv41.convert.safetensors_io import DTYPES, SafetensorsError
 
 PARTIAL_SUFFIX = ".partial"
 

@@ -2,7 +2,7 @@
 
 Metal: MLX prints the Metal source it would compile when a kernel is traced by
 ``mx.export_function`` with ``verbose=True`` (this works without Metal); the text is compiled as
-C++ against ``metal_ext/ci/metal_stub.h``. CUDA: ``mx.fast.cuda_kernel`` cannot be built without
+C++ against ``tests/kernel_stubs/metal_stub.h``. CUDA: ``mx.fast.cuda_kernel`` cannot be built without
 the CUDA backend, so the source is assembled the way MLX 0.32's ``build_kernel`` does and compiled
 with ``nvcc -ptx`` against a stand-in of MLX's prelude header. Neither replaces running the
 kernels; both catch name, type and syntax errors before a device is involved.
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-import metal_ext
 from mlx_dsv41.kernels import Kernel
 
-CI_DIR = metal_ext.ROOT / "ci"
+# Stand-in headers (not installed: they exist only to compile sources in CI).
+STUBS = Path(__file__).resolve().parent / "kernel_stubs"
 
 _CUDA_TYPES = {
     mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
@@ -106,7 +106,7 @@ def compile_metal(source: str) -> tuple[bool, str]:
     try:
         r = subprocess.run(
             [cxx, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Werror=return-type",
-             "-include", str(CI_DIR / "metal_stub.h"), "-x", "c++", f.name],
+             "-include", str(STUBS / "metal_stub.h"), "-x", "c++", f.name],
             capture_output=True, text=True,
         )
         return r.returncode == 0, r.stderr
@@ -122,7 +122,7 @@ def compile_cuda(source: str) -> tuple[bool, str]:
         src = Path(tmp) / "k.cu"
         src.write_text(source)
         r = subprocess.run(
-            [nvcc, "-std=c++17", "-arch=sm_90", "-ptx", "-I", str(CI_DIR), "-o", str(Path(tmp) / "k.ptx"),
+            [nvcc, "-std=c++17", "-arch=sm_90", "-ptx", "-I", str(STUBS), "-o", str(Path(tmp) / "k.ptx"),
              str(src)],
             capture_output=True, text=True,
         )

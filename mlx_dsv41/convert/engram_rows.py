@@ -19,8 +19,8 @@ from typing import Callable
 
 import numpy as np
 
-from convert.safetensors_io import SafetensorsCheckpoint, SafetensorsError
-from convert.safetensors_writer import PARTIAL_SUFFIX, sync_dir, sync_file
+from mlx_dsv41.convert.safetensors_io import SafetensorsCheckpoint, SafetensorsError
+from mlx_dsv41.convert.safetensors_writer import PARTIAL_SUFFIX, sync_dir, sync_file
 from mlx_dsv41.engram_store import (
     DEFAULT_CHUNK_ROWS,
     SCALE_GROUP,

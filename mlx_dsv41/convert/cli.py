@@ -2,8 +2,8 @@
 
 Converts an EXL3 (exllamav3) or official FP8/FP4 DeepSeek-V4.1-Flash checkpoint into the layout
 `mlx_dsv41.load` and `mlx_lm.load(OUT, trust_remote_code=True)` read (`mlx_dsv41/layout.py`).
-The work is done by `convert.convert_checkpoint`; this is its command line: progress on stderr,
-and every bad input a one-line `error: ...` with exit status 1 (no traceback).
+The work is done by `mlx_dsv41.convert.convert_checkpoint`; this is its command line: progress on
+stderr, and every bad input a one-line `error: ...` with exit status 1 (no traceback).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def convert(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
 ) -> None:
     """Convert a DeepSeek-V4.1 checkpoint (+ its Engram tables) for MLX."""
-    from convert.checkpoint import convert_checkpoint
-    from convert.source import ConvertError
+    from mlx_dsv41.convert.checkpoint import convert_checkpoint
+    from mlx_dsv41.convert.source import ConvertError
 
     try:
         convert_checkpoint(src, out, engram_from=engram_from, dtype=dtype, progress=not quiet,
@@ -50,6 +50,3 @@ def convert(
 def main() -> None:
     app()
 
-
-if __name__ == "__main__":
-    main()

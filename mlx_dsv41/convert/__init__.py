@@ -1,7 +1,7 @@
 """Checkpoint conversion: EXL3 and official FP8/FP4 DeepSeek-V4.1 checkpoints (+ the official
 Engram tables) -> the converted layout of `mlx_dsv41/layout.py`.
 
-    from convert import convert_checkpoint, ConvertError
+    from mlx_dsv41.convert import convert_checkpoint, ConvertError
     convert_checkpoint("DeepSeek-V4.1-Flash-EXL3", "flash-mlx", engram_from="DeepSeek-V4.1-Flash")
 
 The names load their modules on first use (the row-file and safetensors tools need no MLX).
@@ -9,13 +9,13 @@ The names load their modules on first use (the row-file and safetensors tools ne
 
 from importlib import import_module
 
-_LAZY = {"convert_checkpoint": "convert.checkpoint", "ConvertError": "convert.source"}
+_LAZY = {"convert_checkpoint": "mlx_dsv41.convert.checkpoint", "ConvertError": "mlx_dsv41.convert.source"}
 
 
 def __getattr__(name):
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'convert' has no attribute {name!r}")
+    raise AttributeError(f"module 'mlx_dsv41.convert' has no attribute {name!r}")
 
 
 def __dir__():
