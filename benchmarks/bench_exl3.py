@@ -52,7 +52,8 @@ import mlx.core as mx  # noqa: E402
 
 from mlx_dsv41.exl3.experts import EXL3ExpertProjection, EXL3Experts  # noqa: E402
 from mlx_dsv41.kernels import backend  # noqa: E402
-from mlx_dsv41.kernels import exl3 as ops  # noqa: E402
+from mlx_dsv41.exl3 import ops  # noqa: E402
+from mlx_dsv41.kernels import exl3 as launch  # noqa: E402
 from bench_sparse_attention import device_us  # noqa: E402  (benchmarks/ is the script's directory)
 
 SHAPES = (
@@ -75,7 +76,7 @@ MOE_ANCHOR = {2: 132.1, 3: 137.2, 4: 131.4, 5: 150.8}  # µs, one token, 6 of 38
 MOE_TARGET_US = 60.0  # K = 3
 N_EXPERTS, TOP_K, HIDDEN, INTER = 384, 6, 5120, 2304
 
-T = ops.Tuning
+T = launch.Tuning
 # Launch shapes measured by --sweep: the default and one change at a time.
 SWEEP = {
     "default": T(),
@@ -96,13 +97,13 @@ SWEEP = {
 
 
 @contextlib.contextmanager
-def tuning(t: ops.Tuning):
-    saved = ops.TUNING
-    ops.TUNING = t
+def tuning(t: launch.Tuning):
+    saved = launch.TUNING
+    launch.TUNING = t
     try:
         yield
     finally:
-        ops.TUNING = saved
+        launch.TUNING = saved
 
 
 def per_call_us(launch, calls: int, repeats: int, chained: bool) -> float:
@@ -204,14 +205,14 @@ def headline_us(t: dict) -> float:
 
 
 def exl3_row(name, k, n, bits, m, t: dict, roofline, label="default") -> dict:
-    splits, _ = ops.dense_plan(k // 128, n // 128)
+    splits, _ = launch.dense_plan(k // 128, n // 128)
     packed = k * n * bits // 8
     us = headline_us(t)
     anchor = ANCHOR.get((name, bits), (None, None))[0 if m == 1 else 1]
     return {"kind": "exl3", "shape": name, "k": k, "n": n, "K": bits, "m": m, **t, "tuning": label,
-            "tuning_fields": asdict(ops.TUNING), "packed_GBps": packed / us / 1e3,
+            "tuning_fields": asdict(launch.TUNING), "packed_GBps": packed / us / 1e3,
             "roofline_frac": packed / us / 1e3 / roofline, "anchor_us": anchor, "splits": splits,
-            "launches": 1 if (m <= ops.GEMV_MAX_ROWS and splits == 1) else 2}
+            "launches": 1 if (m <= launch.GEMV_MAX_ROWS and splits == 1) else 2}
 
 
 def mlx_case(name, k, n, fmt, m, args, roofline) -> dict:
@@ -290,7 +291,7 @@ def moe_device_time(experts, bits, args) -> float:
 def moe_row(bits, t: dict, roofline, label="default") -> dict:
     packed = TOP_K * 3 * HIDDEN * INTER * bits // 8
     us = headline_us(t)
-    return {"kind": "exl3_moe", "K": bits, **t, "tuning": label, "tuning_fields": asdict(ops.TUNING),
+    return {"kind": "exl3_moe", "K": bits, **t, "tuning": label, "tuning_fields": asdict(launch.TUNING),
             "packed_GBps": packed / us / 1e3, "roofline_frac": packed / us / 1e3 / roofline,
             "anchor_us": MOE_ANCHOR[bits], "target_us": MOE_TARGET_US if bits == 3 else None}
 

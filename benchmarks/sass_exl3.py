@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))  # kernel_source
 from bench_exl3 import HIDDEN, INTER, random_trellis  # noqa: E402
 
 from mlx_dsv41.exl3.experts import EXL3ExpertProjection, EXL3Experts  # noqa: E402
-from mlx_dsv41.kernels import exl3 as ops  # noqa: E402
+from mlx_dsv41.kernels import exl3 as launch  # noqa: E402
 import kernel_source_check as source_check  # noqa: E402
 
 # SASS opcode (first dotted part) -> Hopper pipe, as Nsight Compute names them.
@@ -69,22 +69,22 @@ def flash_call(kernel: str, bits: int):
     ex = EXL3Experts(proj(HIDDEN, INTER), proj(HIDDEN, INTER), proj(INTER, HIDDEN), 4)
     x = mx.zeros((1, HIDDEN), mx.bfloat16)
     indices, weights = mx.array([[0, 1, 2, 3, 0, 1]], mx.int32), mx.ones((1, 6), mx.float32)
-    gu = mx.zeros((6, 2, ops.expert_plan(ex.w1)[0], ex.w1.n), mx.float32)
+    gu = mx.zeros((6, 2, launch.expert_plan(ex.w1)[0], ex.w1.n), mx.float32)
     xh = mx.zeros((6, ex.w1.n // 2), mx.uint32)
     if kernel == "gate_up":
         g = ex.w1.groups[0]
-        return ops.EXPERT_GATE_UP, ops.gate_up_args(x, indices, ex.w1, ex.w3, (g.k2, g.codebook), 0)
+        return launch.EXPERT_GATE_UP, launch.gate_up_args(x, indices, ex.w1, ex.w3, (g.k2, g.codebook), 0)
     if kernel == "swiglu":
-        return ops.EXPERT_SWIGLU, ops.swiglu_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, 0, 10.0)
+        return launch.EXPERT_SWIGLU, launch.swiglu_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, 0, 10.0)
     if kernel == "down":
-        return ops.EXPERT_DOWN, ops.down_args(xh, indices, ex.w2, ex.w2.groups[0], 0)
+        return launch.EXPERT_DOWN, launch.down_args(xh, indices, ex.w2, ex.w2.groups[0], 0)
     if kernel == "finish":
-        partial = mx.zeros((6, ops.down_plan(ex.w2)[0], ex.w2.n), mx.float32)
-        return ops.EXPERT_DOWN_FINISH, ops.down_finish_args(partial, indices, ex.w2, 0)
+        partial = mx.zeros((6, launch.down_plan(ex.w2)[0], ex.w2.n), mx.float32)
+        return launch.EXPERT_DOWN_FINISH, launch.down_finish_args(partial, indices, ex.w2, 0)
     # gemv: wq_a (5120x1280), m = 1, the k-split launch
     t = random_trellis((HIDDEN // 16, 1280 // 16), bits)
-    call = ops.gemv_args(x, t, mx.zeros((HIDDEN,), mx.float16), mx.ones((1280,), mx.float16), "mul1")[0]
-    return ops.GEMV, call
+    call = launch.gemv_args(x, t, mx.zeros((HIDDEN,), mx.float16), mx.ones((1280,), mx.float16), "mul1")[0]
+    return launch.GEMV, call
 
 
 def disassemble(kernel, call) -> tuple[list[str], dict[str, int], str]:

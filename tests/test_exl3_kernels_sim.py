@@ -3,7 +3,7 @@ the exact launch kwargs mlx_dsv41.kernels.exl3 hands to MLX: reconstruct bit-exa
 codebook, the GEMV (both the CUDA configuration -- tensor-core MMAs, the trellis streamed through a
 threadgroup ring by asynchronous copies -- and the Metal one -- per-lane FMAs, tiles read from
 device memory) and the expert kernels against the plain-MLX reference, for every launch shape
-(ops.Tuning); outputs start poisoned and guard rows past the shape must stay untouched. The GPU
+(launch.Tuning); outputs start poisoned and guard rows past the shape must stay untouched. The GPU
 tests (tests/gpu/test_exl3_kernels.py) repeat this on the device."""
 
 import shutil
@@ -16,7 +16,7 @@ import exl3_sim
 from exl3_numpy import rel_err
 from mlx_dsv41.exl3 import EXL3Experts, reference
 from mlx_dsv41.exl3.testing import random_experts_tensors, random_linear_tensors
-from mlx_dsv41.kernels import exl3 as ops
+from mlx_dsv41.kernels import exl3 as launch
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel simulator needs g++")
 
@@ -42,8 +42,8 @@ def reconstruct_runs():
     cases = []
     for i, (bits, codebook) in enumerate(RECONSTRUCT_CASES):
         trellis = mx.array(rng.integers(-(1 << 15), 1 << 15, (2 + i % 3, 16, int(16 * bits)), dtype=np.int16))
-        cases.append((trellis, codebook, ops.reconstruct_args(trellis, codebook, guard_rows=3)))
-    program = exl3_sim.build([(ops.RECONSTRUCT, c[2]) for c in cases], mma=True)
+        cases.append((trellis, codebook, launch.reconstruct_args(trellis, codebook, guard_rows=3)))
+    program = exl3_sim.build([(launch.RECONSTRUCT, c[2]) for c in cases], mma=True)
     return [(trellis, codebook, program.run(i)[0]) for i, (trellis, codebook, _) in enumerate(cases)]
 
 
@@ -62,7 +62,7 @@ def test_reconstruct_bit_exact(reconstruct_runs, case):
 # launch shape (SIMD groups per threadgroup x tile columns per group, trellis ring depth), M =
 # 1/2/4/8 templates with rows to spare, several xh chunks (M = 8, k > 1024), padded inputs, every
 # codebook, half-integer K.
-T = ops.Tuning
+T = launch.Tuning
 GEMV_CASES = [
     (1, 256, 256, 3, "mul1", mx.bfloat16, mx.float32, 1, T(), False),
     (1, 512, 128, 2, "mul1", mx.bfloat16, mx.bfloat16, 4, T(warps=16, nc=2), True),
@@ -85,7 +85,7 @@ def gemv_case(i):
     args = (mx.array(t["trellis"]), mx.array(t["suh"]), mx.array(t["svh"]), codebook,
             mx.array(t["bias"]) if bias else None)
     x = (mx.random.normal((m, in_f), key=mx.random.key(i)) * 2).astype(dtype)
-    calls = ops.gemv_args(x, *args[:4], args[4], out_dtype, splits=splits, tuning=tuning, guard_rows=2)
+    calls = launch.gemv_args(x, *args[:4], args[4], out_dtype, splits=splits, tuning=tuning, guard_rows=2)
     return x, args, out_dtype, calls
 
 
@@ -94,10 +94,10 @@ def gemv_runs(request):
     cases = [gemv_case(i) for i in range(len(GEMV_CASES))]
     specs = []
     for x, args, out_dtype, calls in cases:
-        specs.append((ops.GEMV, calls[0]))
+        specs.append((launch.GEMV, calls[0]))
         if len(calls) == 2:
             partial_shape = calls[0]["output_shapes"][0]
-            specs.append((ops.GEMV_OUT, with_input(calls[1], 0, mx.zeros((partial_shape[0] - 2, *partial_shape[1:])))))
+            specs.append((launch.GEMV_OUT, with_input(calls[1], 0, mx.zeros((partial_shape[0] - 2, *partial_shape[1:])))))
     program = exl3_sim.build(specs, mma=request.param)
     runs, spec = [], 0
     for x, args, out_dtype, calls in cases:
@@ -151,23 +151,23 @@ def test_gemv_matches_reference(gemv_runs, case):
 def test_launch_plans():
     # Narrow outputs split k until the launch has dense_split_warps SIMD groups (two launches),
     # wide ones run in one launch; splits cover k exactly once.
-    t = ops.Tuning(warps=8, dense_split_warps=2112, dense_single_blocks=128)  # 264 threadgroups
-    assert ops.dense_plan(40, 4, t) == (40, 1)  # wkv 5120x512: one block per threadgroup
-    assert ops.dense_plan(40, 10, t) == (20, 2)  # wq_a 5120x1280
-    assert ops.dense_plan(10, 256, t) == (1, 10)  # wq_b 1280x32768: one launch
-    assert ops.dense_plan(40, 1010, t) == (1, 40)  # head
+    t = launch.Tuning(warps=8, dense_split_warps=2112, dense_single_blocks=128)  # 264 threadgroups
+    assert launch.dense_plan(40, 4, t) == (40, 1)  # wkv 5120x512: one block per threadgroup
+    assert launch.dense_plan(40, 10, t) == (20, 2)  # wq_a 5120x1280
+    assert launch.dense_plan(10, 256, t) == (1, 10)  # wq_b 1280x32768: one launch
+    assert launch.dense_plan(40, 1010, t) == (1, 40)  # head
     # splits = ceil(264 / n_blocks) capped at k_blocks, then evened out: per = ceil(k / splits).
-    assert ops.dense_plan(64, 40, t) == (7, 10)  # wo_b 8192x5120: 7 splits, the last one of 4 blocks
-    assert ops.dense_plan(18, 40, t) == (6, 3)  # expert w2 2304x5120
-    assert ops.dense_plan(40, 18, t) == (14, 3)  # expert w1/w3 5120x2304
-    assert ops.dense_plan(32, 8, t) == (32, 1)  # wo_a group 4096x1024
-    assert ops.dense_plan(40, 4, ops.Tuning(warps=16, dense_split_warps=640)) == (10, 4)  # SIMD groups, not threadgroups
+    assert launch.dense_plan(64, 40, t) == (7, 10)  # wo_b 8192x5120: 7 splits, the last one of 4 blocks
+    assert launch.dense_plan(18, 40, t) == (6, 3)  # expert w2 2304x5120
+    assert launch.dense_plan(40, 18, t) == (14, 3)  # expert w1/w3 5120x2304
+    assert launch.dense_plan(32, 8, t) == (32, 1)  # wo_a group 4096x1024
+    assert launch.dense_plan(40, 4, launch.Tuning(warps=16, dense_split_warps=640)) == (10, 4)  # SIMD groups, not threadgroups
     for warps, nc in ((16, 8), (2, 4), (8, 3)):
         with pytest.raises(ValueError, match=f"warps {warps} x nc {nc}"):
-            ops.Tuning(warps=warps, nc=nc)
+            launch.Tuning(warps=warps, nc=nc)
     for role in ("gate_up_warps", "down_warps"):
         with pytest.raises(ValueError, match="warps 16 x nc 8"):
-            ops.Tuning(nc=8, **{role: 16})
+            launch.Tuning(nc=8, **{role: 16})
     # xh staging sized to the threadgroup's k range (rows x blocks x 64 words), 16 KiB at most.
     xsw = [dict(t.template(8, 6, rows, blocks))["XSW"] for rows, blocks in ((1, 1), (1, 18), (1, 40), (8, 2), (8, 40))]
     assert xsw == [1024, 2048, 4096, 1024, 4096]
@@ -175,7 +175,7 @@ def test_launch_plans():
     # Metal: no trellis ring, at most 8 KiB of xh, 32 KiB of threadgroup memory in all.
     assert dict(t.template(8, 6, 8, 40, "metal"))["XSW"] == 2048
     with pytest.raises(ValueError, match="threadgroup memory on metal"):
-        ops.Tuning(nc=8).template(8, 6, 8, 40, "metal")
+        launch.Tuning(nc=8).template(8, 6, 8, 40, "metal")
 
 
 # --------------------------------------------------------------------------------------- experts
@@ -192,21 +192,21 @@ def expert_chain(ex, x, indices, weights, tuning):
     """The launch kwargs exl3_experts issues, with zero stand-ins for chained inputs."""
     lo = ex.expert_range[0]
     gu_calls, prev = [], None
-    for key in ops.gate_up_keys(ex.w1, ex.w3):
-        call = ops.gate_up_args(x, indices, ex.w1, ex.w3, key, lo, prev=prev, tuning=tuning, guard=1)
+    for key in launch.gate_up_keys(ex.w1, ex.w3):
+        call = launch.gate_up_args(x, indices, ex.w1, ex.w3, key, lo, prev=prev, tuning=tuning, guard=1)
         gu_calls.append(call)
         shape = call["output_shapes"][0]
         prev = mx.zeros((shape[0] - 1, *shape[1:]))
     gu = prev
-    swiglu = ops.swiglu_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, lo, ex.swiglu_limit, guard=1)
+    swiglu = launch.swiglu_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, lo, ex.swiglu_limit, guard=1)
     xh = mx.zeros((indices.size, ex.w1.n // 2), mx.uint32)
     down_calls, prev = [], None
     for group in ex.w2.groups:
-        call = ops.down_args(xh, indices, ex.w2, group, lo, prev=prev, tuning=tuning, guard=1)
+        call = launch.down_args(xh, indices, ex.w2, group, lo, prev=prev, tuning=tuning, guard=1)
         down_calls.append(call)
         shape = call["output_shapes"][0]
         prev = mx.zeros((shape[0] - 1, *shape[1:]))
-    finish = ops.down_finish_args(prev, indices, ex.w2, lo, guard=1)
+    finish = launch.down_finish_args(prev, indices, ex.w2, lo, guard=1)
     return gu_calls, swiglu, down_calls, finish
 
 
@@ -224,31 +224,31 @@ def expert_runs(request):
         cases.append((ex, x, indices, weights, *expert_chain(ex, x, indices, weights, tuning)))
     specs = []
     for ex, x, indices, weights, gu_calls, swiglu, down_calls, finish in cases:
-        specs += [(ops.EXPERT_GATE_UP, c) for c in gu_calls] + [(ops.EXPERT_SWIGLU, swiglu)]
-        specs += [(ops.EXPERT_DOWN, c) for c in down_calls] + [(ops.EXPERT_DOWN_FINISH, finish)]
+        specs += [(launch.EXPERT_GATE_UP, c) for c in gu_calls] + [(launch.EXPERT_SWIGLU, swiglu)]
+        specs += [(launch.EXPERT_DOWN, c) for c in down_calls] + [(launch.EXPERT_DOWN_FINISH, finish)]
     program = exl3_sim.build(specs, mma=request.param)
     runs, spec = [], 0
     for ex, x, indices, weights, gu_calls, swiglu, down_calls, finish in cases:
         gu = None
         for call in gu_calls:
-            out = program.run(spec, call if gu is None else with_input(call, "prev", mx.array(gu), ops.EXPERT_GATE_UP))[0]
+            out = program.run(spec, call if gu is None else with_input(call, "prev", mx.array(gu), launch.EXPERT_GATE_UP))[0]
             spec += 1
             assert np.all(np.isnan(out[-1])) and not np.any(np.isnan(out[:-1]))  # guard; all written
             gu = out[:-1]
-        out = program.run(spec, with_input(swiglu, "gu", mx.array(gu), ops.EXPERT_SWIGLU))[0]
+        out = program.run(spec, with_input(swiglu, "gu", mx.array(gu), launch.EXPERT_SWIGLU))[0]
         spec += 1
         assert np.all(out[-1] == 0xFFFFFFFF)  # guard (poisoned bytes) untouched
         xh = out[:-1]
         partial = None
         for call in down_calls:
-            call = with_input(call, "xh", mx.array(xh), ops.EXPERT_DOWN)
+            call = with_input(call, "xh", mx.array(xh), launch.EXPERT_DOWN)
             if partial is not None:
-                call = with_input(call, "prev", mx.array(partial), ops.EXPERT_DOWN)
+                call = with_input(call, "prev", mx.array(partial), launch.EXPERT_DOWN)
             out = program.run(spec, call)[0]
             spec += 1
             assert np.all(np.isnan(out[-1])) and not np.any(np.isnan(out[:-1]))
             partial = out[:-1]
-        out = program.run(spec, with_input(finish, "partial", mx.array(partial), ops.EXPERT_DOWN_FINISH))[0]
+        out = program.run(spec, with_input(finish, "partial", mx.array(partial), launch.EXPERT_DOWN_FINISH))[0]
         spec += 1
         assert np.all(np.isnan(out[-1])) and not np.any(np.isnan(out[:-1]))
         y = out[:-1]
@@ -266,22 +266,22 @@ def test_launch_constants_are_template_values():
     x = mx.zeros((1, 256), mx.bfloat16)
     indices, weights = mx.array([[1, 3]], mx.int32), mx.array([[0.5, 0.5]], mx.float32)
     key = (ex.w1.groups[0].k2, ex.w1.groups[0].codebook)
-    gu = ops.gate_up_args(x, indices, ex.w1, ex.w3, key, 1)
-    splits, per_split = ops.expert_plan(ex.w1)
+    gu = launch.gate_up_args(x, indices, ex.w1, ex.w3, key, 1)
+    splits, per_split = launch.expert_plan(ex.w1)
     assert {k: v for k, v in gu["template"] if k in ("LO", "PER_SPLIT", "SPLITS")} == {
         "LO": 1, "PER_SPLIT": per_split, "SPLITS": splits}
     partial = mx.zeros(gu["output_shapes"][0], mx.float32)
     for limit, bits in ((10.0, 0x41200000), (0.0, 0), (-1.0, 0), (-0.0, 0)):
-        mid = dict(ops.swiglu_args(partial, weights, indices, ex.w1, ex.w3, ex.w2, 1, limit)["template"])
+        mid = dict(launch.swiglu_args(partial, weights, indices, ex.w1, ex.w3, ex.w2, 1, limit)["template"])
         assert (mid["LO"], mid["INTER"], mid["LIMIT_BITS"]) == (1, 384, bits)
-    d_splits, d_per_split = ops.down_plan(ex.w2)
+    d_splits, d_per_split = launch.down_plan(ex.w2)
     xh = mx.zeros((2, ex.w1.n // 2), mx.uint32)
-    down = dict(ops.down_args(xh, indices, ex.w2, ex.w2.groups[0], 1)["template"])
+    down = dict(launch.down_args(xh, indices, ex.w2, ex.w2.groups[0], 1)["template"])
     assert (down["LO"], down["PER_SPLIT"], down["SPLITS"]) == (1, d_per_split, d_splits)
     t = random_linear_tensors(256, 256, 3, "mul1", seed=1)
-    gemv = ops.gemv_args(x, mx.array(t["trellis"]), mx.array(t["suh"]), mx.array(t["svh"]), "mul1", splits=2)
+    gemv = launch.gemv_args(x, mx.array(t["trellis"]), mx.array(t["suh"]), mx.array(t["svh"]), "mul1", splits=2)
     assert dict(gemv[0]["template"])["PER_SPLIT"] == 1
-    assert len(gemv[0]["inputs"]) == len(ops.GEMV.input_names) == 5  # x, suh, trellis, svh, bias
+    assert len(gemv[0]["inputs"]) == len(launch.GEMV.input_names) == 5  # x, suh, trellis, svh, bias
     assert float_bits(0.5) == 0x3F000000
     with pytest.raises(ValueError, match="sign bit set"):
         float_bits(-1.0)
@@ -294,7 +294,7 @@ def test_experts_match_reference(expert_runs, case):
     assert down_calls[0]["output_shapes"][0][1] == (1, 3)[case]  # w2's k splits: one, then three
     n_gate_up = len(gu_calls)
     assert gu_calls[0]["output_shapes"][0][2] == case + 1  # k splits: one, then two
-    assert n_gate_up == len(ops.gate_up_keys(ex.w1, ex.w3)) and n_down == len(ex.w2.groups)
+    assert n_gate_up == len(launch.gate_up_keys(ex.w1, ex.w3)) and n_down == len(ex.w2.groups)
     assert n_gate_up + n_down > 2  # mixed groups are exercised
     T, top_k = indices.shape
     y = y[:, : ex.w2.out_features].reshape(T, top_k, -1)
@@ -315,7 +315,7 @@ def test_experts_match_reference(expert_runs, case):
 @pytest.fixture(scope="module", params=[True, False], ids=["mma", "fma"])
 def grouped_run(request):
     """wo_a-like: 4 groups of 300 -> 200 (padded 384 -> 256), mixed K, through exl3_expert_input,
-    exl3_expert_down per (K, codebook) group and exl3_expert_down_finish, as ops.grouped issues them."""
+    exl3_expert_down per (K, codebook) group and exl3_expert_down_finish, as launch.run_grouped issues them."""
     from mlx_dsv41.exl3 import EXL3GroupedLinear
     from mlx_dsv41.exl3.stored import linear_tensors
 
@@ -328,27 +328,27 @@ def grouped_run(request):
     x = mx.array(np.random.default_rng(5).normal(0, 2, (T, G, 300)).astype(np.float32)).astype(mx.bfloat16)
     indices = mx.broadcast_to(mx.arange(G, dtype=mx.int32), (T, G))
     proj = layer.proj
-    calls = [(ops.EXPERT_INPUT, ops.input_args(x.reshape(T * G, 300), indices, proj, 0, guard=1))]
+    calls = [(launch.EXPERT_INPUT, launch.input_args(x.reshape(T * G, 300), indices, proj, 0, guard=1))]
     xh = mx.zeros((T * G, proj.k // 2), mx.uint32)
     prev = None
     for group in proj.groups:
-        call = ops.down_args(xh, indices, proj, group, 0, prev=prev, guard=1)
-        calls.append((ops.EXPERT_DOWN, call))
+        call = launch.down_args(xh, indices, proj, group, 0, prev=prev, guard=1)
+        calls.append((launch.EXPERT_DOWN, call))
         shape = call["output_shapes"][0]
         prev = mx.zeros((shape[0] - 1, *shape[1:]))
-    calls.append((ops.EXPERT_DOWN_FINISH, ops.down_finish_args(prev, indices, proj, 0, guard=1)))
+    calls.append((launch.EXPERT_DOWN_FINISH, launch.down_finish_args(prev, indices, proj, 0, guard=1)))
     program = exl3_sim.build(calls, mma=request.param)
     xh = program.run(0)[0]
     assert np.all(xh[-1] == 0xFFFFFFFF)  # guard untouched
     partial = None
     for i in range(1, len(calls) - 1):
-        call = with_input(calls[i][1], "xh", mx.array(xh[:-1]), ops.EXPERT_DOWN)
+        call = with_input(calls[i][1], "xh", mx.array(xh[:-1]), launch.EXPERT_DOWN)
         if partial is not None:
-            call = with_input(call, "prev", mx.array(partial), ops.EXPERT_DOWN)
+            call = with_input(call, "prev", mx.array(partial), launch.EXPERT_DOWN)
         out = program.run(i, call)[0]
         assert np.all(np.isnan(out[-1])) and not np.any(np.isnan(out[:-1]))
         partial = out[:-1]
-    y = program.run(len(calls) - 1, with_input(calls[-1][1], "partial", mx.array(partial), ops.EXPERT_DOWN_FINISH))[0]
+    y = program.run(len(calls) - 1, with_input(calls[-1][1], "partial", mx.array(partial), launch.EXPERT_DOWN_FINISH))[0]
     assert np.all(np.isnan(y[-1]))
     return layer, x, y[:-1, :200].reshape(T, G, 200), len(proj.groups)
 

@@ -286,7 +286,7 @@ def test_cpu_gathered_experts_give_the_one_expert_at_a_time_bytes(expert_range):
     must give exactly what one expert at a time gives (the CPU's GEMMs are row-independent), mixed
     K in w2 and slots outside the held range (exactly 0) included."""
     from mlx_dsv41.exl3 import reference
-    from mlx_dsv41.kernels import exl3 as ops
+    from mlx_dsv41.exl3 import ops
 
     tensors = random_experts_tensors(6, 256, 384, bits={"w1": 3, "w3": 3, "w2": (2, 4)}, seed=9)
     ex = experts_from_stored(tensors, "experts", 6, 256, 384, 10.0, expert_range)

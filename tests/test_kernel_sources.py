@@ -1,6 +1,7 @@
 """Every registered kernel's generated Metal source compiles (against a stand-in Metal header) and
 its CUDA source compiles with nvcc. A compile check, not a run: GPU runs are in tests/gpu/."""
 
+import re
 import shutil
 
 import pytest
@@ -35,3 +36,35 @@ def test_cuda_source_compiles(name, i):
     src = source_check.cuda_source(k, k.examples()[i])
     ok, log = source_check.compile_cuda(src)
     assert ok, f"{name} example {i}:\n{log[:4000]}"
+
+
+def test_codebook_ids_match_the_decode_header():
+    """The CB template value of each codebook is the header's EXL3_CB_* number."""
+    from mlx_dsv41 import metal_ext
+    from mlx_dsv41.exl3.codebook import CODEBOOKS
+    from mlx_dsv41.kernels.exl3 import CODEBOOK_IDS
+
+    defined = re.findall(r"^#define EXL3_CB_(\w+) (\d+)$", metal_ext.read("exl3_decode.h"), re.M)
+    assert {name.lower(): int(v) for name, v in defined} == CODEBOOK_IDS
+    assert set(CODEBOOK_IDS) == set(CODEBOOKS)
+
+
+def test_slot_rule_is_written_once():
+    """Which launch writes an expert slot: the numbers live in SlotStack only. The headers and
+    bodies use the names (and define none); every expert kernel's source defines them."""
+    from mlx_dsv41 import metal_ext
+    from mlx_dsv41.kernels import exl3
+
+    assert all(s < 0 for s in exl3.SlotStack)  # the bodies test `pos < 0` for "not this launch"
+    names = [name for name, _ in exl3.SLOT_DEFINES]
+    header = metal_ext.read("exl3_experts.h")
+    assert all(name in header for name in names)
+    for source in [header] + [metal_ext.body(k.name) for k in kernels.load_all().values()]:
+        assert not re.search(r"#define\s+EXL3_SLOT_", source)
+        assert not re.search(r"pos\s*[=!]=\s*-\d|:\s*-[12]\s*;", source)
+    users = [k for k in kernels.load_all().values() if "exl3_experts.h" in k.includes]
+    assert users
+    for k in users:
+        header_text, _ = k.source("cuda")
+        for name, value in exl3.SLOT_DEFINES:
+            assert f"#define {name} ({value})" in header_text, k.name

@@ -1,7 +1,9 @@
 """The EXL3 quantization format (exllamav3): exact trellis decoding, EXL3Linear, EXL3Experts.
 
-Plain-MLX reference math lives in ``codebook``, ``trellis``, ``hadamard`` and ``reference``; the
-GPU kernels and the choice between them are in ``mlx_dsv41.kernels.exl3``. No model knowledge.
+Everything about the format is here: how it is stored (``stored``), the plain-MLX reference math
+(``codebook``, ``trellis``, ``hadamard``, ``reference``), the layers (``linear``, ``experts``) and
+which kernel or reference path serves a call of a given shape (``ops``); ``mlx_dsv41.kernels.exl3``
+only builds and launches the GPU kernels. No model knowledge.
 """
 
 from mlx_dsv41.exl3.codebook import CODEBOOKS, codebook_table, decode_states

@@ -10,7 +10,6 @@ import mlx.core as mx
 import numpy as np
 
 CODEBOOKS = ("3inst", "mcg", "mul1")
-CODEBOOK_IDS = {name: i for i, name in enumerate(CODEBOOKS)}  # the kernels' CB template value
 
 # 3INST (no marker tensor): QTIP's constants.
 INST3_MULTIPLIER = 89226354

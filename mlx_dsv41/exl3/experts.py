@@ -14,8 +14,9 @@ from typing import Mapping, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_dsv41.exl3 import ops
 from mlx_dsv41.exl3.stored import check_linear, linear_tensors
-from mlx_dsv41.kernels import exl3 as exl3_ops
+from mlx_dsv41.kernels.exl3 import SlotStack
 from mlx_dsv41.quant.experts import check_expert_range
 
 
@@ -28,10 +29,10 @@ class EXL3ExpertGroup(nn.Module):
         self.k2 = k2
         self.codebook = codebook
         self._experts = tuple(experts)
-        pos = [-1] * n_local
+        pos = [int(SlotStack.OTHER_GROUP)] * n_local
         for i, e in enumerate(experts):
             pos[e] = i
-        self._position = mx.array(pos, mx.int32)  # local expert -> index in the stack, or -1
+        self._position = mx.array(pos, mx.int32)  # local expert -> index in the stack (SlotStack)
 
     @property
     def experts(self) -> tuple[int, ...]:
@@ -159,7 +160,7 @@ class EXL3Experts(nn.Module):
         )
 
     def __call__(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
-        return exl3_ops.experts(
+        return ops.experts(
             x, indices, weights, self.w1, self.w3, self.w2, self.expert_range, self.swiglu_limit
         )
 
@@ -168,7 +169,7 @@ class EXL3GroupedLinear(nn.Module):
     """A grouped linear (docs/model.md#attention `wo_a`: group g maps x[..., g, :] to y[..., g, :])
     stored as one EXL3 linear per group (`P.slice.{g}`, as exllamav3 stores it): the groups as the
     "experts" of one EXL3ExpertProjection, so a GPU serves them all in one set of launches
-    (kernels.exl3.grouped) instead of one GEMV per group. Each group's output is rounded as its own
+    (ops.grouped) instead of one GEMV per group. Each group's output is rounded as its own
     linear's is."""
 
     def __init__(self, proj: EXL3ExpertProjection):
@@ -183,5 +184,5 @@ class EXL3GroupedLinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         lead = x.shape[:-2]
-        y = exl3_ops.grouped(x.reshape(-1, *x.shape[-2:]), self.proj)
+        y = ops.grouped(x.reshape(-1, *x.shape[-2:]), self.proj)
         return y.reshape(*lead, *y.shape[-2:])

@@ -7,9 +7,10 @@ from typing import Mapping
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_dsv41.exl3 import ops
+from mlx_dsv41.exl3.experts import EXL3ExpertProjection
 from mlx_dsv41.exl3.stored import check_linear, linear_tensors
 from mlx_dsv41.exl3.trellis import bits_per_weight
-from mlx_dsv41.kernels import exl3 as exl3_ops
 
 
 class EXL3Linear(nn.Module):
@@ -45,8 +46,17 @@ class EXL3Linear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"EXL3Linear expects [..., {self.in_features}], got {x.shape}")
         lead = x.shape[:-1]
-        y = exl3_ops.linear(
+        y = ops.linear(
             x.reshape(-1, self.in_features), self.trellis, self.suh, self.svh, self.codebook,
             bias=self.get("bias"), out_features=self.out_features, owner=self,
         )
         return y.reshape(*lead, self.out_features)
+
+    def as_single_expert(self) -> EXL3ExpertProjection:
+        """This linear as a one-expert EXL3ExpertProjection over the same arrays (made once), so
+        that the fused expert kernels can serve it (ops.swiglu_mlp: the shared expert)."""
+        if getattr(self, "_single_expert", None) is None:
+            self._single_expert = EXL3ExpertProjection.from_stacked(
+                self.trellis[None], self.suh[None], self.svh[None], self.codebook, self.in_features,
+                self.out_features)
+        return self._single_expert

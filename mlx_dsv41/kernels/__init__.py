@@ -83,6 +83,7 @@ class Kernel:
     input_names: tuple[str, ...]
     output_names: tuple[str, ...]
     includes: tuple[str, ...] = ()
+    defines: tuple[tuple[str, int], ...] = ()  # named constants the launcher shares with the headers
     max_threads: int = 1024
     examples: Callable[[], list[dict]] | None = None  # call kwargs used to dump sources in CI
     _built: dict = field(default_factory=dict, repr=False)
@@ -94,7 +95,11 @@ class Kernel:
         body = minified(metal_ext.body(self.name))
         if backend_name == "metal":
             body = f"// attributes: {_METAL_ATTRIBUTE_NAMES}\n{body}"
-        return minified(metal_ext.header(backend_name, self.includes)), body
+        return minified(self.prelude() + metal_ext.header(backend_name, self.includes)), body
+
+    def prelude(self) -> str:
+        """``defines`` as #define lines, put before the headers."""
+        return "".join(f"#define {name} ({value})\n" for name, value in self.defines)
 
     def _compiled(self, backend_name: str):
         if backend_name not in self._built:

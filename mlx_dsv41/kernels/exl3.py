@@ -1,56 +1,67 @@
-"""EXL3 ops: reconstruct, linear and routed experts, each on a Metal/CUDA kernel or plain MLX.
+"""EXL3 kernel launches: the kernels, their launch shapes and the kwargs of each launch.
 
-    reconstruct(trellis, codebook) -> W̃ (k, n) fp16, bit-exact           (docs/exl3.md#trellis)
-    linear(x [m, in], trellis, suh, svh, codebook, bias) -> [m, out]    (docs/exl3.md#forward)
-    experts(x [T, D], indices [T, k], weights [T, k], w1, w3, w2, ...) -> [T, k, D] float32
+What each op computes, and which of these launches serves a call of a given shape (or the plain-MLX
+reference on the CPU), is decided in mlx_dsv41.exl3.ops; this module only builds and launches:
 
-On the CPU every op runs the plain-MLX reference (mlx_dsv41.exl3.reference). On a GPU:
-- ``reconstruct``: exl3_reconstruct (one tile per SIMD group);
-- ``linear`` with m <= 8 rows: exl3_gemv decodes the trellis on the fly (mlx_dsv41/metal_ext/exl3_matmul.h:
-  a threadgroup per 128 output columns and k range). A wide output (``dense_single_blocks`` or
-  more 128-column blocks) is one launch that also applies the output transform; a narrow one
-  splits k over enough threadgroups to fill the GPU (``dense_split_warps``) and exl3_gemv_out
-  finishes it (two launches). With more rows: reconstruct, then an fp32 matmul between the two
-  transforms (exllamav3 runs an fp16 GEMM there, rounding the product to fp16);
-- ``experts`` for at most FUSED_MAX_TOKENS tokens: exl3_expert_gate_up (k-split partials of w1 and
-  w3 of each selected expert, k split to reach ``gate_up_split_warps``; one launch per (K,
-  codebook) group present), one exl3_expert_swiglu (finishes g and u, the routed SwiGLU and w2's
-  input transform: xh once per slot), exl3_expert_down (k-split partials of w2, k split to reach
-  ``down_split_warps``; one launch per w2 group) and one exl3_expert_down_finish (the splits'
-  sum and w2's output side); for more tokens: one expert at a time through exl3_gemv in chunks
-  of GEMV_MAX_ROWS rows (``linear_row_invariant``).
-  Every path sums in fp32 and rounds once to the output dtype (xh is fp16 by the format).
-  A slot's bytes never depend on the rest of the call: the path is chosen from the token count
-  (which the expert-parallel slot split shares with one process), the k splits from the weight
-  shapes, and the GEMV's arithmetic for a row does not depend on the other rows.
+- exl3_reconstruct: W̃ (k, n) fp16 from a trellis, one tile per SIMD group;
+- exl3_gemv (+ exl3_gemv_out): y = x·W for up to GEMV_MAX_ROWS rows, decoding the trellis on the
+  fly (mlx_dsv41/metal_ext/exl3_matmul.h: a threadgroup per 128 output columns and k range). A wide
+  output (``dense_single_blocks`` or more 128-column blocks) is one launch that also applies the
+  output transform; a narrow one splits k over enough threadgroups to fill the GPU
+  (``dense_split_warps``) and exl3_gemv_out finishes it (two launches);
+- the expert kernels (run_experts): exl3_expert_gate_up (k-split partials of w1 and w3 of each
+  selected expert, k split to reach ``gate_up_split_warps``; one launch per (K, codebook) group
+  present), one exl3_expert_swiglu (finishes g and u, the routed SwiGLU and w2's input transform:
+  xh once per slot), exl3_expert_down (k-split partials of w2, k split to reach
+  ``down_split_warps``; one launch per w2 group) and one exl3_expert_down_finish (the splits' sum
+  and w2's output side); exl3_expert_input stages a grouped linear's inputs (run_grouped).
+  Which group's launch writes which slot is the SlotStack rule, shared with exl3_experts.h.
+Every path sums in fp32 and rounds once to the output dtype (xh is fp16 by the format). The k
+splits come from the weight shapes only, so a slot's bytes never depend on the rest of the call.
 Launch shapes come from ``TUNING`` (a Tuning); benchmarks/bench_exl3.py --sweep measures others.
+Nothing here imports mlx_dsv41.exl3 at import time (the format package launches through this
+module); the CI example launches build EXL3 weights with it when CI asks for them.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import IntEnum
 from functools import cache
 
 import mlx.core as mx
 
-from mlx_dsv41.exl3 import reference
-from mlx_dsv41.exl3.codebook import CODEBOOK_IDS
-from mlx_dsv41.exl3.hadamard import BLOCK
-from mlx_dsv41.exl3.stored import check_linear
-from mlx_dsv41.exl3.trellis import check_trellis, k2_from_trellis_shape
 from mlx_dsv41.kernels import Kernel, backend, float_bits, register
-from mlx_dsv41.quant.experts import check_routing, swiglu
 
+BLOCK = 128  # the kernels' column block: the format's Hadamard block (mlx_dsv41.exl3.hadamard.BLOCK)
 GEMV_MAX_ROWS = 8  # rows served by exl3_gemv (the M template: 1, 2, 4 or 8)
-FUSED_MAX_TOKENS = 10  # tokens served by the fused expert kernels (60 slots at Flash top-6)
 _LANES = 32
 _SMALL_WARPS = 4  # exl3_expert_swiglu / _down_finish: SIMD groups (one 128-block each) per threadgroup
-_X_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _OUT_KIND = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # the kernels' OUT template value
 _XS_WORDS = 4096  # largest xh staging (XSW template in exl3_matmul.h): 16 KiB
 # Threadgroup memory a kernel may declare statically, in words: 48 KiB on CUDA, 32 KiB on Metal.
 _SHARED_WORDS = {"cuda": 12288, "metal": 8192}
+# The kernels' CB template value of each codebook (EXL3_CB_* of exl3_decode.h).
+CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
+
+
+class SlotStack(IntEnum):
+    """Which launch writes a routed slot: the expert kernels read p1 / p3 / p2 [E] (local expert ->
+    its position in this launch's (K, codebook) stack). A position >= 0 means this launch computes
+    the slot; the negative values below mean it does not. The kernels get these as #defines
+    (SLOT_DEFINES, used by exl3_experts.h), so the numbers are written only here."""
+
+    OTHER_GROUP = -1  # the expert's projection is in another group: that group's launch writes it
+    NOT_HELD = -2  # the expert is outside the held range: the slot is 0
+
+
+SLOT_DEFINES = tuple((f"EXL3_SLOT_{s.name}", int(s)) for s in SlotStack)
+
+
+def _k2(trellis) -> int:
+    """2K of a trellis (k/16, n/16, 16K) int16, already checked by the caller (mlx_dsv41.exl3)."""
+    return trellis.shape[-1] // 8
 
 
 @dataclass(frozen=True)
@@ -130,41 +141,24 @@ GEMV_OUT = register(Kernel(
 EXPERT_GATE_UP = register(Kernel(
     "exl3_expert_gate_up",
     ("x", "indices", "suh1", "t1", "p1", "suh3", "t3", "p3", "prev"), ("out",),
-    includes=_EXPERT_HEADERS, max_threads=512, examples=lambda: _example_gate_up(),
+    includes=_EXPERT_HEADERS, defines=SLOT_DEFINES, max_threads=512, examples=lambda: _example_gate_up(),
 ))
 EXPERT_SWIGLU = register(Kernel(
     "exl3_expert_swiglu", ("gu", "weights", "indices", "svh1", "svh3", "suh2"), ("xh",),
-    includes=_EXPERT_HEADERS, max_threads=256, examples=lambda: _example_swiglu(),
+    includes=_EXPERT_HEADERS, defines=SLOT_DEFINES, max_threads=256, examples=lambda: _example_swiglu(),
 ))
 EXPERT_DOWN = register(Kernel(
-    "exl3_expert_down", ("xh", "indices", "t2", "p2", "prev"), ("out",), includes=_EXPERT_HEADERS, max_threads=512,
+    "exl3_expert_down", ("xh", "indices", "t2", "p2", "prev"), ("out",), includes=_EXPERT_HEADERS, defines=SLOT_DEFINES, max_threads=512,
     examples=lambda: _example_down(),
 ))
 EXPERT_DOWN_FINISH = register(Kernel(
-    "exl3_expert_down_finish", ("partial", "indices", "svh2"), ("out",), includes=_EXPERT_HEADERS, max_threads=256,
+    "exl3_expert_down_finish", ("partial", "indices", "svh2"), ("out",), includes=_EXPERT_HEADERS, defines=SLOT_DEFINES, max_threads=256,
     examples=lambda: _example_down_finish(),
 ))
 EXPERT_INPUT = register(Kernel(
-    "exl3_expert_input", ("x", "indices", "suh"), ("xh",), includes=_EXPERT_HEADERS, max_threads=256,
+    "exl3_expert_input", ("x", "indices", "suh"), ("xh",), includes=_EXPERT_HEADERS, defines=SLOT_DEFINES, max_threads=256,
     examples=lambda: _example_input(),
 ))
-
-
-# ------------------------------------------------------------------------------------- checks
-
-
-def _check_linear_args(x, trellis, suh, svh, codebook, bias) -> int:
-    """The weight's padded output count n, once the call's arguments are checked."""
-    k, n, *_ = check_linear(trellis, suh, svh, codebook)
-    if x.ndim != 2:
-        raise ValueError(f"exl3 linear: x must be [m, in], got shape {x.shape}")
-    if x.dtype not in _X_DTYPES:
-        raise ValueError(f"exl3 linear: x must be float32, float16 or bfloat16, got {x.dtype}")
-    if not k - BLOCK < x.shape[1] <= k:
-        raise ValueError(f"exl3 linear: x has {x.shape[1]} features, the weight is padded to {k}")
-    if bias is not None and (bias.ndim != 1 or not n - BLOCK < bias.shape[0] <= n):
-        raise ValueError(f"exl3 linear: bias {bias.shape} does not match {n} (padded) outputs")
-    return n
 
 
 # --------------------------------------------------------------------------------- launch plans
@@ -205,7 +199,7 @@ def _rows_template(m: int) -> int:
 
 def reconstruct_args(trellis, codebook: str, guard_rows: int = 0, init_value=None) -> dict:
     """exl3_reconstruct call kwargs; ``guard_rows`` extra output rows (tests) are never written."""
-    k2 = k2_from_trellis_shape(trellis.shape)
+    k2 = _k2(trellis)
     tk, tn, _ = trellis.shape
     return dict(
         inputs=[trellis],
@@ -224,7 +218,7 @@ def gemv_args(x, trellis, suh, svh, codebook: str, bias=None, out_dtype=None, sp
     input is filled in by the caller. Tests: ``splits`` / ``tuning`` override the plan;
     ``guard_rows`` adds never-written rows to y (splits to the partial sums)."""
     t = tuning or TUNING
-    k2 = k2_from_trellis_shape(trellis.shape)
+    k2 = _k2(trellis)
     m, rows_t = x.shape[0], _rows_template(x.shape[0])
     k_blocks, n_blocks = trellis.shape[0] // 8, trellis.shape[1] // 8
     n = n_blocks * BLOCK
@@ -284,9 +278,9 @@ def gate_up_args(x, indices, w1, w3, key, lo: int, prev=None, tuning=None, guard
     g1, g3 = _group(w1, key), _group(w3, key)
     t1 = (g1 or g3).trellis
     t3 = (g3 or g1).trellis
-    # A projection with no expert in this group: every expert's position is -1 (elsewhere).
-    p1 = g1.position if g1 else _constant((-1,) * w1.n_local, mx.int32)
-    p3 = g3.position if g3 else _constant((-1,) * w3.n_local, mx.int32)
+    # A projection with no expert in this group: every expert is in another group.
+    p1 = g1.position if g1 else _constant((int(SlotStack.OTHER_GROUP),) * w1.n_local, mx.int32)
+    p3 = g3.position if g3 else _constant((int(SlotStack.OTHER_GROUP),) * w3.n_local, mx.int32)
     return dict(
         inputs=[x, indices, w1.suh, t1, p1, w3.suh, t3, p3, indices if prev is None else prev],
         output_shapes=[(slots + guard, 2, splits, w1.n)],
@@ -380,43 +374,12 @@ def _group(proj, key):
     return None
 
 
-# ----------------------------------------------------------------------------------------- ops
+# ------------------------------------------------------------------------------------ launches
 
 
-def reconstruct(trellis: mx.array, codebook: str) -> mx.array:
-    """W̃ (k, n) fp16, bit-exact (docs/exl3.md#trellis)."""
-    check_trellis(trellis, codebook, BLOCK)
-    if backend() == "cpu":
-        return reference.reconstruct(trellis, codebook)
-    return RECONSTRUCT(**reconstruct_args(trellis, codebook))[0]
-
-
-def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, out_dtype=None, owner=None):
-    """y [m, out_features] = x [m, in] · W (+ bias) in ``out_dtype`` (default x.dtype). ``owner``
-    (the module holding the trellis) keeps the CPU path's decoded W̃ for the next call."""
-    n = _check_linear_args(x, trellis, suh, svh, codebook, bias)
-    out_features = n if out_features is None else out_features
-    if out_dtype is not None and out_dtype not in _OUT_KIND:
-        raise ValueError(f"exl3 linear: out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
-    if x.shape[0] == 0:
-        return mx.zeros((0, out_features), out_dtype or x.dtype)
-    if backend() == "cpu":
-        w = cpu_weight(trellis, codebook) if owner is None else _held_weight(owner, "linear", trellis, codebook)
-        return reference.linear(x, trellis, suh, svh, codebook, bias, out_features, out_dtype, w)
-    out_dtype = out_dtype or x.dtype
-    if x.shape[0] <= GEMV_MAX_ROWS:
-        y = _gemv(x, trellis, suh, svh, codebook, bias, out_dtype)
-        return y if out_features == n else y[:, :out_features]
-    # Prefill: W̃ once per call, then the product in fp32 between the two transforms: an fp16 GEMM
-    # would round its fp32 sums to fp16 before the output transform (a second rounding; issue 15).
-    w = reconstruct(trellis, codebook).astype(mx.float32)
-    return reference.with_transforms(lambda xh: xh.astype(mx.float32) @ w, x, suh, svh, bias, out_features,
-                                     out_dtype)
-
-
-def _gemv(x, trellis, suh, svh, codebook, bias, out_dtype):
-    if bias is not None and bias.shape[0] != svh.shape[0]:
-        bias = reference.pad_features(bias[None], svh.shape[0])[0]
+def run_gemv(x, trellis, suh, svh, codebook: str, bias, out_dtype) -> mx.array:
+    """exl3_gemv, and exl3_gemv_out when k is split: y [m, n] for m <= GEMV_MAX_ROWS rows (bias, if
+    any, padded to n)."""
     calls = gemv_args(x, trellis, suh, svh, codebook, bias, out_dtype)
     out = GEMV(**calls[0])[0]
     if len(calls) == 2:
@@ -425,120 +388,8 @@ def _gemv(x, trellis, suh, svh, codebook, bias, out_dtype):
     return out
 
 
-def _check_experts_args(x, indices, weights, w1):
-    if x.ndim != 2 or x.shape[1] != w1.in_features or x.dtype not in _X_DTYPES:
-        raise ValueError(f"exl3 experts: x must be float [T, {w1.in_features}], got {x.dtype} {x.shape}")
-    check_routing(x, indices, weights, w1.in_features)
-
-
-def experts(x, indices, weights, w1, w3, w2, expert_range, limit: float):
-    """Per-slot outputs [T, k, D] float32 (see mlx_dsv41.exl3.experts.EXL3Experts)."""
-    _check_experts_args(x, indices, weights, w1)
-    if indices.size == 0:
-        return mx.zeros((*indices.shape, w2.out_features), mx.float32)
-    if backend() == "cpu":
-        tildes = [_stacked_weight(p) for p in (w1, w3, w2)]
-        if all(t is not None for t in tildes):
-            return reference.experts_gathered(x, indices, weights, w1, w3, w2, expert_range, limit, tildes)
-        return reference.experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit, reference.linear)
-    if x.shape[0] > FUSED_MAX_TOKENS:
-        return reference.experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit,
-                                           linear_row_invariant)
-    return _experts_fused(x, indices, weights, w1, w3, w2, expert_range[0], limit)
-
-
-def swiglu_mlp(x, w1, w3, w2, limit: float) -> mx.array:
-    """w2(bf16(silu(min(g, L)) · clamp(u, -L, L))), g = w1(x), u = w3(x), for EXL3Linear w1, w3, w2:
-    the shared expert (docs/model.md#moe, weight 1) -> [T, out] in x.dtype. On a GPU, up to
-    FUSED_MAX_TOKENS tokens run the fused expert kernels as one expert of weight 1 (w1 and w3 in one
-    launch, the SwiGLU and w2's input transform in another: 4 launches instead of 7, the same
-    roundings); otherwise, and on the CPU, the three linears."""
-    T = x.shape[0]
-    if backend() == "cpu" or not 0 < T <= FUSED_MAX_TOKENS:
-        return w2(swiglu(w1(x), w3(x), limit, dtype=x.dtype))
-    projections = [_single_expert(lin) for lin in (w1, w3, w2)]
-    y = _experts_fused(x, mx.zeros((T, 1), mx.int32), mx.ones((T, 1), mx.float32), *projections, 0, limit)
-    return y[:, 0].astype(x.dtype)
-
-
-def _single_expert(lin):
-    """An EXL3Linear as a one-expert EXL3ExpertProjection over the same arrays (made once)."""
-    if getattr(lin, "_single_expert", None) is None:
-        from mlx_dsv41.exl3.experts import EXL3ExpertProjection  # it imports this module
-
-        lin._single_expert = EXL3ExpertProjection.from_stacked(
-            lin.trellis[None], lin.suh[None], lin.svh[None], lin.codebook, lin.in_features, lin.out_features)
-    return lin._single_expert
-
-
-def grouped(x, proj) -> mx.array:
-    """A grouped linear whose group g is expert g of `proj` (an EXL3ExpertProjection over the groups'
-    linears, e.g. `wo_a`'s slices): x [T, G, in] -> [T, G, out] in x.dtype, each group's output
-    rounded as its own linear rounds it. On a GPU: exl3_expert_input, exl3_expert_down (one launch
-    per (K, codebook) group) and exl3_expert_down_finish for every group at once; on the CPU each
-    group through the reference linear."""
-    T, G, width = x.shape
-    if G != proj.n_local or width != proj.in_features:
-        raise ValueError(f"exl3 grouped: x must be [T, {proj.n_local}, {proj.in_features}], got {x.shape}")
-    if backend() == "cpu":
-        stack = _stacked_weight(proj)
-        return mx.stack([reference.linear(x[:, g], *proj.expert(g), out_features=proj.out_features,
-                                          w_tilde=None if stack is None else stack[g]) for g in range(G)], axis=1)
-    if T == 0:
-        return mx.zeros((0, G, proj.out_features), x.dtype)
-    indices = mx.broadcast_to(mx.arange(G, dtype=mx.int32), (T, G))
-    xh = EXPERT_INPUT(**input_args(x.reshape(T * G, width), indices, proj, 0))[0]
-    partial = None
-    for group in proj.groups:
-        partial = EXPERT_DOWN(**down_args(xh, indices, proj, group, 0, prev=partial))[0]
-    y = EXPERT_DOWN_FINISH(**down_finish_args(partial, indices, proj, 0))[0]  # bf16-valued float32
-    return y[:, : proj.out_features].reshape(T, G, proj.out_features).astype(x.dtype)
-
-
-# The CPU reference decodes W̃ (exact) for every call; a module keeps it, in float32, when it is at
-# most this many weights (the tiny and demo models; a real checkpoint on a GPU never takes this path).
-CPU_HELD_WEIGHTS = 1 << 24
-
-
-def cpu_weight(trellis, codebook: str) -> mx.array:
-    return reference.reconstruct(trellis, codebook).astype(mx.float32)
-
-
-def _held_weight(owner, key, trellis, codebook: str):
-    """W̃ of ``trellis`` in float32, kept on ``owner`` (under an underscore name: not a parameter)."""
-    if trellis.size // trellis.shape[-1] * 256 > CPU_HELD_WEIGHTS:  # k·n weights
-        return cpu_weight(trellis, codebook)
-    held = getattr(owner, "_w_tilde", None)
-    if held is None:
-        held = owner._w_tilde = {}
-    if key not in held:
-        held[key] = cpu_weight(trellis, codebook)
-    return held[key]
-
-
-def _stacked_weight(proj):
-    """float32 [E, k, n]: every local expert's W̃ of an EXL3ExpertProjection, kept on it; None when
-    over CPU_HELD_WEIGHTS (the caller then runs one expert at a time)."""
-    if proj.n_local * proj.k * proj.n > CPU_HELD_WEIGHTS:
-        return None
-    held = getattr(proj, "_w_tilde", None)
-    if held is None:
-        held = proj._w_tilde = {}
-    if "stack" not in held:
-        held["stack"] = mx.stack([cpu_weight(t, cb) for t, _, _, cb in (proj.expert(e) for e in range(proj.n_local))])
-    return held["stack"]
-
-
-def linear_row_invariant(x, trellis, suh, svh, codebook: str, **kw):
-    """``linear`` through exl3_gemv only, GEMV_MAX_ROWS rows at a time: every row's bytes are
-    those it gets alone (the prefill GEMM path's would depend on the row count)."""
-    if x.shape[0] <= GEMV_MAX_ROWS:
-        return linear(x, trellis, suh, svh, codebook, **kw)
-    return mx.concatenate([linear(x[i : i + GEMV_MAX_ROWS], trellis, suh, svh, codebook, **kw)
-                           for i in range(0, x.shape[0], GEMV_MAX_ROWS)], axis=0)
-
-
-def _experts_fused(x, indices, weights, w1, w3, w2, lo, limit):
+def run_experts(x, indices, weights, w1, w3, w2, lo, limit):
+    """The fused expert kernels: per-slot outputs [T, k, w2.out_features] float32 (bf16-valued)."""
     T, top_k = indices.shape
     gu = None
     for key in gate_up_keys(w1, w3):
@@ -551,6 +402,22 @@ def _experts_fused(x, indices, weights, w1, w3, w2, lo, limit):
     if w2.out_features != w2.n:
         y = y[:, : w2.out_features]
     return y.reshape(T, top_k, w2.out_features)
+
+
+
+def run_grouped(x, proj) -> mx.array:
+    """exl3_expert_input, exl3_expert_down (one launch per (K, codebook) group) and
+    exl3_expert_down_finish for x [T, G, in] with group g as expert g of ``proj``: [T, G, out] in
+    x.dtype."""
+    T, G, width = x.shape
+    indices = mx.broadcast_to(mx.arange(G, dtype=mx.int32), (T, G))
+    xh = EXPERT_INPUT(**input_args(x.reshape(T * G, width), indices, proj, 0))[0]
+    partial = None
+    for group in proj.groups:
+        partial = EXPERT_DOWN(**down_args(xh, indices, proj, group, 0, prev=partial))[0]
+    y = EXPERT_DOWN_FINISH(**down_finish_args(partial, indices, proj, 0))[0]  # bf16-valued float32
+    return y[:, : proj.out_features].reshape(T, G, proj.out_features).astype(x.dtype)
+
 
 
 # ------------------------------------------------------------------------------ CI examples

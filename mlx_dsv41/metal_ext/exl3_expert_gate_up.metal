@@ -5,7 +5,7 @@
 // (M = 1). Slots whose expert has this projection in another group keep prev (HAS_PREV) or get 0,
 // as do slots outside the held range; launches for the other groups fill them in turn.
 // Inputs: x [T, in], indices [T, top_k] int32, suh1/suh3 [E, k], t1/t3 [G, k/16, n/16, 16K] int16
-// (this group's stacks), p1/p3 [E] int32 (local expert -> index in the stack, -1 if elsewhere),
+// (this group's stacks), p1/p3 [E] int32 (local expert -> index in the stack, or EXL3_SLOT_*),
 // prev [slots, 2, splits, n] float32. Output: out [slots, 2, splits, n] float32.
 // Template: K2, CB, NC, NW, STAGES, XSW, HAS_PREV, LO (first held expert), PER_SPLIT (128-blocks
 // of k per split), SPLITS.

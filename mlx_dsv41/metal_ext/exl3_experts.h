@@ -5,19 +5,27 @@
 // Whether a slot's local expert e (indices[slot] - LO) is in the held range.
 KX_INLINE bool exl3_held(int e, u32 n_local) { return e >= 0 && e < (int)n_local; }
 
-// The slot's expert in this launch's (K, codebook) stack: p[e] (-1: its projection is in another
-// group) for a held expert, -2 for one outside the held range.
+// Which launch writes a slot: the EXL3_SLOT_* values (negative: not this launch) are defined once,
+// by the launcher (mlx_dsv41/kernels/exl3.py: SlotStack), in the source it hands to MLX.
+#if !defined(EXL3_SLOT_OTHER_GROUP) || !defined(EXL3_SLOT_NOT_HELD)
+#error "EXL3_SLOT_* come from the launcher (mlx_dsv41/kernels/exl3.py: SlotStack)"
+#endif
+
+// The slot's expert in this launch's (K, codebook) stack: p[e] (EXL3_SLOT_OTHER_GROUP: its
+// projection is in another group) for a held expert, EXL3_SLOT_NOT_HELD for one outside the held
+// range.
 KX_INLINE int exl3_stack_position(int e, u32 n_local, const KX_DEVICE int* p) {
-  return exl3_held(e, n_local) ? p[e] : -2;
+  return exl3_held(e, n_local) ? p[e] : EXL3_SLOT_NOT_HELD;
 }
 
 // A threadgroup's 128 outputs at out + base for a slot this launch does not compute (pos < 0):
-// prev's (HAS_PREV: another group's launch computed them) or 0 (a slot outside the held range).
+// prev's (HAS_PREV and EXL3_SLOT_OTHER_GROUP: another group's launch computed them) or 0 (a slot
+// outside the held range).
 // Without HAS_PREV, prev is a stand-in input of another type and is never read. tid: the thread's
 // index in the (one-dimensional) threadgroup.
 template <bool HAS_PREV, int NW, typename P>
 KX_INLINE void exl3_pass_slot(KX_DEVICE float* out, P prev, u64 base, int pos, u32 tid) {
-  for (u32 i = tid; i < 128; i += NW * 32) out[base + i] = (HAS_PREV && pos == -1) ? prev[base + i] : 0.0f;
+  for (u32 i = tid; i < 128; i += NW * 32) out[base + i] = (HAS_PREV && pos == EXL3_SLOT_OTHER_GROUP) ? prev[base + i] : 0.0f;
 }
 
 // A threadgroup's 128 k-split partial sums (one row) at out + base: its k groups' accumulators

@@ -205,7 +205,7 @@ def swiglu_mlp(x: mx.array, w1: nn.Module, w3: nn.Module, w2: nn.Module, limit: 
     its own format; three EXL3 linears take the EXL3 path (fused expert kernels on a GPU)."""
     if "mlx_dsv41.exl3" in sys.modules:  # only a model holding EXL3 tensors has imported it
         from mlx_dsv41 import exl3
-        from mlx_dsv41.kernels import exl3 as exl3_ops
+        from mlx_dsv41.exl3 import ops as exl3_ops
 
         if all(isinstance(w, exl3.EXL3Linear) for w in (w1, w3, w2)):
             return exl3_ops.swiglu_mlp(x, w1, w3, w2, limit)

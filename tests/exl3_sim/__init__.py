@@ -120,9 +120,11 @@ def _signature(kernel, call):
 
 def _source(specs, mma: bool) -> str:
     parts = [f"#define KX_HAS_MMA_F16 {int(mma)}\n", (HERE / "backend_sim.h").read_text()]
-    includes = []
+    includes, preludes = [], []
     for kernel, _ in specs:
         includes += [h for h in kernel.includes if h not in includes]
+        preludes += [kernel.prelude()] if kernel.prelude() not in preludes else []
+    parts += preludes
     parts += [metal_ext.read(h).replace("#pragma once", "") for h in includes]
     bodies = {}
     for kernel, call in specs:

@@ -93,13 +93,13 @@ def test_gpu_matches_cpu_stream_and_decode_matches_prefill(model, monkeypatch):
     replaced by its plain-MLX reference the GPU differs from the CPU stream by a median ~3e-2 of
     the logit scale (H200, measured): the kernel path is held to the reference path's own
     differences on the same device, plus an argmax agreement floor."""
-    from mlx_dsv41.kernels import exl3
+    from mlx_dsv41.exl3 import ops as exl3_ops
 
     ids = _ids()
     with mx.stream(mx.cpu):
         cpu = np.array(model(ids, model.make_cache()))[0]
     gpu, decoded = _logits(model, ids)
-    monkeypatch.setattr(exl3, "backend", lambda: "cpu")
+    monkeypatch.setattr(exl3_ops, "backend", lambda: "cpu")
     monkeypatch.setattr(sparse_attention, "backend", lambda: "cpu")
     gpu_ref, decoded_ref = _logits(model, ids)
     monkeypatch.undo()

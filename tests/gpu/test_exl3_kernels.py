@@ -3,7 +3,7 @@
 - exl3_reconstruct bit-exact to the plain-MLX reference (run on the CPU stream) for K = 1..8 x
   every codebook and K = 1.5/2.5/3.5 (MUL1);
 - exl3_gemv (+ exl3_gemv_out) for every K x codebook, m = 1..8, fused and k-split, every launch
-  shape (ops.Tuning), against float64 (independent numpy decoder) and against the reference path;
+  shape (launch.Tuning), against float64 (independent numpy decoder) and against the reference path;
 - the fused expert kernels (mixed K and codebooks, a partial expert range, padded dims) against a
   float64 per-expert reference; the many-slot path; the public ops' dispatch;
 - outputs poisoned before launch (init_value NaN) with guard rows past the shape left untouched;
@@ -20,7 +20,8 @@ import exl3_numpy
 from exl3_numpy import rel_err
 from mlx_dsv41.exl3 import EXL3Experts, EXL3Linear, reference
 from mlx_dsv41.exl3.testing import random_experts_tensors, random_linear_tensors
-from mlx_dsv41.kernels import exl3 as ops
+from mlx_dsv41.exl3 import ops
+from mlx_dsv41.kernels import exl3 as launch
 from test_exl3_layers import experts_f64
 
 BITS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -61,7 +62,7 @@ def test_reconstruct_bit_exact(bits, codebook):
     want = np.array(on_cpu(reference.reconstruct, trellis, codebook)).view(np.uint16)
     outs = []
     for _ in range(5):
-        out = ops.RECONSTRUCT(**ops.reconstruct_args(trellis, codebook, guard_rows=4, init_value=NAN))[0]
+        out = launch.RECONSTRUCT(**launch.reconstruct_args(trellis, codebook, guard_rows=4, init_value=NAN))[0]
         mx.eval(out)
         outs.append(np.array(out))
     got = outs[0]
@@ -76,14 +77,14 @@ def test_reconstruct_bit_exact(bits, codebook):
 
 def gemv_run(x, trellis, suh, svh, codebook, bias, out_dtype, splits, tuning, guard_rows=2):
     """exl3_gemv (+ exl3_gemv_out) with poisoned, guard-padded outputs; returns (y, partial)."""
-    calls = ops.gemv_args(x, trellis, suh, svh, codebook, bias, out_dtype, splits=splits, tuning=tuning,
+    calls = launch.gemv_args(x, trellis, suh, svh, codebook, bias, out_dtype, splits=splits, tuning=tuning,
                           guard_rows=guard_rows, init_value=NAN)
-    out = ops.GEMV(**calls[0])[0]
+    out = launch.GEMV(**calls[0])[0]
     partial = None
     if len(calls) == 2:
         partial = out
         calls[1]["inputs"][0] = partial[: partial.shape[0] - guard_rows]
-        out = ops.GEMV_OUT(**calls[1])[0]
+        out = launch.GEMV_OUT(**calls[1])[0]
     mx.eval(out)
     return to_np(out), (None if partial is None else to_np(partial))
 
@@ -110,7 +111,7 @@ def check_gemv(m, in_f, out_f, bits, codebook, dtype, out_dtype, splits, tuning,
     assert rel_err(y, want) < 2e-4 + out_eps
 
 
-T = ops.Tuning
+T = launch.Tuning
 
 
 @pytest.mark.parametrize("bits,codebook", [(b, c) for b in BITS for c in CODEBOOKS] + [(2.5, "mul1")])
@@ -206,25 +207,25 @@ def test_expert_kernels_poisoned_and_guarded(case, tuning):
     indices, weights = mx.array(indices), mx.array(weights)
     lo = ex.expert_range[0]
     gu = None
-    for key in ops.gate_up_keys(ex.w1, ex.w3):
-        out = ops.EXPERT_GATE_UP(**ops.gate_up_args(x, indices, ex.w1, ex.w3, key, lo, prev=gu, tuning=tuning,
+    for key in launch.gate_up_keys(ex.w1, ex.w3):
+        out = launch.EXPERT_GATE_UP(**launch.gate_up_args(x, indices, ex.w1, ex.w3, key, lo, prev=gu, tuning=tuning,
                                                     guard=1, init_value=NAN))[0]
         o = to_np(out)
         assert np.all(np.isnan(o[-1])) and not np.any(np.isnan(o[:-1]))
         gu = out[:-1]
-    out = ops.EXPERT_SWIGLU(**ops.swiglu_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, lo, ex.swiglu_limit,
+    out = launch.EXPERT_SWIGLU(**launch.swiglu_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, lo, ex.swiglu_limit,
                                               guard=1, init_value=float(XH_POISON)))[0]
     o = to_np(out)
     assert np.all(o[-1] == XH_POISON) and not np.any(o[:-1] == XH_POISON)  # guard untouched; all written
     xh = out[:-1]
     partial = None
     for group in ex.w2.groups:
-        out = ops.EXPERT_DOWN(**ops.down_args(xh, indices, ex.w2, group, lo, prev=partial, tuning=tuning, guard=1,
+        out = launch.EXPERT_DOWN(**launch.down_args(xh, indices, ex.w2, group, lo, prev=partial, tuning=tuning, guard=1,
                                               init_value=NAN))[0]
         o = to_np(out)
         assert np.all(np.isnan(o[-1])) and not np.any(np.isnan(o[:-1]))
         partial = out[:-1]
-    out = ops.EXPERT_DOWN_FINISH(**ops.down_finish_args(partial, indices, ex.w2, lo, guard=1, init_value=NAN))[0]
+    out = launch.EXPERT_DOWN_FINISH(**launch.down_finish_args(partial, indices, ex.w2, lo, guard=1, init_value=NAN))[0]
     o = to_np(out)
     assert np.all(np.isnan(o[-1])) and not np.any(np.isnan(o[:-1]))
     y = out[:-1]
@@ -300,6 +301,6 @@ def test_grouped_linear_on_the_gpu_matches_each_group_and_its_contract():
         assert all(np.array_equal(r, runs[0]) for r in runs)
         assert np.array_equal(to_np(layer(x[1:2])), y[1:2])
         indices = mx.broadcast_to(mx.arange(groups, dtype=mx.int32), (4, groups))
-        xh = ops.EXPERT_INPUT(**ops.input_args(x.reshape(4 * groups, d_in), indices, layer.proj, 0, guard=2,
+        xh = launch.EXPERT_INPUT(**launch.input_args(x.reshape(4 * groups, d_in), indices, layer.proj, 0, guard=2,
                                                init_value=7.0))[0]
         assert np.all(to_np(xh)[4 * groups:] == 7) and not np.any(to_np(xh)[: 4 * groups] == 7)

@@ -1,0 +1,186 @@
+"""EXL3 ops: reconstruct, linear, routed experts and grouped linears, each on the GPU kernels
+(mlx_dsv41.kernels.exl3 launches them) or in plain MLX; this module chooses which for a call.
+
+    reconstruct(trellis, codebook) -> W̃ (k, n) fp16, bit-exact           (docs/exl3.md#trellis)
+    linear(x [m, in], trellis, suh, svh, codebook, bias) -> [m, out]    (docs/exl3.md#forward)
+    experts(x [T, D], indices [T, k], weights [T, k], w1, w3, w2, ...) -> [T, k, D] float32
+
+On the CPU every op runs the plain-MLX reference (mlx_dsv41.exl3.reference). On a GPU:
+- ``reconstruct``: exl3_reconstruct;
+- ``linear`` with m <= GEMV_MAX_ROWS (8) rows: exl3_gemv (+ exl3_gemv_out for narrow outputs).
+  With more rows: reconstruct, then an fp32 matmul between the two transforms (exllamav3 runs an
+  fp16 GEMM there, rounding the product to fp16);
+- ``experts`` for at most FUSED_MAX_TOKENS tokens: the fused expert kernels; for more tokens:
+  one expert at a time through exl3_gemv in chunks of GEMV_MAX_ROWS rows
+  (``linear_row_invariant``).
+  A slot's bytes never depend on the rest of the call: the path is chosen from the token count
+  (which the expert-parallel slot split shares with one process), the k splits from the weight
+  shapes, and the GEMV's arithmetic for a row does not depend on the other rows.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlx_dsv41.exl3 import reference
+from mlx_dsv41.exl3.hadamard import BLOCK
+from mlx_dsv41.exl3.stored import check_linear
+from mlx_dsv41.exl3.trellis import check_trellis
+from mlx_dsv41.kernels import backend
+from mlx_dsv41.kernels import exl3 as launch
+from mlx_dsv41.kernels.exl3 import GEMV_MAX_ROWS
+from mlx_dsv41.quant.experts import check_routing, swiglu
+
+FUSED_MAX_TOKENS = 10  # tokens served by the fused expert kernels (60 slots at Flash top-6)
+_X_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def _check_linear_args(x, trellis, suh, svh, codebook, bias) -> int:
+    """The weight's padded output count n, once the call's arguments are checked."""
+    k, n, *_ = check_linear(trellis, suh, svh, codebook)
+    if x.ndim != 2:
+        raise ValueError(f"exl3 linear: x must be [m, in], got shape {x.shape}")
+    if x.dtype not in _X_DTYPES:
+        raise ValueError(f"exl3 linear: x must be float32, float16 or bfloat16, got {x.dtype}")
+    if not k - BLOCK < x.shape[1] <= k:
+        raise ValueError(f"exl3 linear: x has {x.shape[1]} features, the weight is padded to {k}")
+    if bias is not None and (bias.ndim != 1 or not n - BLOCK < bias.shape[0] <= n):
+        raise ValueError(f"exl3 linear: bias {bias.shape} does not match {n} (padded) outputs")
+    return n
+
+
+# ----------------------------------------------------------------------------------------- ops
+
+
+def reconstruct(trellis: mx.array, codebook: str) -> mx.array:
+    """W̃ (k, n) fp16, bit-exact (docs/exl3.md#trellis)."""
+    check_trellis(trellis, codebook, BLOCK)
+    if backend() == "cpu":
+        return reference.reconstruct(trellis, codebook)
+    return launch.RECONSTRUCT(**launch.reconstruct_args(trellis, codebook))[0]
+
+
+def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, out_dtype=None, owner=None):
+    """y [m, out_features] = x [m, in] · W (+ bias) in ``out_dtype`` (default x.dtype). ``owner``
+    (the module holding the trellis) keeps the CPU path's decoded W̃ for the next call."""
+    n = _check_linear_args(x, trellis, suh, svh, codebook, bias)
+    out_features = n if out_features is None else out_features
+    if out_dtype is not None and out_dtype not in _X_DTYPES:
+        raise ValueError(f"exl3 linear: out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    if x.shape[0] == 0:
+        return mx.zeros((0, out_features), out_dtype or x.dtype)
+    if backend() == "cpu":
+        w = cpu_weight(trellis, codebook) if owner is None else _held_weight(owner, "linear", trellis, codebook)
+        return reference.linear(x, trellis, suh, svh, codebook, bias, out_features, out_dtype, w)
+    out_dtype = out_dtype or x.dtype
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        y = _gemv(x, trellis, suh, svh, codebook, bias, out_dtype)
+        return y if out_features == n else y[:, :out_features]
+    # Prefill: W̃ once per call, then the product in fp32 between the two transforms: an fp16 GEMM
+    # would round its fp32 sums to fp16 before the output transform (a second rounding; issue 15).
+    w = reconstruct(trellis, codebook).astype(mx.float32)
+    return reference.with_transforms(lambda xh: xh.astype(mx.float32) @ w, x, suh, svh, bias, out_features,
+                                     out_dtype)
+
+
+def _gemv(x, trellis, suh, svh, codebook, bias, out_dtype):
+    if bias is not None and bias.shape[0] != svh.shape[0]:
+        bias = reference.pad_features(bias[None], svh.shape[0])[0]
+    return launch.run_gemv(x, trellis, suh, svh, codebook, bias, out_dtype)
+
+
+def _check_experts_args(x, indices, weights, w1):
+    if x.ndim != 2 or x.shape[1] != w1.in_features or x.dtype not in _X_DTYPES:
+        raise ValueError(f"exl3 experts: x must be float [T, {w1.in_features}], got {x.dtype} {x.shape}")
+    check_routing(x, indices, weights, w1.in_features)
+
+
+def experts(x, indices, weights, w1, w3, w2, expert_range, limit: float):
+    """Per-slot outputs [T, k, D] float32 (see mlx_dsv41.exl3.experts.EXL3Experts)."""
+    _check_experts_args(x, indices, weights, w1)
+    if indices.size == 0:
+        return mx.zeros((*indices.shape, w2.out_features), mx.float32)
+    if backend() == "cpu":
+        tildes = [_stacked_weight(p) for p in (w1, w3, w2)]
+        if all(t is not None for t in tildes):
+            return reference.experts_gathered(x, indices, weights, w1, w3, w2, expert_range, limit, tildes)
+        return reference.experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit, reference.linear)
+    if x.shape[0] > FUSED_MAX_TOKENS:
+        return reference.experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit,
+                                           linear_row_invariant)
+    return launch.run_experts(x, indices, weights, w1, w3, w2, expert_range[0], limit)
+
+
+def swiglu_mlp(x, w1, w3, w2, limit: float) -> mx.array:
+    """w2(bf16(silu(min(g, L)) · clamp(u, -L, L))), g = w1(x), u = w3(x), for EXL3Linear w1, w3, w2:
+    the shared expert (docs/model.md#moe, weight 1) -> [T, out] in x.dtype. On a GPU, up to
+    FUSED_MAX_TOKENS tokens run the fused expert kernels as one expert of weight 1 (w1 and w3 in one
+    launch, the SwiGLU and w2's input transform in another: 4 launches instead of 7, the same
+    roundings); otherwise, and on the CPU, the three linears."""
+    T = x.shape[0]
+    if backend() == "cpu" or not 0 < T <= FUSED_MAX_TOKENS:
+        return w2(swiglu(w1(x), w3(x), limit, dtype=x.dtype))
+    projections = [lin.as_single_expert() for lin in (w1, w3, w2)]
+    y = launch.run_experts(x, mx.zeros((T, 1), mx.int32), mx.ones((T, 1), mx.float32), *projections, 0, limit)
+    return y[:, 0].astype(x.dtype)
+
+
+def grouped(x, proj) -> mx.array:
+    """A grouped linear whose group g is expert g of `proj` (an EXL3ExpertProjection over the groups'
+    linears, e.g. `wo_a`'s slices): x [T, G, in] -> [T, G, out] in x.dtype, each group's output
+    rounded as its own linear rounds it. On a GPU: exl3_expert_input, exl3_expert_down (one launch
+    per (K, codebook) group) and exl3_expert_down_finish for every group at once; on the CPU each
+    group through the reference linear."""
+    T, G, width = x.shape
+    if G != proj.n_local or width != proj.in_features:
+        raise ValueError(f"exl3 grouped: x must be [T, {proj.n_local}, {proj.in_features}], got {x.shape}")
+    if backend() == "cpu":
+        stack = _stacked_weight(proj)
+        return mx.stack([reference.linear(x[:, g], *proj.expert(g), out_features=proj.out_features,
+                                          w_tilde=None if stack is None else stack[g]) for g in range(G)], axis=1)
+    if T == 0:
+        return mx.zeros((0, G, proj.out_features), x.dtype)
+    return launch.run_grouped(x, proj)
+
+
+# The CPU reference decodes W̃ (exact) for every call; a module keeps it, in float32, when it is at
+# most this many weights (the tiny and demo models; a real checkpoint on a GPU never takes this path).
+CPU_HELD_WEIGHTS = 1 << 24
+
+
+def cpu_weight(trellis, codebook: str) -> mx.array:
+    return reference.reconstruct(trellis, codebook).astype(mx.float32)
+
+
+def _held_weight(owner, key, trellis, codebook: str):
+    """W̃ of ``trellis`` in float32, kept on ``owner`` (under an underscore name: not a parameter)."""
+    if trellis.size // trellis.shape[-1] * 256 > CPU_HELD_WEIGHTS:  # k·n weights
+        return cpu_weight(trellis, codebook)
+    held = getattr(owner, "_w_tilde", None)
+    if held is None:
+        held = owner._w_tilde = {}
+    if key not in held:
+        held[key] = cpu_weight(trellis, codebook)
+    return held[key]
+
+
+def _stacked_weight(proj):
+    """float32 [E, k, n]: every local expert's W̃ of an EXL3ExpertProjection, kept on it; None when
+    over CPU_HELD_WEIGHTS (the caller then runs one expert at a time)."""
+    if proj.n_local * proj.k * proj.n > CPU_HELD_WEIGHTS:
+        return None
+    held = getattr(proj, "_w_tilde", None)
+    if held is None:
+        held = proj._w_tilde = {}
+    if "stack" not in held:
+        held["stack"] = mx.stack([cpu_weight(t, cb) for t, _, _, cb in (proj.expert(e) for e in range(proj.n_local))])
+    return held["stack"]
+
+
+def linear_row_invariant(x, trellis, suh, svh, codebook: str, **kw):
+    """``linear`` through exl3_gemv only, GEMV_MAX_ROWS rows at a time: every row's bytes are
+    those it gets alone (the prefill GEMM path's would depend on the row count)."""
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return linear(x, trellis, suh, svh, codebook, **kw)
+    return mx.concatenate([linear(x[i : i + GEMV_MAX_ROWS], trellis, suh, svh, codebook, **kw)
+                           for i in range(0, x.shape[0], GEMV_MAX_ROWS)], axis=0)
