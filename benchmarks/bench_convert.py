@@ -9,7 +9,7 @@ Each trial drops the source from the page cache (posix_fadvise DONTNEED), runs
 `python -m mlx_dsv41.convert SRC OUT` as a child process and reads its wall time, peak RSS and
 block I/O from wait4; then a second run over the finished output (a no-op) is timed.
 
-Decode: the tiny official and EXL3 checkpoints (mlx_dsv41.tiny_checkpoints) converted, loaded
+Decode: the tiny official and EXL3 checkpoints (mlx_dsv41.synthetic_checkpoints) converted, loaded
 with lazy=False, 16-token prompt, 8 warm-up decode steps, then major / minor page faults
 (getrusage) over 64 decode steps, per Engram read mode.
 
@@ -43,7 +43,7 @@ CHUNK_BYTES = 64 << 20
 
 
 def bench_args():
-    from mlx_dsv41.testing import tiny_args
+    from mlx_dsv41.synthetic import tiny_args
 
     return tiny_args(
         vocab_size=129280, hidden_size=5120, num_hidden_layers=4, num_attention_heads=64, head_dim=512,
@@ -79,8 +79,8 @@ def write_source(path: Path, args, seed: int = 3) -> dict:
     from mlx_dsv41.convert.safetensors_io import DTYPES
     from mlx_dsv41.convert.safetensors_writer import SafetensorsWriter
     from mlx_dsv41.quant.official import fp4_shapes, fp8_shapes
-    from mlx_dsv41.testing import official_shapes
-    from mlx_dsv41.tiny_checkpoints import OFFICIAL_QUANTIZATION, official_format, write_config, write_tokenizer
+    from mlx_dsv41.synthetic import official_shapes
+    from mlx_dsv41.synthetic_checkpoints import OFFICIAL_QUANTIZATION, official_format, write_config, write_tokenizer
 
     done = path / "done.json"
     if done.exists():
@@ -185,7 +185,7 @@ def decode_faults(workdir: Path, steps: int = 64, warmup: int = 8) -> list[dict]
 
     from mlx_dsv41.convert.checkpoint import convert_checkpoint
     from mlx_dsv41.loading import load_converted
-    from mlx_dsv41.tiny_checkpoints import write_engram_shards, write_exl3_checkpoint, write_official_checkpoint
+    from mlx_dsv41.synthetic_checkpoints import write_engram_shards, write_exl3_checkpoint, write_official_checkpoint
 
     tiny = workdir / "tiny"
     shutil.rmtree(tiny, ignore_errors=True)

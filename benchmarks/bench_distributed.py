@@ -258,8 +258,9 @@ def report(out: Path) -> int:
         print(f"bench_distributed: no runs in {out}")
         return 1
     base = next((r for r in runs if r["label"] == "single"), None)
-    lines = ["| run | rank | experts held | ms/token | ms/token pipelined | first forward s (prefill + JIT) | exchanges/token "
-             "| exchange B/token (this rank) | GPU GB active / peak | RSS GB | same tokens | same logits |",
+    lines = ["| run | rank | experts held | ms/token | ms/token pipelined | first forward s (prefill + JIT) "
+             "| exchanges/token | exchange B/token (this rank) | GPU GB active / peak | RSS GB | same tokens "
+             "| same logits |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         d, ld = r.get("decode", {}), r.get("load", {})

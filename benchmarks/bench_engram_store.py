@@ -120,7 +120,7 @@ def warm_cache(path: Path) -> None:
 def disk_read_bytes() -> int:
     try:
         with open("/proc/self/io") as f:
-            return int(next(l for l in f if l.startswith("read_bytes")).split()[1])
+            return int(next(line for line in f if line.startswith("read_bytes")).split()[1])
     except (OSError, StopIteration):
         return 0
 
@@ -188,7 +188,7 @@ def machine_info(path: Path) -> dict:
     cpu = ""
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
-            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     return {
         "platform": platform.platform(),
         "cpu": cpu or platform.processor(),

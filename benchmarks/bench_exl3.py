@@ -49,12 +49,12 @@ from pathlib import Path
 os.environ.setdefault("MLX_MAX_OPS_PER_BUFFER", "64")  # a device-timed chain stays one graph (before MLX starts)
 
 import mlx.core as mx  # noqa: E402
+from bench_sparse_attention import device_us  # noqa: E402  (benchmarks/ is the script's directory)
 
+from mlx_dsv41.exl3 import ops  # noqa: E402
 from mlx_dsv41.exl3.experts import EXL3ExpertProjection, EXL3Experts  # noqa: E402
 from mlx_dsv41.kernels import backend  # noqa: E402
-from mlx_dsv41.exl3 import ops  # noqa: E402
 from mlx_dsv41.kernels import exl3 as launch  # noqa: E402
-from bench_sparse_attention import device_us  # noqa: E402  (benchmarks/ is the script's directory)
 
 SHAPES = (
     ("wq_a", 5120, 1280), ("wq_b", 1280, 32768), ("wkv", 5120, 512), ("wo_a group", 4096, 1024),
@@ -148,7 +148,7 @@ def device_read_bandwidth(repeats: int) -> dict:
     copy_us = per_call_us(lambda i, p: a * 1.0, 4, repeats, False)
     read_sum = a.nbytes / sum_us / 1e3  # GB/s
     read_copy = a.nbytes / copy_us / 1e3  # the read half of a copy that moves 2x the bytes
-    del a
+    a = None  # frees the 4 GiB (the closures above read `a`: rebound, not deleted)
     return {"sum_read_GBps": read_sum, "copy_read_GBps": read_copy, "copy_total_GBps": 2 * read_copy,
             "roofline_GBps": max(read_sum, 2 * read_copy)}
 
@@ -240,7 +240,7 @@ def mlx_case(name, k, n, fmt, m, args, roofline) -> dict:
 
     calls = calls_for(len(sets), args.calls)
     us = per_call_us(launch, calls, args.repeats, False)
-    del sets
+    sets = None  # frees the weights (launch() reads `sets`: rebound, not deleted)
     return {"kind": "mlx", "shape": name, "k": k, "n": n, "format": fmt, "m": m, "us": us, "chained": False,
             "packed_GBps": set_bytes / us / 1e3, "roofline_frac": set_bytes / us / 1e3 / roofline, "calls": calls}
 
@@ -248,7 +248,7 @@ def mlx_case(name, k, n, fmt, m, args, roofline) -> dict:
 def routing(calls: int, seed: int):
     key = mx.random.key(seed)
     picks = []
-    for i in range(calls):
+    for _ in range(calls):
         k1, k2, key = mx.random.split(key, 3)
         idx = mx.argsort(mx.random.uniform(shape=(N_EXPERTS,), key=k1))[:TOP_K].astype(mx.int32)[None]
         w = mx.random.uniform(0.05, 0.5, (1, TOP_K), key=k2)
@@ -322,7 +322,7 @@ def moe_mlx_case(fmt, args, roofline) -> dict:
 
     us = per_call_us(launch, args.moe_calls, args.repeats, False)
     packed = sum(a.nbytes for a in (*gate, *up, *down)) * TOP_K // N_EXPERTS
-    del gate, up, down
+    gate = up = down = None  # frees the weights (launch() reads them: rebound, not deleted)
     return {"kind": "mlx_moe", "format": fmt, "us": us, "chained": False, "packed_GBps": packed / us / 1e3,
             "roofline_frac": packed / us / 1e3 / roofline, "calls": args.moe_calls}
 

@@ -26,7 +26,7 @@ from bench_sparse_attention import device_us  # noqa: E402
 
 from mlx_dsv41.kernels import backend  # noqa: E402
 from mlx_dsv41.quant import make_experts, make_linear  # noqa: E402
-from mlx_dsv41.tiny_checkpoints import decode_fp4, decode_fp8, quantize_fp4, quantize_fp8  # noqa: E402
+from mlx_dsv41.synthetic_checkpoints import decode_fp4, decode_fp8, quantize_fp4, quantize_fp8  # noqa: E402
 
 K = 5120
 E, TOPK = 16, 6
@@ -76,7 +76,7 @@ def linears(rows_list, chain, repeats) -> list[dict]:
 
 def experts(rows_list, chain, repeats) -> list[dict]:
     rng = np.random.default_rng(3)
-    tensors, dec = {}, {}
+    tensors = {}
     for e in range(E):
         for p, (o, i) in (("w1", (2304, K)), ("w3", (2304, K)), ("w2", (K, 2304))):
             packed, scale = quantize_fp4(rng.standard_normal((o, i)) / np.sqrt(i))

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flash_model  # noqa: E402 (benchmarks/ is not a package)
 
 from mlx_dsv41.kernels import backend  # noqa: E402
-from mlx_dsv41.testing import hf_config  # noqa: E402
+from mlx_dsv41.synthetic import hf_config  # noqa: E402
 
 VIEWS = {"Reshape", "Broadcast", "Slice", "Squeeze", "ExpandDims", "Transpose", "AsStrided",
          "Depends", "StopGradient", "Split", "Flatten", "Unflatten", "View"}
@@ -189,7 +189,7 @@ def measure(label: str, build, a, prompt_len: int) -> dict:
     result.update(memory())
     prompt = mx.array(np.random.default_rng(7).integers(3, args.vocab_size - 200, (1, prompt_len)), mx.int32)
     result["decode"] = decode(lambda ids, c: model(ids, c), model.make_cache, prompt, a.steps, a.warmup)
-    del model
+    model = None  # frees the model (the decode closure reads it: rebound, not deleted)
     mx.clear_cache()
     return result
 

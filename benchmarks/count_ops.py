@@ -1,6 +1,6 @@
 """Graph size: MLX primitive operations evaluated per decoded token, per layer kind (tiny config).
 
-One decode step is run on the tiny model (mlx_dsv41.testing: every layer role, two Engram layers)
+One decode step is run on the tiny model (mlx_dsv41.synthetic: every layer role, two Engram layers)
 after a 24-token prefill. Every part (embedding, each Engram module, each attention, each MoE, each
 block's mHC + norms, the head) evaluates its inputs first, so the graph it builds, including its
 cache writes and the state it publishes for later layers, is exactly its own; the primitives in
@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_dsv41.testing import tiny_args, tiny_model
+from mlx_dsv41.synthetic import tiny_args, tiny_model
 
 VIEWS = {"Reshape", "Broadcast", "Slice", "Squeeze", "ExpandDims", "Transpose", "AsStrided",
          "Depends", "StopGradient", "Split", "Flatten", "Unflatten", "View"}

@@ -42,8 +42,8 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_exl3 as bench  # noqa: E402
 
-from mlx_dsv41.kernels import backend  # noqa: E402
 from mlx_dsv41.exl3 import ops  # noqa: E402
+from mlx_dsv41.kernels import backend  # noqa: E402
 
 CASES = (("wq_a", 3), ("wkv", 3), ("wo_a group", 3), ("wo_b", 3), ("expert w1/w3", 3), ("expert w2", 3),
          ("wq_b", 3), ("head", 4))

@@ -32,11 +32,11 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))  # kernel_source_check
+import kernel_source_check as source_check  # noqa: E402
 from bench_exl3 import HIDDEN, INTER, random_trellis  # noqa: E402
 
 from mlx_dsv41.exl3.experts import EXL3ExpertProjection, EXL3Experts  # noqa: E402
 from mlx_dsv41.kernels import exl3 as launch  # noqa: E402
-import kernel_source_check as source_check  # noqa: E402
 
 # SASS opcode (first dotted part) -> Hopper pipe, as Nsight Compute names them.
 PIPES = {

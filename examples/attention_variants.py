@@ -17,8 +17,8 @@ import time
 
 import mlx.core as mx
 import numpy as np
-
 from common import load, parser
+
 from mlx_dsv41.kernels import backend, sparse_attention
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs back again."

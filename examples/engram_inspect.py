@@ -16,8 +16,7 @@ from collections import Counter
 
 import mlx.core as mx
 import numpy as np
-
-from common import load, parse, pad, parser, pyplot, record_calls, save_png, width
+from common import load, pad, parse, parser, pyplot, record_calls, save_png, width
 
 PROMPT = "The cat sat. The cat sat on the mat."
 

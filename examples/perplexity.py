@@ -17,7 +17,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-
 from common import load, parse, parser, pyplot, save_png
 
 

@@ -24,7 +24,7 @@ _LAZY = {"ModelArgs": "mlx_dsv41.config", "Model": "mlx_dsv41.model.deepseek_v41
 
 # mlx-lm's tokenizer loader imports `mlx_lm.chat_templates.<chat_template_type>`; a converted
 # tokenizer_config.json names "mlx_dsv41", which this makes resolve to mlx_dsv41.chat.
-from .chat import register_with_mlx_lm as _register_chat_template  # noqa: E402
+from mlx_dsv41.chat import register_with_mlx_lm as _register_chat_template  # noqa: E402
 
 _register_chat_template()
 

@@ -7,7 +7,7 @@ import copy
 
 import mlx.core as mx
 
-from .cache import _PositionalCache
+from mlx_dsv41.cache import _PositionalCache
 
 
 class BatchCache:
@@ -28,7 +28,7 @@ class BatchCache:
         self.remaining: list[int] | None = None  # real prompt tokens left per row (right padding)
 
     @classmethod
-    def merge(cls, caches) -> "BatchCache":
+    def merge(cls, caches) -> BatchCache:
         rows = list(caches)
         kinds = {type(c) for c in rows}
         if not rows or len(kinds) != 1 or not issubclass(kinds.pop(), _PositionalCache):
@@ -36,7 +36,7 @@ class BatchCache:
                              f"EngramHistory), got {[type(c).__name__ for c in rows]}")
         return cls(rows)
 
-    def extend(self, other: "BatchCache") -> None:
+    def extend(self, other: BatchCache) -> None:
         if self.remaining is not None or other.remaining is not None:
             raise ValueError("BatchCache.extend: a batch in the middle of a padded prompt cannot grow")
         self.rows += other.rows

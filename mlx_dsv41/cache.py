@@ -27,7 +27,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .config import ModelArgs
+from mlx_dsv41.config import ModelArgs
 
 DEFAULT_TRIM_SLACK = 32
 
@@ -76,7 +76,7 @@ class _PositionalCache:
     @classmethod
     def merge(cls, caches):
         """mlx-lm's BatchGenerator: the caches of several sequences, one per sequence."""
-        from .batch_cache import BatchCache
+        from mlx_dsv41.batch_cache import BatchCache
 
         return BatchCache.merge(caches)
 
@@ -414,7 +414,7 @@ class EngramHistory(_PositionalCache):
         self.ids = self.ids[:, : self.offset - n - self.kept_from]
 
     @property
-    def state(self) -> "EngramHistoryState":
+    def state(self) -> EngramHistoryState:
         ids = None if self.ids is None else mx.array(self.ids)
         return EngramHistoryState(ids, self.offset, self.kept_from, self.length, self.trim_slack)
 

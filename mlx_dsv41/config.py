@@ -122,7 +122,7 @@ class ModelArgs:
     mlx_dsv41: dict | None = None
 
     @classmethod
-    def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
+    def from_dict(cls, params: dict[str, Any]) -> ModelArgs:
         """Accept the HF nested layout (text_config + root quantization_config) or a flat one."""
         if not isinstance(params, dict):
             raise ConfigError("config must be a JSON object")
@@ -149,7 +149,7 @@ class ModelArgs:
         return args
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ModelArgs":
+    def from_file(cls, path: str | Path) -> ModelArgs:
         path = Path(path)
         try:
             params = json.loads(path.read_text())
@@ -209,7 +209,7 @@ class ModelArgs:
         """Number of DSpark stages the model builds (0 when it cannot draft)."""
         return 0 if self.dspark_unavailable else self.num_nextn_predict_layers
 
-    def dspark_stage_args(self) -> "ModelArgs":
+    def dspark_stage_args(self) -> ModelArgs:
         """The args a stage's modules are built from: the backbone's, with the stage's own expert
         count and top-k (docs/dspark.md#stage-moe; 0 falls back to the backbone's)."""
         return dataclasses.replace(
@@ -298,7 +298,8 @@ class ModelArgs:
                                         f"(docs/dspark.md#config), got {list(stage_ratios)}")
 
 
-def _derive_roles(args: ModelArgs) -> tuple[LayerRole, ...]:
+def _check_source_ids(args: ModelArgs) -> None:
+    """The KV, index and candidate source ids name backbone layers that can play those parts."""
     n = args.num_hidden_layers
     ratios = args.compress_ratios[:n]
     kv_sources = set(args.kv_source_layer_ids)
@@ -320,6 +321,17 @@ def _derive_roles(args: ModelArgs) -> tuple[LayerRole, ...]:
             f"(kv sources {sorted(kv_sources)}, index sources {sorted(index_sources)})"
         )
 
+
+def _derive_roles(args: ModelArgs) -> tuple[LayerRole, ...]:
+    """Each backbone layer's role, in layer order: a compressed layer reads the compressed KV of
+    the last KV source at or before it (of the same ratio) and selects its top-k entries as
+    _selection_mode says."""
+    _check_source_ids(args)
+    n = args.num_hidden_layers
+    ratios = args.compress_ratios[:n]
+    kv_sources = set(args.kv_source_layer_ids)
+    index_sources = set(args.index_source_layer_ids)
+    cand = args.candidate_source_layer_id
     roles: list[LayerRole] = []
     last_kv: int | None = None
     last_index: int | None = None
@@ -339,19 +351,7 @@ def _derive_roles(args: ModelArgs) -> tuple[LayerRole, ...]:
             )
         if i in index_sources:
             last_index = i
-            mode = "full" if i in kv_sources else "reindex"
-            if mode == "reindex" and last_kv not in index_sources:
-                raise ConfigError(
-                    f"layer {i} runs an indexer over the keys of KV source {last_kv}, which has none "
-                    f"(it is not in index_source_layer_ids)"
-                )
-        else:
-            if last_index is None or roles[last_index].kv_source != last_kv:
-                raise ConfigError(
-                    f"layer {i} reuses a top-k selection, but no index source at or before it reads "
-                    f"its KV source {last_kv}"
-                )
-            mode = "reuse"
+        mode = _selection_mode(i, last_kv, last_index, kv_sources, index_sources, roles)
         roles.append(
             LayerRole(
                 layer=i,
@@ -365,3 +365,24 @@ def _derive_roles(args: ModelArgs) -> tuple[LayerRole, ...]:
             )
         )
     return tuple(roles)
+
+
+def _selection_mode(i: int, last_kv: int, last_index: int | None, kv_sources: set[int],
+                    index_sources: set[int], roles: list[LayerRole]) -> str:
+    """How compressed layer i selects its top-k entries: "full" (an index source over its own KV),
+    "reindex" (an index source over the keys of an earlier KV source, which must index too) or
+    "reuse" (the last index source's selection, which must read the same KV)."""
+    if i in index_sources:
+        mode = "full" if i in kv_sources else "reindex"
+        if mode == "reindex" and last_kv not in index_sources:
+            raise ConfigError(
+                f"layer {i} runs an indexer over the keys of KV source {last_kv}, which has none "
+                f"(it is not in index_source_layer_ids)"
+            )
+        return mode
+    if last_index is None or roles[last_index].kv_source != last_kv:
+        raise ConfigError(
+            f"layer {i} reuses a top-k selection, but no index source at or before it reads "
+            f"its KV source {last_kv}"
+        )
+    return "reuse"

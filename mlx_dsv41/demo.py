@@ -3,7 +3,7 @@
 `ensure_demo()` returns a converted directory, made once under `$MLX_DSV41_CACHE/demo-v2` (default
 `~/.cache/mlx_dsv41/demo-v2`) by the same path a real checkpoint takes:
 
-    exl3/             an exllamav3-layout checkpoint (mlx_dsv41.tiny_checkpoints.exl3_tensors):
+    exl3/             an exllamav3-layout checkpoint (mlx_dsv41.synthetic_checkpoints.exl3_tensors):
                       EXL3 trellises (`.trellis/.suh/.svh` + codebook marker) for every linear
                       exllamav3 quantizes (attention, `wo_a.slice.G`, compressor, indexer,
                       per-expert `ffn.experts.E.w1/w3/w2` with ragged K in w2, shared experts, one
@@ -42,27 +42,21 @@ from pathlib import Path
 
 import numpy as np
 
-from . import chat
+from mlx_dsv41 import chat
+from mlx_dsv41.synthetic import TINY_DSPARK
 
 DEMO_VERSION = 2  # 2: the DSpark draft head
 CACHE_ENV = "MLX_DSV41_CACHE"
 
-# The tiny layer schedule of mlx_dsv41.testing (every role, docs/model.md#layer-roles), at head_dim
-# 512.
-DEMO_CONFIG = dict(
-    hidden_size=256, num_hidden_layers=8, num_attention_heads=4, head_dim=512, qk_rope_head_dim=64,
-    q_lora_rank=128, o_lora_rank=128, o_groups=2, moe_intermediate_size=128, n_routed_experts=8,
-    num_experts_per_tok=2, sliding_window=16, num_nextn_predict_layers=3,
-    compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1, 0, 0, 0), kv_source_layer_ids=(2, 4),
-    index_source_layer_ids=(2, 4, 6), candidate_source_layer_id=4, candidate_topk_blocks=2,
-    candidate_block_size=4, index_n_heads=2, index_head_dim=128, index_topk=8, hc_mult=4,
-    engram_layer_ids=(1, 2), engram_max_ngram_size=4, engram_vocab_size=512, engram_n_heads=2,
-    engram_head_dim=64, engram_pad_token_id=2,
-    # DSpark (docs/dspark.md#config): three stages of 4 experts top-2 drafting blocks of 5 from the
-    # inputs of the last three layers (the noise id is set by demo_args).
-    dspark_block_size=5, dspark_target_layer_ids=(5, 6, 7), dspark_markov_rank=32,
-    dspark_n_routed_experts=4, dspark_num_experts_per_tok=2,
-)
+# The demo's model: the tiny config's layer schedule (every role, docs/model.md#layer-roles) and its
+# DSpark head of three stages (mlx_dsv41.synthetic: TINY, TINY_DSPARK; the noise id is set by
+# demo_args), at the widths below: head_dim 512 as in the release, wider layers and Engram.
+DEMO_CONFIG = {
+    **{k: v for k, v in TINY_DSPARK.items() if k != "dspark_noise_token_id"},
+    "hidden_size": 256, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 128, "o_lora_rank": 128,
+    "moe_intermediate_size": 128, "sliding_window": 16, "candidate_block_size": 4, "index_head_dim": 128,
+    "index_topk": 8, "engram_vocab_size": 512, "engram_head_dim": 64, "dspark_markov_rank": 32,
+}
 
 _BPE_VOCAB = 1016  # BPE part of the vocabulary; the control tokens come after it
 
@@ -75,7 +69,9 @@ _ADDED = (chat.USER, chat.ASSISTANT, chat.SYSTEM, chat.THINK, chat.END_THINK, ch
 _SPLITS = (
     r"\p{N}{1,3}",
     r"[一-龥぀-ゟ゠-ヿ]+",
-    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    # One pattern, split in two string pieces at a `|` only to fit the line length.
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|"
+    r" ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
 
 _CORPUS = """\
@@ -149,8 +145,8 @@ def tokenizer_config() -> dict:
 def demo_args(tokenizer):
     """The demo's ModelArgs: DEMO_CONFIG, the tokenizer's vocabulary, Engram sizes from both, and
     `</think>` as the DSpark noise token (its id, 128799, in the release; docs/dspark.md#config)."""
-    from .model.engram_hash import compressed_keys
-    from .testing import tiny_args
+    from mlx_dsv41.model.engram_hash import compressed_keys
+    from mlx_dsv41.synthetic import tiny_args
 
     return tiny_args(**DEMO_CONFIG, vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
                      image_token_id=tokenizer.token_to_id(IMAGE),
@@ -165,7 +161,7 @@ def tensor_storage(stored: dict[str, tuple[str, np.ndarray]]) -> dict:
     """quantization_config.json's `tensor_storage` for the EXL3 linears among `stored`, as
     exllamav3 describes them (docs/exl3.md#quantization-config): stored tensors, bits per weight,
     codebook."""
-    from .exl3.codebook import MARKER_VALUES
+    from mlx_dsv41.exl3.codebook import MARKER_VALUES
 
     storage: dict = {}
     for name, (_, arr) in stored.items():
@@ -208,8 +204,8 @@ def _write_weights(directory: Path, tensors: dict[str, tuple[str, np.ndarray]]) 
 
 def write_sources(root: Path, seed: int = 0):
     """Write `root/exl3` and `root/official-engram` from scratch; returns (exl3 dir, engram dir)."""
-    from .testing import random_engram_tables
-    from .tiny_checkpoints import EXL3_QUANTIZATION, exl3_tensors, write_config, write_engram_shards
+    from mlx_dsv41.synthetic import random_engram_tables
+    from mlx_dsv41.synthetic_checkpoints import EXL3_QUANTIZATION, exl3_tensors, write_config, write_engram_shards
 
     src, engram = root / "exl3", root / "official-engram"
     for d in (src, engram):
@@ -246,7 +242,7 @@ def _locked(path: Path):
 
 def ensure_demo(root: str | os.PathLike | None = None, progress: bool = True) -> Path:
     """The converted demo directory, built (sources, then conversion) if it is not there yet."""
-    from .loading import is_converted
+    from mlx_dsv41.loading import is_converted
 
     root = demo_root() if root is None else Path(root)
     out = root / "model"

@@ -40,9 +40,9 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import __version__
-from .model.moe import MoE
-from .watchdog import Watchdog, hub_host, open_hub
+from mlx_dsv41 import __version__
+from mlx_dsv41.model.moe import MoE
+from mlx_dsv41.watchdog import Watchdog, hub_host, open_hub
 
 PARTITIONS = ("experts", "slots")
 _HOST_BYTES = 64  # rank 0's address travels in the init all_gather as one int32 per byte

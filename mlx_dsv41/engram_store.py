@@ -127,7 +127,7 @@ class RowFileHeader:
     chunk_digests: bytes  # DIGEST_BYTES per chunk; zeros for chunks not written yet
 
     @staticmethod
-    def new(layer_id: int, rows: int, head_dim: int, chunk_rows: int) -> "RowFileHeader":
+    def new(layer_id: int, rows: int, head_dim: int, chunk_rows: int) -> RowFileHeader:
         if head_dim <= 0 or head_dim % SCALE_GROUP:
             raise EngramStoreError(f"head_dim {head_dim} is not a positive multiple of {SCALE_GROUP}")
         if rows <= 0 or chunk_rows <= 0:
@@ -161,7 +161,7 @@ class RowFileHeader:
     def digest_of(self, k: int) -> bytes:
         return self.chunk_digests[k * DIGEST_BYTES : (k + 1) * DIGEST_BYTES]
 
-    def with_chunk(self, k: int, digest: bytes) -> "RowFileHeader":
+    def with_chunk(self, k: int, digest: bytes) -> RowFileHeader:
         """The header after chunk ``k`` (the next one in order) is written."""
         assert k == self.chunks_done and len(digest) == DIGEST_BYTES
         table = self.chunk_digests[: k * DIGEST_BYTES] + digest + self.chunk_digests[(k + 1) * DIGEST_BYTES :]
@@ -178,7 +178,7 @@ class RowFileHeader:
         return out + bytes(self.data_offset - len(out))
 
     @staticmethod
-    def read(fd: int, path: Path) -> "RowFileHeader":
+    def read(fd: int, path: Path) -> RowFileHeader:
         """Parse and check the header (not the data); raises EngramStoreError naming ``path``."""
 
         def fail(msg: str):
@@ -424,7 +424,7 @@ class EngramStore:
             self._mmap = None
         os.close(self._fd)
 
-    def __enter__(self) -> "EngramStore":
+    def __enter__(self) -> EngramStore:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -32,11 +32,10 @@ import sys
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Optional
 
 import typer
 
-from . import chat
+from mlx_dsv41 import chat
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Generate text with DeepSeek-V4.1 on MLX.")
@@ -116,12 +115,12 @@ def resolve_model(model: str | None, demo: bool, convert_to: Path | None = None,
                   engram_from: Path | None = None, interactive: bool = False,
                   dspark_from: Path | None = None) -> Path:
     """The converted directory to load for these options."""
-    from .loading import checkpoint_kind
+    from mlx_dsv41.loading import checkpoint_kind
 
     if demo and model:
         raise CLIError("give either --model or --demo, not both")
     if demo:
-        from .demo import ensure_demo
+        from mlx_dsv41.demo import ensure_demo
 
         return ensure_demo(progress=True)
     if not model:
@@ -160,8 +159,8 @@ def load_for_generation(path: Path, *, partition: str = "experts", engram_mode: 
     are loaded (cluster None in one process); with draft 0 the DSpark head is not loaded. Any
     failure is one CLIError line."""
     import mlx_dsv41
-    from . import distributed
-    from .config import ModelArgs
+    from mlx_dsv41 import distributed
+    from mlx_dsv41.config import ModelArgs
 
     try:
         cluster = distributed.init(partition)
@@ -258,8 +257,8 @@ def start_cache_file(model, path: Path, file: Path, tokens: list[int], *, chat_m
                      thinking: bool, effort: int, step: int, drafts: bool) -> PromptStart:
     """Prefill the prompt's reusable part (a chat prompt less its answer header), save its caches to
     `file` (drafting, the draft head's state too, beside it)."""
-    from . import prompt_cache
-    from .speculative import feed
+    from mlx_dsv41 import prompt_cache
+    from mlx_dsv41.speculative import feed
 
     prefix = tokens[:-2] if chat_mode else tokens
     cache = model.make_cache()
@@ -303,7 +302,7 @@ def continue_saved_prompt(saved, tokenizer, file: Path, text: str, *, chat_mode:
         raise CLIError("the prompt is empty: nothing to continue the saved prompt with")
     _note(f"Continuing the {saved.cached + len(saved.pending())}-token prompt saved in {file}")
     if drafts and saved.draft_cache is None:
-        from .prompt_cache import draft_file
+        from mlx_dsv41.prompt_cache import draft_file
 
         _note(f"NOTE: no DSpark speculative decoding for this prompt: there is no {draft_file(file).name} "
               f"beside {file.name} (the draft head's state, saved by a drafting run); the tokens are the same")
@@ -344,7 +343,7 @@ def statistics(last, engram: tuple[int, int], attention: dict[str, int], cached:
 
 def parse_draft(value: str | None) -> int | str | None:
     """--draft: None (whole blocks), 0 (off), a number of drafts, or "auto"."""
-    from .speculative import AUTO
+    from mlx_dsv41.speculative import AUTO
 
     if value is None or value == AUTO:
         return value
@@ -369,7 +368,7 @@ def run(model, tokenizer, tokens: list[int], *, max_tokens: int, sampling, write
     DSpark drafts when the model has its weights and draft is not 0 (`stats`: a DraftStats to
     fill); `prompt_cache` (and `draft_cache`) may hold the prompt's start; long prompts report
     their prefill."""
-    from .speculative import stream_generate
+    from mlx_dsv41.speculative import stream_generate
 
     last = None
     for last in stream_generate(model, tokenizer, tokens, max_tokens, draft=draft, sampling=sampling, stats=stats,
@@ -391,6 +390,7 @@ def context_limit(max_tokens: int, context: int, max_kv_size: int | None) -> int
     return min(max_tokens, max_kv_size - context)
 
 
+# long: a typer command: its signature is the option table (45 lines), its body setup, one run, the report
 @app.command()
 def generate(
     model: str = typer.Option(None, "--model", "-m", help="Converted checkpoint directory, an HF repo "
@@ -401,7 +401,7 @@ def generate(
     prompt_file: Path = typer.Option(None, "--prompt-file", help="Read the prompt from a file."),
     chat_mode: bool = typer.Option(False, "--chat", help="Wrap the prompt in the DeepSeek-V4.1 chat "
                                    "encoding (one user turn)."),
-    thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help="Chat: thinking "
+    thinking: bool | None = typer.Option(None, "--thinking/--no-thinking", help="Chat: thinking "
                                             "mode (the default) or chat mode."),
     effort: str = typer.Option(None, "--effort", help="Chat, thinking mode: reasoning effort 1..100 or "
                                "minimal (25), low (50), medium (62), high (75, the default), max (100)."),
@@ -433,11 +433,11 @@ def generate(
 ):
     import mlx.core as mx
 
-    from . import prompt_cache
-    from .demo import DemoError
-    from .kernels import sparse_attention
-    from .speculative import DraftStats, Sampling
-    from .terminal import TokenWriter
+    from mlx_dsv41 import prompt_cache
+    from mlx_dsv41.demo import DemoError
+    from mlx_dsv41.kernels import sparse_attention
+    from mlx_dsv41.speculative import DraftStats, Sampling
+    from mlx_dsv41.terminal import TokenWriter
 
     try:
         sparse_attention.set_default_variant(attention.value)
@@ -473,7 +473,7 @@ def generate(
         max_tokens = context_limit(max_tokens or default_tokens, start.cached + len(start.tokens), max_kv_size)
     except (CLIError, DemoError, prompt_cache.PromptCacheError, ValueError) as e:
         _note(f"error: {e}")
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
 
     rank0 = cluster is None or cluster.rank == 0
     if demo and rank0:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .engram_store import row_file_name
+from mlx_dsv41.engram_store import row_file_name
 
 FORMAT = "mlx_dsv41.converted"
 FORMAT_VERSION = 1

@@ -27,11 +27,11 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import layout
-from .config import ConfigError, ModelArgs
-from .engram_store import EngramStore, EngramStoreError
-from .model.deepseek_v41 import FP32_STORED, Model
-from .model.engram_hash import CompressedTokenMap
+from mlx_dsv41 import layout
+from mlx_dsv41.config import ConfigError, ModelArgs
+from mlx_dsv41.engram_store import EngramStore, EngramStoreError
+from mlx_dsv41.model.deepseek_v41 import FP32_STORED, Model
+from mlx_dsv41.model.engram_hash import CompressedTokenMap
 
 
 class LoadError(ValueError):

@@ -76,7 +76,7 @@ def read(path: Path, model_path: Path) -> PromptCacheFile:
     """The file at `path`, made for the checkpoint at `model_path` (the caches stay lazy)."""
     from mlx_lm.models.cache import load_prompt_cache
 
-    from .cache import register_with_mlx_lm
+    from mlx_dsv41.cache import register_with_mlx_lm
 
     register_with_mlx_lm()
     try:
@@ -102,7 +102,7 @@ def read_draft_state(path: Path, model_path: Path):
     """The DraftCache saved beside `path` (lazy), or None when there is none."""
     from mlx_lm.models.cache import load_prompt_cache
 
-    from .cache import DraftCache
+    from mlx_dsv41.cache import DraftCache
 
     sibling = draft_file(path)
     if not sibling.is_file():

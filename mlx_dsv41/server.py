@@ -39,9 +39,16 @@ from pathlib import Path
 
 import typer
 
-from . import chat
-from .generate import (DEMO_MAX_TOKENS, Attention, CLIError, check_draft, load_for_generation, parse_draft,
-                       resolve_model)
+from mlx_dsv41 import chat
+from mlx_dsv41.generate import (
+    DEMO_MAX_TOKENS,
+    Attention,
+    CLIError,
+    check_draft,
+    load_for_generation,
+    parse_draft,
+    resolve_model,
+)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Serve DeepSeek-V4.1 over mlx-lm's OpenAI-compatible HTTP API.")
@@ -73,8 +80,14 @@ def serve(model, tokenizer, name: str, cli_args: argparse.Namespace, host: str, 
     (cli_args.model) or any of `also_named`."""
     from mlx_lm import server
 
-    from .server_generation import ModelProvider, PromptCache, ResponseGenerator, use_dspark, use_sliced_prefill
-    from .server_http import APIHandler, HTTPServer
+    from mlx_dsv41.server_generation import (
+        ModelProvider,
+        PromptCache,
+        ResponseGenerator,
+        use_dspark,
+        use_sliced_prefill,
+    )
+    from mlx_dsv41.server_http import APIHandler, HTTPServer
 
     APIHandler.defaults = {"thinking": thinking, "effort": effort}
     APIHandler.model_names = (*also_named, *([cli_args.model] if cli_args.model else []))
@@ -85,6 +98,7 @@ def serve(model, tokenizer, name: str, cli_args: argparse.Namespace, host: str, 
     server._run_http_server(host, port, generator, server_class=HTTPServer, handler_class=APIHandler)
 
 
+# long: a typer command: its signature is the server's option table (30 lines)
 @app.command()
 def main_command(
     model: str = typer.Option(None, "--model", "-m", help="Converted checkpoint directory or HF repo id."),
@@ -114,8 +128,8 @@ def main_command(
     draft: str = typer.Option(None, "--draft", help="DSpark drafts per main forward for requests "
                               "without num_draft_tokens: default the whole block, 'auto', or 0 (off)."),
 ):
-    from .demo import DemoError
-    from .kernels import sparse_attention
+    from mlx_dsv41.demo import DemoError
+    from mlx_dsv41.kernels import sparse_attention
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s - %(levelname)s - %(message)s")
@@ -136,7 +150,7 @@ def main_command(
                   flush=True)
     except (CLIError, DemoError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     name = "mlx_dsv41-demo" if demo else Path(path).name
     # A request without num_draft_tokens gets this default, which stands for --draft (auto included).
     block = loaded.args.dspark_block_size if loaded.mtp else 0

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
-from .speculative import DraftStats, Sampling, SpeculativeDecoder, feed
+from mlx_dsv41.speculative import DraftStats, Sampling, SpeculativeDecoder, feed
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ class DraftLane:
         if not order:
             return prompt_responses, generation_responses, fed, feeding
         first, start = self.turn % len(order), time.perf_counter()
-        for i, sequence in enumerate(order[first:] + order[:first]):
+        for i, sequence in enumerate(order[first:] + order[:first]):  # noqa: B007 (i: read after the loop)
             chunked, tic, before = len(sequence.segments) > 1, time.perf_counter(), sequence.done
             progress, tokens = sequence.unit(chunk)
             if chunked:  # what the chunk-size controller measures (BatchGenerator counts the same)

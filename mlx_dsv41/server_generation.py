@@ -33,10 +33,10 @@ from mlx_lm import server
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
-from . import chat
-from .cache import DraftCache
-from .server_dspark import DraftingSequence, DraftLane, DraftRequest, RequestSampler
-from .speculative import DraftStats, Sampling, stream_generate
+from mlx_dsv41 import chat
+from mlx_dsv41.cache import DraftCache
+from mlx_dsv41.server_dspark import DraftingSequence, DraftLane, DraftRequest, RequestSampler
+from mlx_dsv41.speculative import DraftStats, Sampling, stream_generate
 
 FIRST_STEP = 128  # prompt tokens of the first chunk, before any rate is known
 MIN_STEP = 16  # below this, per-call overhead dominates
@@ -194,7 +194,7 @@ def use_sliced_prefill(prefill_slice: float) -> None:
 make_sampler = server._make_sampler  # mlx-lm's, before use_dspark
 
 
-def use_dspark(generator: "ResponseGenerator") -> None:
+def use_dspark(generator: ResponseGenerator) -> None:
     """Make mlx-lm's generation loop, which makes a request's sampler by the module-level name
     `mlx_lm.server._make_sampler` and hands it to the batch generator, hand over how the request
     drafts with it (`generator.make_sampler`)."""

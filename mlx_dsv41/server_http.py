@@ -25,8 +25,8 @@ import sys
 
 from mlx_lm import server
 
-from . import chat
-from .generate import engram_totals
+from mlx_dsv41 import chat
+from mlx_dsv41.generate import engram_totals
 
 POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 411: "invalid_request_error"}
@@ -231,7 +231,7 @@ class APIHandler(server.APIHandler):
         self._send_error(RequestError(f"no such endpoint: GET {self.path}", 404))
 
     def _stats(self) -> dict:
-        from .kernels import sparse_attention
+        from mlx_dsv41.kernels import sparse_attention
 
         rows, nbytes = engram_totals(self.response_generator.model_provider.model)
         dspark = self.response_generator.dspark

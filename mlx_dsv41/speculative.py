@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import mlx.core as mx
 import numpy as np
 
-from .model.dspark import Draft, draft_block
+from mlx_dsv41.model.dspark import Draft, draft_block
 
 AUTO = "auto"
 DEFAULT_CONFIDENCE = 0.5  # --draft auto: verify the slots whose sigmoid(confidence) reaches this
@@ -355,7 +355,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, draft: i
             finish_reason=finish_reason)
 
     steps = decoder.generate(prompt, max_tokens, prefill_step_size, prompt_progress_callback)
-    for n, (token, logprobs, from_draft) in enumerate(steps):
+    for n, (token, logprobs, from_draft) in enumerate(steps):  # noqa: B007 (response() reads them)
         if n == 0:
             prompt_tps = len(prompt) / (time.perf_counter() - tic)
             tic = time.perf_counter()

@@ -1,4 +1,5 @@
-"""Tiny DeepSeek-V4.1 models for tests: a config covering every layer role, random well-scaled
+"""Synthetic DeepSeek-V4.1 models, for tests, benchmarks and the `--demo` checkpoint: the tiny
+config (every layer role; the one tiny config, others are derived from TINY), random well-scaled
 weights in the official checkpoint names and dtypes, Engram tables, and a checkpoint writer.
 
     args = tiny_args()                                # every layer role, two Engram layers
@@ -25,10 +26,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from mlx_dsv41.config import ModelArgs
 from mlx_dsv41.convert.safetensors_writer import write_safetensors
-
-from .config import ModelArgs
-from .model.engram_hash import CompressedTokenMap, bucket_primes
+from mlx_dsv41.model.engram_hash import CompressedTokenMap, bucket_primes
 
 TINY = dict(
     vocab_size=160, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, head_dim=64,
@@ -225,8 +225,8 @@ def write_checkpoint(path: str | Path, args: ModelArgs, weights: dict[str, mx.ar
 
 def tiny_model(args: ModelArgs | None = None, seed: int = 0, weights: dict[str, mx.array] | None = None):
     """A loaded tiny Model with its Engram token map and in-memory row sources attached."""
-    from .model.deepseek_v41 import Model
-    from .model.engram import MemoryRowSource
+    from mlx_dsv41.model.deepseek_v41 import Model
+    from mlx_dsv41.model.engram import MemoryRowSource
 
     args = tiny_args() if args is None else args
     model = Model(args)

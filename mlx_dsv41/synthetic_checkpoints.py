@@ -17,7 +17,7 @@ with numpy (the tables of `quant.official`), independently of the MLX code that 
 them.
 
 EXL3 format (docs/exl3.md#storage, docs/checkpoint.md#exl3-pack): `quant_method: exl3`; random valid
-trellises (`exl3.testing`) at mixed K (routed experts ragged within w2) and all three codebooks,
+trellises (`exl3.synthetic`) at mixed K (routed experts ragged within w2) and all three codebooks,
 `wo_a` as `slice.G`, the head quantized, one Engram `wkv` quantized and the other an unquantized
 fp16 `.weight`; native norms, router, sinks, mHC, indexer `weights_proj` and Engram `q/k_weight`; no
 `gate.bias_vl`, no Engram tables. Every `suh` is rescaled so W has std ~ 1/sqrt(in) (activations
@@ -36,13 +36,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from mlx_dsv41.config import ModelArgs
 from mlx_dsv41.convert.safetensors_writer import write_safetensors
-
-from .config import ModelArgs
-from .exl3.testing import random_experts_tensors, random_linear_tensors
-from .model.engram_hash import CompressedTokenMap
-from .quant.official import E2M1_VALUES, GROUP, e4m3_values
-from .testing import engram_table_tensors, hf_config, random_engram_tables, random_weights, tiny_args
+from mlx_dsv41.exl3.synthetic import random_experts_tensors, random_linear_tensors
+from mlx_dsv41.model.engram_hash import CompressedTokenMap
+from mlx_dsv41.quant.official import E2M1_VALUES, GROUP, e4m3_values
+from mlx_dsv41.synthetic import engram_table_tensors, hf_config, random_engram_tables, random_weights, tiny_args
 
 OFFICIAL_QUANTIZATION = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
                          "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
@@ -71,7 +70,7 @@ class TinyCheckpoint:
                                                  self.args.engram_compressed_vocab_size)
 
     def _with_engram(self, model):
-        from .model.engram import MemoryRowSource
+        from mlx_dsv41.model.engram import MemoryRowSource
 
         if self.args.engram_layer_ids:
             model.set_engram(self.token_map, {layer: MemoryRowSource(t) for layer, t in self.tables.items()})
@@ -80,7 +79,7 @@ class TinyCheckpoint:
 
     def reference_model(self):
         """The dense float model (bf16 / fp32 weights) with in-memory Engram tables."""
-        from .model.deepseek_v41 import Model
+        from mlx_dsv41.model.deepseek_v41 import Model
 
         model = Model(self.args)
         model.load_weights(list(model.sanitize(dict(self.reference)).items()), strict=True)
@@ -88,7 +87,7 @@ class TinyCheckpoint:
 
     def source_model(self):
         """The model built directly from the stored (unconverted) tensors, through the quant seam."""
-        from .loading import load_model
+        from mlx_dsv41.loading import load_model
 
         return self._with_engram(load_model(self.path))
 
@@ -302,7 +301,7 @@ def _exl3_linear(prefix: str, in_features: int, out_features: int, bits, codeboo
 def _rescaled(prefix: str, in_features: int, out_features: int, codebook: str, t: dict,
               tensors: dict) -> mx.array:
     """Scale `t`'s suh so W has std 1/sqrt(in), add `t` to `tensors`, return W [out, in] bf16."""
-    from .exl3 import dequantize
+    from mlx_dsv41.exl3 import dequantize
 
     def w_of(suh):
         return np.array(dequantize(mx.array(t[f"{prefix}.trellis"]), mx.array(suh),
@@ -326,7 +325,6 @@ def exl3_tensors(args: ModelArgs, seed: int = 0, with_dspark: bool = True
     q: dict[str, np.ndarray] = {}
     reference: dict[str, mx.array] = {}
     stored: dict[str, tuple[str, np.ndarray]] = {}
-    d, inter = args.hidden_size, args.moe_intermediate_size
     # K per tensor class, most specific prefix first (the Mia-AiLab 2.9 bpw recipe,
     # docs/checkpoint.md#exl3-bitrates)
     bits = {"attn.indexer.wk": 8, "attn": 5, "ffn.shared_experts": 4, "engram.wkv": 4, "head": 6}
@@ -361,8 +359,16 @@ def exl3_tensors(args: ModelArgs, seed: int = 0, with_dspark: bool = True
                 for g in range(args.o_groups)])
         else:
             reference[name] = _exl3_linear(prefix, in_f, out_f, kbits, codebook, seed * 10000 + k * 10, q)
-    # Routed experts: w2 ragged (2 and 3 bits) in the backbone, the stages' at mtp_bits 4
-    # (docs/checkpoint.md#exl3-bitrates).
+    _exl3_routed_experts(args, seed, with_dspark, q, reference)
+    stored.update({name: (_exl3_dtype(a), a) for name, a in q.items()})
+    return stored, reference
+
+
+def _exl3_routed_experts(args: ModelArgs, seed: int, with_dspark: bool, q: dict[str, np.ndarray],
+                         reference: dict[str, mx.array]) -> None:
+    """The routed experts' EXL3 tensors into q, their dequantized weights into reference: w2 ragged
+    (2 and 3 bits) in the backbone, the stages' at mtp_bits 4 (docs/checkpoint.md#exl3-bitrates)."""
+    d, inter = args.hidden_size, args.moe_intermediate_size
     stage_experts = args.dspark_stage_args().n_routed_experts
     blocks = [(f"layers.{i}", args.n_routed_experts, {"w1": 3, "w3": 3, "w2": (2, 3)})
               for i in range(args.num_hidden_layers)]
@@ -378,8 +384,6 @@ def exl3_tensors(args: ModelArgs, seed: int = 0, with_dspark: bool = True
                 p = f"{prefix}.{e}.{proj}"
                 part = {key: v for key, v in t.items() if key.startswith(p + ".")}
                 reference[f"{p}.weight"] = _rescaled(p, d_in, d_out, codebook, part, q)
-    stored.update({name: (_exl3_dtype(a), a) for name, a in q.items()})
-    return stored, reference
 
 
 def write_exl3_checkpoint(path: str | Path, args: ModelArgs | None = None, seed: int = 0,

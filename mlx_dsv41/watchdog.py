@@ -115,7 +115,7 @@ class Watchdog:
 
     @classmethod
     def start(cls, rank: int, size: int, timeout_s: float, address: tuple[str, int],
-              hub: socket.socket | None = None) -> "Watchdog":
+              hub: socket.socket | None = None) -> Watchdog:
         """Rank 0 accepts every other rank on `hub`; the others connect to `address`. Raises
         RuntimeError if the channel is not up within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
@@ -136,7 +136,7 @@ class Watchdog:
                     if not 0 < peer < size or peer in links:
                         raise RuntimeError(f"unexpected watchdog hello from rank {peer}")
                     links[peer] = _Link(peer, conn, 0.0)
-            except (socket.timeout, OSError, ValueError, KeyError) as e:
+            except (TimeoutError, OSError, ValueError, KeyError) as e:
                 missing = sorted(set(range(1, size)) - set(links))
                 raise RuntimeError(f"{PREFIX}: rank 0: ranks {missing} did not open the watchdog "
                                    f"channel to {hub.getsockname()} within {timeout_s:g} s ({e})") from None
@@ -258,8 +258,8 @@ class Watchdog:
         # A rank behind the leader whose count has not moved for timeout_s never joins the
         # collective the leader waits in. Leading (or tying) resets the clock: idle ranks that
         # agree are never stalled, whatever the time since their last forward.
-        counts = {0: self.exchanges, **{l.rank: l.count for l in self._links if l.finished is None}}
-        silent = {l.rank for l in self._links if now - l.heard > 2 * self.interval}
+        counts = {0: self.exchanges, **{link.rank: link.count for link in self._links if link.finished is None}}
+        silent = {link.rank for link in self._links if now - link.heard > 2 * self.interval}
         top = max(counts.values())
         for r, c in counts.items():
             last, since = self._progress.get(r, (None, now))

@@ -21,21 +21,21 @@ import numpy as np
 from mlx_dsv41.cache import make_layer_cache
 from mlx_dsv41.config import ModelArgs
 from mlx_dsv41.model.attention import Attention
+from mlx_dsv41.synthetic import TINY
 
-# Roles: 0 window-only | 1 Full r=2 | 2 Reuse r=2 | 3 Full r=1 + candidate source | 4 Reuse r=1 |
+# The tiny config's attention stack (mlx_dsv41.synthetic.TINY) without its Engram-only window layer
+# 1, Engram and the DSpark head, with a narrower o_lora_rank and 3 candidate blocks kept. Roles:
+# 0 window-only | 1 Full r=2 | 2 Reuse r=2 | 3 Full r=1 + candidate source | 4 Reuse r=1 |
 # 5 Reindex (uses candidates) | 6 Reuse after the Reindex layer.
-TINY = dict(
-    hidden_size=64, num_hidden_layers=7, num_attention_heads=4, head_dim=64, qk_rope_head_dim=16,
-    q_lora_rank=32, o_lora_rank=16, o_groups=2, sliding_window=8,
-    compress_ratios=(0, 2, 2, 1, 1, 1, 1), kv_source_layer_ids=(1, 3), index_source_layer_ids=(1, 3, 5),
-    candidate_source_layer_id=3, candidate_block_size=2, candidate_topk_blocks=3, index_topk=4,
-    index_n_heads=2, index_head_dim=32, num_nextn_predict_layers=0, engram_layer_ids=(),
-    engram_num_embeddings=(),
+ATTENTION_TINY = dict(
+    TINY, num_hidden_layers=7, compress_ratios=(0, 2, 2, 1, 1, 1, 1), kv_source_layer_ids=(1, 3),
+    index_source_layer_ids=(1, 3, 5), candidate_source_layer_id=3, o_lora_rank=16, candidate_topk_blocks=3,
+    num_nextn_predict_layers=0, engram_layer_ids=(), engram_num_embeddings=(),
 )
 
 
 def tiny_args(**overrides) -> ModelArgs:
-    return ModelArgs.from_dict({**TINY, **overrides})
+    return ModelArgs.from_dict({**ATTENTION_TINY, **overrides})
 
 
 def build_stack(args: ModelArgs, seed: int = 0) -> list[Attention]:
@@ -58,7 +58,7 @@ def build_stack(args: ModelArgs, seed: int = 0) -> list[Attention]:
                 params.append((name, w if fp32 else w.astype(mx.bfloat16)))
         layer.update(mlx.utils.tree_unflatten(params))
         layers.append(layer)
-    mx.eval([l.parameters() for l in layers])
+    mx.eval([layer.parameters() for layer in layers])
     return layers
 
 
@@ -253,9 +253,9 @@ class ReferenceStack:
 
     def __init__(self, args: ModelArgs, layers):
         self.args = args
-        self.w = [{k: f64(v) for k, v in mlx.utils.tree_flatten(l.parameters())} for l in layers]
-        self.roles = [l.role for l in layers]
-        self.attend_compressed = [l.attend_compressed for l in layers]
+        self.w = [{k: f64(v) for k, v in mlx.utils.tree_flatten(layer.parameters())} for layer in layers]
+        self.roles = [layer.role for layer in layers]
+        self.attend_compressed = [layer.attend_compressed for layer in layers]
 
     def freqs(self, layer):
         a = self.args

@@ -1,6 +1,11 @@
 import os
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import demo_helpers
 import pytest
 
 # Tests must not depend on the developer's shell.
@@ -45,3 +50,43 @@ def clean_selection(monkeypatch):
     yield
     sa.set_default_variant(None)
     sa.reset_variant_counts()
+
+
+# The demo checkpoint for the test files that run it: `env` (subprocess environment) and `loaded`
+# ((model, tokenizer)) once per test module, one demo server per session.
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return demo_helpers.demo_env(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    import mlx_dsv41
+
+    return mlx_dsv41.load(demo_helpers.demo_checkpoint(tmp_path_factory))
+
+
+@pytest.fixture(scope="session", name="server")
+def demo_server(tmp_path_factory):
+    """(host, port, log file) of the session's demo server (default max_tokens 4)."""
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlx_dsv41.server", "--demo", "--port", "0", "--max-tokens", "4"],
+            cwd=demo_helpers.REPO, env=demo_helpers.demo_env(tmp_path_factory), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while True:
+            m = re.search(r"Serving on http://([\d.]+):(\d+)", log.read_text())
+            if m:
+                break
+            if proc.poll() is not None or time.time() > deadline:
+                pytest.fail(f"server did not start (exit {proc.poll()}):\n{log.read_text()}")
+            time.sleep(0.2)
+        yield m.group(1), int(m.group(2)), log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()

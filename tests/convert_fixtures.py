@@ -14,7 +14,7 @@ import numpy as np
 from mlx_dsv41.convert import convert_checkpoint
 from mlx_dsv41.convert.safetensors_io import SafetensorsFile
 from mlx_dsv41.convert.safetensors_writer import write_safetensors
-from mlx_dsv41.tiny_checkpoints import write_engram_shards, write_exl3_checkpoint
+from mlx_dsv41.synthetic_checkpoints import write_engram_shards, write_exl3_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 

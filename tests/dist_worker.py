@@ -24,7 +24,7 @@ from mlx_dsv41 import distributed
 from mlx_dsv41.config import ModelArgs
 from mlx_dsv41.loading import load_model
 from mlx_dsv41.model.engram import MemoryRowSource
-from mlx_dsv41.testing import synthetic_token_map
+from mlx_dsv41.synthetic import synthetic_token_map
 
 BATCH, PROMPT = 2, 20
 

@@ -26,8 +26,8 @@ import pytest
 from attention_stack import (
     ReferenceStack,
     assert_rows_match,
-    check_against_reference,
     build_stack,
+    check_against_reference,
     f64,
     make_caches,
     random_input,

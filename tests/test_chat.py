@@ -217,9 +217,9 @@ def test_a_tokenizer_without_the_control_tokens_is_refused():
 def test_mlx_lm_tokenizer_renders_through_this_module(tmp_path, tokenizer):
     """A tokenizer_config naming chat_template_type "mlx_dsv41" makes mlx-lm's TokenizerWrapper
     apply this encoding (what `mlx_lm.load` and `mlx_dsv41.load` return)."""
-    import mlx_dsv41  # noqa: F401 (registers the template module)
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+    import mlx_dsv41  # noqa: F401 (registers the template module)
     from mlx_dsv41.demo import tokenizer_config
 
     tokenizer.save(str(tmp_path / "tokenizer.json"))

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tty
 
-from demo_helpers import REPO, detokenize, env, greedy, loaded  # noqa: F401 (module fixtures)
+from demo_helpers import REPO, detokenize, greedy
 
 from mlx_dsv41 import chat
 from mlx_dsv41.terminal import DIM, RESET, visible

@@ -10,7 +10,7 @@ import pytest
 
 from mlx_dsv41.cache import LayerCache
 from mlx_dsv41.model import compiled_step
-from mlx_dsv41.testing import tiny_model
+from mlx_dsv41.synthetic import tiny_model
 
 L, PREFILL = 22, 9
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from mlx_dsv41.config import ConfigError, ModelArgs
-from mlx_dsv41.testing import hf_config, tiny_args
+from mlx_dsv41.synthetic import hf_config, tiny_args
 
 QUANT = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
          "scale_fmt": "ue8m0", "expert_dtype": "fp4"}

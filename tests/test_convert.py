@@ -24,17 +24,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from convert_fixtures import add_tensors, convert_tiny_exl3, edit_tensors, read_tensor, run_cli
 
 import mlx_dsv41
-from mlx_dsv41.convert import ConvertError, convert_checkpoint
-from mlx_dsv41.convert.safetensors_io import SafetensorsCheckpoint
-from convert_fixtures import add_tensors, convert_tiny_exl3, edit_tensors, read_tensor, run_cli
 from mlx_dsv41 import layout
 from mlx_dsv41.config import ModelArgs
+from mlx_dsv41.convert import ConvertError, convert_checkpoint
+from mlx_dsv41.convert.safetensors_io import SafetensorsCheckpoint
 from mlx_dsv41.engram_store import EngramStore
 from mlx_dsv41.loading import checkpoint_kind, is_converted, load_converted
 from mlx_dsv41.quant import GroupedLinear
-from mlx_dsv41.tiny_checkpoints import write_official_checkpoint
+from mlx_dsv41.synthetic_checkpoints import write_official_checkpoint
 
 IDS = mx.array(np.random.default_rng(5).integers(3, 159, (2, 16)))
 

@@ -8,12 +8,12 @@ import struct
 
 import numpy as np
 import pytest
-
 from convert_fixtures import add_tensors, edit_tensors, run_cli, shard_of
+
 from mlx_dsv41 import layout
 from mlx_dsv41.loading import is_converted
-from mlx_dsv41.testing import tiny_args
-from mlx_dsv41.tiny_checkpoints import write_engram_shards, write_exl3_checkpoint, write_official_checkpoint
+from mlx_dsv41.synthetic import tiny_args
+from mlx_dsv41.synthetic_checkpoints import write_engram_shards, write_exl3_checkpoint, write_official_checkpoint
 
 
 @pytest.fixture(scope="module")

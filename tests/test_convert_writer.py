@@ -2,14 +2,14 @@
 back exactly by the reference `safetensors` library and by mx.load; misuse is refused and leaves
 no file under the final name."""
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import safetensors
+from test_safetensors_io import random_tensor, raw_bits
 
-import mlx.core as mx
 from mlx_dsv41.convert.safetensors_io import DTYPES, SafetensorsError
 from mlx_dsv41.convert.safetensors_writer import PARTIAL_SUFFIX, SafetensorsWriter, write_safetensors
-from test_safetensors_io import random_tensor, raw_bits
 
 
 def test_reference_reader_sees_every_tensor(tmp_path):

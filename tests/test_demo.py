@@ -7,12 +7,12 @@ import json
 
 import numpy as np
 import pytest
-from mlx_dsv41.convert.safetensors_io import SafetensorsCheckpoint
 from demo_helpers import demo_checkpoint
 
 import mlx_dsv41
 from mlx_dsv41 import chat, demo
 from mlx_dsv41.config import ModelArgs
+from mlx_dsv41.convert.safetensors_io import SafetensorsCheckpoint
 from mlx_dsv41.engram_store import EngramStore
 from mlx_dsv41.exl3.codebook import MARKER_VALUES
 

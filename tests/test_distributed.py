@@ -27,8 +27,8 @@ import pytest
 
 from mlx_dsv41 import distributed
 from mlx_dsv41.quant import DenseExperts
-from mlx_dsv41.testing import random_engram_tables, random_weights, tiny_args, tiny_model, write_checkpoint
-from mlx_dsv41.tiny_checkpoints import write_exl3_checkpoint
+from mlx_dsv41.synthetic import random_engram_tables, random_weights, tiny_args, tiny_model, write_checkpoint
+from mlx_dsv41.synthetic_checkpoints import write_exl3_checkpoint
 from mlx_dsv41.watchdog import EXIT_CODE
 
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -87,7 +87,7 @@ def run_ranks(tmp: Path, n: int, argv, timeout: float = 120) -> list[tuple[int, 
 
 
 def last_line(err: str) -> str:
-    lines = [l for l in err.strip().splitlines() if l.strip()]
+    lines = [line for line in err.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""
 
 

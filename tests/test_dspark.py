@@ -15,18 +15,27 @@ import pytest
 from convert_fixtures import edit_tensors, run_cli
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from mlx_dsv41.convert import ConvertError, convert_checkpoint
 from mlx_dsv41 import layout
 from mlx_dsv41.cache import DraftCache, make_draft_cache
 from mlx_dsv41.config import ConfigError, ModelArgs
+from mlx_dsv41.convert import ConvertError, convert_checkpoint
 from mlx_dsv41.loading import LoadError, is_converted, load_converted, load_model
 from mlx_dsv41.model.deepseek_v41 import Block
 from mlx_dsv41.model.dspark import draft_block
-from mlx_dsv41.model.hyper_connections import collapse, expand, initial_pre
 from mlx_dsv41.model.engram import MemoryRowSource
-from mlx_dsv41.testing import (TINY, TINY_DSPARK, hf_config, random_engram_tables, random_weights,
-                               synthetic_token_map, tiny_args, tiny_model, write_checkpoint)
-from mlx_dsv41.tiny_checkpoints import write_engram_shards, write_exl3_checkpoint, write_official_checkpoint
+from mlx_dsv41.model.hyper_connections import collapse, expand, initial_pre
+from mlx_dsv41.synthetic import (
+    TINY,
+    TINY_DSPARK,
+    hf_config,
+    random_engram_tables,
+    random_weights,
+    synthetic_token_map,
+    tiny_args,
+    tiny_model,
+    write_checkpoint,
+)
+from mlx_dsv41.synthetic_checkpoints import write_engram_shards, write_exl3_checkpoint, write_official_checkpoint
 
 ARGS = tiny_args(**TINY_DSPARK)
 PROMPT = np.random.default_rng(4).integers(3, 150, 13).tolist()

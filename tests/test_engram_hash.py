@@ -11,7 +11,11 @@ import pytest
 
 from mlx_dsv41.config import ConfigError, ModelArgs
 from mlx_dsv41.model.engram_hash import (
-    DEAD, CompressedTokenMap, EngramHashLayout, bucket_primes, hash_multipliers,
+    DEAD,
+    CompressedTokenMap,
+    EngramHashLayout,
+    bucket_primes,
+    hash_multipliers,
 )
 
 # docs/model.md#engram-buckets, as the docs list them (Flash: layers 1 and 14; n = 2, 3, 4; 8

@@ -10,6 +10,7 @@ import struct
 import ml_dtypes
 import numpy as np
 import pytest
+from test_safetensors_io import save_safetensors
 
 from mlx_dsv41.convert.engram_rows import (
     PARTIAL_SUFFIX,
@@ -20,7 +21,6 @@ from mlx_dsv41.convert.engram_rows import (
 )
 from mlx_dsv41.convert.safetensors_io import SafetensorsCheckpoint, SafetensorsError
 from mlx_dsv41.engram_store import EngramStore, EngramStoreError
-from test_safetensors_io import save_safetensors
 
 ROWS, HEAD_DIM, CHUNK = 5000, 256, 512  # 10 chunks, the last one partial (392 rows)
 ROW_BYTES = HEAD_DIM + HEAD_DIM // 32

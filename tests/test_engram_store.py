@@ -8,10 +8,10 @@ import threading
 
 import numpy as np
 import pytest
+from test_engram_rows import CHUNK, HEAD_DIM, ROW_BYTES, ROWS, engram_table
 
 from mlx_dsv41.convert.engram_rows import table_from_arrays, write_engram_rows
 from mlx_dsv41.engram_store import EngramStore, EngramStoreError, StoreStats, row_file_name
-from test_engram_rows import CHUNK, HEAD_DIM, ROW_BYTES, ROWS, engram_table
 
 MODES = ["pread", "mmap", "ram", "auto"]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from demo_helpers import REPO, demo_checkpoint, env, loaded  # noqa: F401 (module fixtures)
+from demo_helpers import REPO, demo_checkpoint
 
 import mlx_dsv41
 

@@ -5,12 +5,12 @@ fixture."""
 import hashlib
 from pathlib import Path
 
+import exl3_numpy
 import mlx.core as mx
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-import exl3_numpy
 from mlx_dsv41.exl3 import codebook_table, dequantize, k2_from_trellis_shape, reconstruct
 from mlx_dsv41.exl3.trellis import tile_states
 

@@ -8,14 +8,14 @@ tests (tests/gpu/test_exl3_kernels.py) repeat this on the device."""
 
 import shutil
 
+import exl3_sim
 import mlx.core as mx
 import numpy as np
 import pytest
-
-import exl3_sim
 from exl3_numpy import rel_err
+
 from mlx_dsv41.exl3 import EXL3Experts, reference
-from mlx_dsv41.exl3.testing import random_experts_tensors, random_linear_tensors
+from mlx_dsv41.exl3.synthetic import random_experts_tensors, random_linear_tensors
 from mlx_dsv41.kernels import exl3 as launch
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel simulator needs g++")
@@ -93,7 +93,7 @@ def gemv_case(i):
 def gemv_runs(request):
     cases = [gemv_case(i) for i in range(len(GEMV_CASES))]
     specs = []
-    for x, args, out_dtype, calls in cases:
+    for *_, calls in cases:
         specs.append((launch.GEMV, calls[0]))
         if len(calls) == 2:
             partial_shape = calls[0]["output_shapes"][0]
@@ -223,7 +223,7 @@ def expert_runs(request):
         weights = mx.array(rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32))
         cases.append((ex, x, indices, weights, *expert_chain(ex, x, indices, weights, tuning)))
     specs = []
-    for ex, x, indices, weights, gu_calls, swiglu, down_calls, finish in cases:
+    for *_, gu_calls, swiglu, down_calls, finish in cases:
         specs += [(launch.EXPERT_GATE_UP, c) for c in gu_calls] + [(launch.EXPERT_SWIGLU, swiglu)]
         specs += [(launch.EXPERT_DOWN, c) for c in down_calls] + [(launch.EXPERT_DOWN_FINISH, finish)]
     program = exl3_sim.build(specs, mma=request.param)

@@ -3,19 +3,25 @@ from the independent numpy decoder; stored-tensor validation errors."""
 
 from pathlib import Path
 
+import exl3_numpy
 import ml_dtypes
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from exl3_numpy import rel_err
 from mlx.utils import tree_flatten
 from safetensors.numpy import load_file
 
-import exl3_numpy
-from exl3_numpy import rel_err
-from mlx_dsv41.exl3 import (EXL3Experts, EXL3Linear, codebook_from_markers, experts_from_stored,
-                            linear_from_stored, linear_tensors)
-from mlx_dsv41.exl3.testing import random_experts_tensors, random_linear_tensors
+from mlx_dsv41.exl3 import (
+    EXL3Experts,
+    EXL3Linear,
+    codebook_from_markers,
+    experts_from_stored,
+    linear_from_stored,
+    linear_tensors,
+)
+from mlx_dsv41.exl3.synthetic import random_experts_tensors, random_linear_tensors
 
 FIXTURE = Path(__file__).parent / "fixtures" / "exl3_ref_fixture.safetensors"
 MUL1_MARKER, MCG_MARKER = -2082680531, -877912083
@@ -285,8 +291,7 @@ def test_cpu_gathered_experts_give_the_one_expert_at_a_time_bytes(expert_range):
     """The CPU path runs every slot at once over the decoded W̃ (no host read of the routing); it
     must give exactly what one expert at a time gives (the CPU's GEMMs are row-independent), mixed
     K in w2 and slots outside the held range (exactly 0) included."""
-    from mlx_dsv41.exl3 import reference
-    from mlx_dsv41.exl3 import ops
+    from mlx_dsv41.exl3 import ops, reference
 
     tensors = random_experts_tensors(6, 256, 384, bits={"w1": 3, "w3": 3, "w2": (2, 4)}, seed=9)
     ex = experts_from_stored(tensors, "experts", 6, 256, 384, 10.0, expert_range)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from demo_helpers import REPO, demo_checkpoint, detokenize, env, greedy, loaded  # noqa: F401 (module fixtures)
+from demo_helpers import REPO, demo_checkpoint, detokenize, greedy
 
 import mlx_dsv41
 from mlx_dsv41 import chat

@@ -7,13 +7,13 @@ repeats this on the device with the kernel contract (nonfinite inputs, repeats, 
 
 import shutil
 
+import exl3_sim
 import mlx.core as mx
 import numpy as np
 import pytest
 from attention_stack import rb
 from test_hyper_connections import mixes_f64
 
-import exl3_sim
 from mlx_dsv41.kernels import hyper_connections as hc
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel simulator needs g++")

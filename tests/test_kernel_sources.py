@@ -4,10 +4,10 @@ its CUDA source compiles with nvcc. A compile check, not a run: GPU runs are in 
 import re
 import shutil
 
+import kernel_source_check as source_check
 import pytest
 
 from mlx_dsv41 import kernels
-import kernel_source_check as source_check
 
 CASES = [
     (name, i)

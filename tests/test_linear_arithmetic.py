@@ -27,10 +27,10 @@ from exl3_numpy import reconstruct as exl3_reconstruct
 
 from mlx_dsv41 import exl3
 from mlx_dsv41.config import ModelArgs
-from mlx_dsv41.exl3.testing import random_experts_tensors, random_linear_tensors
+from mlx_dsv41.exl3.synthetic import random_experts_tensors, random_linear_tensors
 from mlx_dsv41.model.moe import SharedExpert
 from mlx_dsv41.quant import accumulation, make_experts, make_grouped_linear, make_linear, module_tensors
-from mlx_dsv41.tiny_checkpoints import decode_fp4, decode_fp8, quantize_fp4, quantize_fp8
+from mlx_dsv41.synthetic_checkpoints import decode_fp4, decode_fp8, quantize_fp4, quantize_fp8
 
 K, N = 5120, 256
 BOUND = 3e-3  # relative L2 error of a bf16 output against float64 rounded once

@@ -7,9 +7,9 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
+from convert_fixtures import convert_tiny_exl3
 
 import mlx_dsv41
-from convert_fixtures import convert_tiny_exl3
 from mlx_dsv41 import layout
 from mlx_dsv41.loading import LoadError, checkpoint_kind, is_converted
 
@@ -35,7 +35,7 @@ def _fails(path, message, **kwargs):
 def test_load_returns_a_working_pair(converted):
     model, tokenizer = mlx_dsv41.load(converted / "out", lazy=True)
     ids = tokenizer.encode("w3 w4 W5 w7")
-    assert ids == [3, 4, 122, 7]  # "W5" is the uppercase variant 122 (mlx_dsv41.tiny_checkpoints)
+    assert ids == [3, 4, 122, 7]  # "W5" is the uppercase variant 122 (mlx_dsv41.synthetic_checkpoints)
     logits = model(mx.array([ids]))
     assert logits.shape == (1, 4, 160) and np.isfinite(np.array(logits)).all()
     assert tokenizer.eos_token_ids == {1}

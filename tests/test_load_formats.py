@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten
 
 from mlx_dsv41.quant import FormatError, MXExperts, make_experts, make_grouped_linear, make_linear, module_tensors
 from mlx_dsv41.quant.official import fp4_to_mxfp4, fp8_block_to_mxfp8
-from mlx_dsv41.tiny_checkpoints import decode_fp4, decode_fp8, quantize_fp4, quantize_fp8
+from mlx_dsv41.synthetic_checkpoints import decode_fp4, decode_fp8, quantize_fp4, quantize_fp8
 
 rng = np.random.default_rng(11)
 N, D, INTER = 6, 64, 96

@@ -14,9 +14,14 @@ from mlx_dsv41.config import ConfigError
 from mlx_dsv41.loading import LoadError, load_model
 from mlx_dsv41.model.engram import MemoryRowSource
 from mlx_dsv41.quant import stored_format
-from mlx_dsv41.testing import (
-    official_shapes, random_engram_tables, random_weights, synthetic_token_map, tiny_args,
-    tiny_model, write_checkpoint,
+from mlx_dsv41.synthetic import (
+    official_shapes,
+    random_engram_tables,
+    random_weights,
+    synthetic_token_map,
+    tiny_args,
+    tiny_model,
+    write_checkpoint,
 )
 
 ARGS = tiny_args()
@@ -86,7 +91,7 @@ def test_dropped_tensors_are_never_read(tmp_path, weights):
     io = Path("/proc/self/io")
     if not io.exists():
         pytest.skip("needs /proc/self/io")
-    read = lambda: int(dict(l.split(": ") for l in io.read_text().splitlines())["rchar"])  # noqa: E731
+    read = lambda: int(dict(line.split(": ") for line in io.read_text().splitlines())["rchar"])  # noqa: E731
     before = read()
     model = load_model(path, lazy=False)
     held = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -184,7 +189,7 @@ def test_exl3_tensors_load_through_the_seam(weights):
     layer's EXL3 experts, beside dense tensors, load into their EXL3 modules; the model then tracks
     a dense model holding the same weights dequantized (EXL3 runs its own fp16 internals)."""
     from mlx_dsv41 import exl3  # the project's own package: an import error must fail, not skip
-    from mlx_dsv41.exl3.testing import random_experts_tensors, random_linear_tensors
+    from mlx_dsv41.exl3.synthetic import random_experts_tensors, random_linear_tensors
 
     mixed, dense = dict(weights), dict(weights)
 

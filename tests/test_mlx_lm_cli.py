@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from demo_helpers import REPO, demo_checkpoint, detokenize, env, greedy, loaded  # noqa: F401 (module fixtures)
+from demo_helpers import REPO, demo_checkpoint, detokenize, greedy
 
 from mlx_dsv41 import chat
 

@@ -114,7 +114,7 @@ def test_mlx_lm_load_needs_trust_remote_code(loaded):
 
 @pytest.fixture(scope="module")
 def tiny():
-    from mlx_dsv41.testing import tiny_model
+    from mlx_dsv41.synthetic import tiny_model
 
     return tiny_model(seed=0)
 

@@ -20,8 +20,12 @@ from test_hyper_connections import mixes_f64
 
 from mlx_dsv41.model.deepseek_v41 import Model
 from mlx_dsv41.model.engram import MemoryRowSource
-from mlx_dsv41.testing import (
-    random_engram_tables, random_weights, synthetic_token_map, tiny_args, tiny_model,
+from mlx_dsv41.synthetic import (
+    random_engram_tables,
+    random_weights,
+    synthetic_token_map,
+    tiny_args,
+    tiny_model,
 )
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -335,7 +339,7 @@ def ref_engram(streams, raw, wkv, q_weight, k_weight, head_dim, dead):
 def _reference(args, w, tables, ids, stubs, lag=True):
     """docs/model.md#top-level / docs/model.md#mhc / docs/model.md#engram-gate / docs/model.md#head
     in float64 with the bf16 roundings of the reference."""
-    hc, D = args.hc_mult, args.hidden_size
+    hc = args.hc_mult
     row_ids = _independent_row_ids(args, ids)
     comp = np.where(ids == args.image_token_id, -1, 0)
     h = w["embed.weight"][ids]

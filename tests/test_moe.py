@@ -11,11 +11,11 @@ from mlx_dsv41.model.moe import MoE
 from mlx_dsv41.quant import DenseExperts, FormatError, make_experts
 
 rng = np.random.default_rng(5)
-E, K, D, I, LIMIT = 8, 2, 32, 24, 10.0
+E, K, D, INTER, LIMIT = 8, 2, 32, 24, 10.0
 
 
 def _args(**kw):
-    base = dict(hidden_size=D, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K,
+    base = dict(hidden_size=D, moe_intermediate_size=INTER, n_routed_experts=E, num_experts_per_tok=K,
                 num_hidden_layers=1, num_nextn_predict_layers=0, compress_ratios=(0,),
                 kv_source_layer_ids=(), index_source_layer_ids=(), candidate_source_layer_id=-1,
                 engram_layer_ids=(), engram_num_embeddings=())
@@ -38,9 +38,9 @@ def _slot_ref(x, w1, w3, w2, e, weight, weight_before_w2=True):
 
 
 def _experts(n=E, lo_hi=None):
-    w1 = rb(rng.standard_normal((n, I, D)) / np.sqrt(D))
-    w3 = rb(rng.standard_normal((n, I, D)) / np.sqrt(D))
-    w2 = rb(rng.standard_normal((n, D, I)) / np.sqrt(I))
+    w1 = rb(rng.standard_normal((n, INTER, D)) / np.sqrt(D))
+    w3 = rb(rng.standard_normal((n, INTER, D)) / np.sqrt(D))
+    w2 = rb(rng.standard_normal((n, D, INTER)) / np.sqrt(INTER))
     tensors = {}
     for e in range(n):
         for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
@@ -75,7 +75,7 @@ def test_router_matches_float64_and_bias_only_selects(gate_temp):
 @pytest.mark.parametrize("x_scale", [1.0, 12.0])  # 12: pushes g and u past the ±10 clamp
 def test_dense_experts_per_slot_weight_before_w2(x_scale):
     tensors, (w1, w3, w2) = _experts()
-    experts = make_experts(tensors, "ffn.experts", E, D, I, LIMIT)
+    experts = make_experts(tensors, "ffn.experts", E, D, INTER, LIMIT)
     assert isinstance(experts, DenseExperts) and experts.w1.dtype == mx.float32
     T = 40
     x = rb(rng.standard_normal((T, D)) * x_scale)
@@ -99,9 +99,9 @@ def test_dense_experts_per_slot_weight_before_w2(x_scale):
 
 def test_expert_range_zero_outside_and_bit_exact_inside():
     tensors, _ = _experts()
-    full = make_experts(tensors, "ffn.experts", E, D, I, LIMIT)
-    low = make_experts(tensors, "ffn.experts", E, D, I, LIMIT, expert_range=(0, 3))
-    high = make_experts(tensors, "ffn.experts", E, D, I, LIMIT, expert_range=(3, E))
+    full = make_experts(tensors, "ffn.experts", E, D, INTER, LIMIT)
+    low = make_experts(tensors, "ffn.experts", E, D, INTER, LIMIT, expert_range=(0, 3))
+    high = make_experts(tensors, "ffn.experts", E, D, INTER, LIMIT, expert_range=(3, E))
     assert low.w1.shape[0] == 3 and high.w1.shape[0] == E - 3
     T = 30
     x = mx.array(rng.standard_normal((T, D)).astype(np.float32)).astype(mx.bfloat16)
@@ -118,27 +118,27 @@ def test_expert_range_zero_outside_and_bit_exact_inside():
 def test_expert_errors_are_precise():
     tensors, _ = _experts()
     with pytest.raises(ValueError, match=r"expert_range \(3, 3\)"):
-        make_experts(tensors, "ffn.experts", E, D, I, LIMIT, expert_range=(3, 3))
+        make_experts(tensors, "ffn.experts", E, D, INTER, LIMIT, expert_range=(3, 3))
     del tensors["ffn.experts.5.w2.weight"]
     with pytest.raises(FormatError, match=r"missing tensor ffn\.experts\.5\.w2\.weight"):
-        make_experts(tensors, "ffn.experts", E, D, I, LIMIT)
+        make_experts(tensors, "ffn.experts", E, D, INTER, LIMIT)
     # The missing expert is outside this range, so it is never read.
-    make_experts(tensors, "ffn.experts", E, D, I, LIMIT, expert_range=(0, 5))
-    tensors["ffn.experts.5.w2.weight"] = mx.zeros((D, I + 1), mx.bfloat16)
+    make_experts(tensors, "ffn.experts", E, D, INTER, LIMIT, expert_range=(0, 5))
+    tensors["ffn.experts.5.w2.weight"] = mx.zeros((D, INTER + 1), mx.bfloat16)
     with pytest.raises(ValueError, match=r"ffn\.experts\.5\.w2\.weight: expected a float tensor of shape \[32, 24\]"):
-        make_experts(tensors, "ffn.experts", E, D, I, LIMIT)
+        make_experts(tensors, "ffn.experts", E, D, INTER, LIMIT)
 
 
 def test_moe_block_matches_float64():
     args = _args()
     moe = MoE(args)
     tensors, (w1, w3, w2) = _experts()
-    moe.experts = make_experts(tensors, "ffn.experts", E, D, I, LIMIT)
+    moe.experts = make_experts(tensors, "ffn.experts", E, D, INTER, LIMIT)
     gw = rb(rng.standard_normal((E, D)) / np.sqrt(D))
     bias = rng.standard_normal(E).astype(np.float32) * 0.3
     moe.gate.weight = mx.array(gw.astype(np.float32)).astype(mx.bfloat16)
     moe.gate.bias = mx.array(bias)
-    sw = {n: rb(rng.standard_normal(s) / np.sqrt(s[1])) for n, s in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I)))}
+    sw = {n: rb(rng.standard_normal(s) / np.sqrt(s[1])) for n, s in (("w1", (INTER, D)), ("w3", (INTER, D)), ("w2", (D, INTER)))}
     for n, v in sw.items():
         getattr(moe.shared_experts, n).weight = mx.array(v.astype(np.float32)).astype(mx.bfloat16)
     x = rb(rng.standard_normal((2, 7, D)))

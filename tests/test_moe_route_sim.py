@@ -5,11 +5,11 @@ guards. tests/gpu/test_moe_route_gpu.py repeats this on the device."""
 
 import shutil
 
+import exl3_sim
 import mlx.core as mx
 import numpy as np
 import pytest
 
-import exl3_sim
 from mlx_dsv41.kernels import moe_route as mr
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel simulator needs g++")

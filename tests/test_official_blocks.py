@@ -23,8 +23,8 @@ from test_model import ref_engram
 from mlx_dsv41.model.engram import Engram
 from mlx_dsv41.model.hyper_connections import initial_pre
 from mlx_dsv41.quant import accumulation, make_linear
-from mlx_dsv41.testing import random_engram_tables, tiny_args
-from mlx_dsv41.tiny_checkpoints import write_official_checkpoint
+from mlx_dsv41.synthetic import random_engram_tables, tiny_args
+from mlx_dsv41.synthetic_checkpoints import write_official_checkpoint
 
 S = 20  # tokens: the ratio-2 pool (10 entries) and the ratio-1 pool (20) exceed index_topk 4
 # Per block, relative L2 over the streams. Measured: 0 for six of the eight blocks (the same bf16
@@ -71,8 +71,9 @@ class ReferenceBlocks:
 
     def block(self, i, streams, pre):
         a, w, p = self.args, self.w, f"layers.{i}."
-        mix = lambda site, s: mixes_f64(s, w[p + f"hc_{site}_fn"], w[p + f"hc_{site}_base"],  # noqa: E731
-                                        w[p + f"hc_{site}_scale"])
+        def mix(site, s):
+            return mixes_f64(s, w[p + f"hc_{site}_fn"], w[p + f"hc_{site}_base"], w[p + f"hc_{site}_scale"])
+
         a_pre, a_post, a_comb = mix("attn", streams)
         x = ref_rms_norm(rb(np.einsum("si,sid->sd", pre, streams)), w[p + "attn_norm.weight"], a.rms_norm_eps)
         y = self.attention.layer(i, x, self.shared)
@@ -88,8 +89,9 @@ class ReferenceBlocks:
         idx = np.sort(np.argsort(-(scores + w[p + "gate.bias"]), axis=-1, kind="stable")[:, : a.num_experts_per_tok], -1)
         sel = np.take_along_axis(scores, idx, -1)
         wts = sel / (sel.sum(-1, keepdims=True) + 1e-20) * a.routed_scaling_factor
-        stack = lambda proj: np.stack([w[f"{p}experts.{e}.{proj}.weight"]  # noqa: E731
-                                       for e in range(a.n_routed_experts)])
+        def stack(proj):
+            return np.stack([w[f"{p}experts.{e}.{proj}.weight"] for e in range(a.n_routed_experts)])
+
         routed = experts_reference(x, idx, wts, stack("w1"), stack("w3"), stack("w2")).sum(1)
         shared = experts_reference(x, np.zeros((len(x), 1), np.int64), np.ones((len(x), 1)),
                                    *(w[f"{p}shared_experts.{proj}.weight"][None] for proj in ("w1", "w3", "w2")))

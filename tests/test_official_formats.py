@@ -6,8 +6,14 @@ import numpy as np
 import pytest
 
 from mlx_dsv41.quant.official import (
-    E2M1_VALUES, FormatError, dequantize_fp4, dequantize_fp8_block, e4m3_values,
-    fp4_to_mxfp4, fp8_block_to_mxfp8, mx_quantized_linear,
+    E2M1_VALUES,
+    FormatError,
+    dequantize_fp4,
+    dequantize_fp8_block,
+    e4m3_values,
+    fp4_to_mxfp4,
+    fp8_block_to_mxfp8,
+    mx_quantized_linear,
 )
 
 rng = np.random.default_rng(7)

@@ -36,8 +36,8 @@ import pytest
 
 from mlx_dsv41.model.hyper_connections import initial_pre
 from mlx_dsv41.model.moe import sum_slots
-from mlx_dsv41.testing import hf_config, random_weights, tiny_args, tiny_model
-from mlx_dsv41.tiny_checkpoints import write_official_checkpoint
+from mlx_dsv41.synthetic import hf_config, random_weights, tiny_args, tiny_model
+from mlx_dsv41.synthetic_checkpoints import write_official_checkpoint
 
 ref = pytest.importorskip("mlx_lm.models.deepseek_v41")
 L = 24

@@ -8,7 +8,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from demo_helpers import REPO, demo_checkpoint, demo_server, detokenize, env, greedy, loaded  # noqa: F401 (fixtures)
+from demo_helpers import REPO, demo_checkpoint, detokenize, greedy
 
 from mlx_dsv41 import chat
 

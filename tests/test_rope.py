@@ -18,6 +18,7 @@ from attention_stack import FLASH_YARN, ref_frequencies, ref_rope
 from mlx_dsv41.config import ConfigError, ModelArgs
 from mlx_dsv41.model.rope import RoPE, make_rope, rope_frequencies, yarn_correction_range
 
+
 def test_flash_yarn_correction_dims_are_floored_and_ceiled():
     # docs/model.md#rope: unfloored 15.45 and 24.71 -> low 15, high 25.
     def corr(rot):

@@ -122,7 +122,7 @@ def test_row_read_touches_only_the_rows(tmp_path):
 
         def rchar():
             with open("/proc/self/io") as io:
-                return int(next(l for l in io if l.startswith("rchar")).split()[1])
+                return int(next(line for line in io if line.startswith("rchar")).split()[1])
 
         before = rchar()
         got = f.read_rows("big", 1000, 1002)

@@ -1,6 +1,7 @@
 """benchmarks/sass_exl3.py's reading of an nvdisasm listing: the block loop is the backward
 branch around MMAs with the fewest always-run instructions per MMA, and what a forward branch
-inside it may skip (staging, copy issue) is set apart from the per-tile count. A synthetic listing keeps the test independent of nvdisasm."""
+inside it may skip (staging, copy issue) is set apart from the per-tile count. A synthetic listing
+keeps the test independent of nvdisasm."""
 
 import importlib.util
 from pathlib import Path

@@ -16,7 +16,8 @@ import time
 import mlx.core as mx
 import openai
 import pytest
-from demo_helpers import demo_server, detokenize, greedy, loaded  # noqa: F401 (fixtures: server, loaded)
+from demo_helpers import detokenize, greedy
+
 
 def request(server, method, path, body=None, raw: bytes | None = None, timeout=120):
     host, port, _ = server
@@ -139,7 +140,7 @@ def test_prompt_cache_exact_hits_and_long_trims_stay_usable():
     entry that would need more than `max_trim()` tokens removed falls back to no cache instead of
     raising in the generation thread."""
     from mlx_dsv41.server_generation import PromptCache
-    from mlx_dsv41.testing import tiny_model
+    from mlx_dsv41.synthetic import tiny_model
 
     model = tiny_model(seed=0)
     tokens = list(range(3, 60))

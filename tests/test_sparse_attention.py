@@ -5,15 +5,14 @@ the kernels' launch geometry. The kernels themselves run in tests/gpu/test_spars
 tests/test_kernel_sources.py."""
 
 import math
-from pathlib import Path
 import re
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlx_dsv41.kernels import sparse_attention as sa
-
 
 # --------------------------------------------------------------------------------------------
 # float64 oracle and inputs (shared with the GPU tests)
@@ -532,8 +531,10 @@ def test_bodies_share_one_implementation():
     serial = metal_ext.body("sparse_attention_serial")
     parallel = metal_ext.body("sparse_attention_parallel")
     assert "constexpr int GROUPS = 1;" in serial and "constexpr int GROUPS = 8;" in parallel
-    strip = lambda body: [l for l in body.splitlines() if not l.startswith("//")]
-    assert [l.replace("GROUPS = 8", "GROUPS = 1") for l in strip(parallel)] == strip(serial)
+    def strip(body):
+        return [line for line in body.splitlines() if not line.startswith("//")]
+
+    assert [line.replace("GROUPS = 8", "GROUPS = 1") for line in strip(parallel)] == strip(serial)
     assert sa.SERIAL.includes == sa.PARALLEL.includes == ("sparse_attention.h",)
     launch = sa._launch_args(*make_inputs(0, 1, 1, 1, 512, 1, 1, 1), 1.0, "parallel")
     assert math.prod(launch["threadgroup"]) == sa.PARALLEL.max_threads == 256

@@ -15,11 +15,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from demo_helpers import detokenize, greedy, loaded  # noqa: F401 (module fixture)
+from demo_helpers import detokenize, greedy
 
 from mlx_dsv41.cache import DraftCache, EngramHistory, LayerCache
 from mlx_dsv41.speculative import AUTO, DraftStats, Sampling, SpeculativeDecoder, accept, stream_generate
-from mlx_dsv41.testing import TINY_DSPARK, tiny_args, tiny_model
+from mlx_dsv41.synthetic import TINY_DSPARK, tiny_args, tiny_model
 
 ARGS = tiny_args(**TINY_DSPARK)  # window 8, block 5, three stages
 PROMPT = np.random.default_rng(11).integers(3, 150, 13).tolist()  # past the window: rings wrap
@@ -93,7 +93,7 @@ def test_greedy_with_the_heads_own_drafts_and_any_length(model, reference, draft
 
 def test_official_formats_checkpoint_drafts_the_plain_greedy_tokens(tmp_path):
     """mxfp8 linears (main_proj and the stages' attention), mxfp4 experts, bf16 heads."""
-    from mlx_dsv41.tiny_checkpoints import write_official_checkpoint
+    from mlx_dsv41.synthetic_checkpoints import write_official_checkpoint
 
     model = write_official_checkpoint(tmp_path, ARGS, seed=3).source_model()
     assert type(model.mtp[0].main_proj).__name__ == "MXLinear"

@@ -1,5 +1,5 @@
 """`python -m mlx_dsv41.chat`: the interactive chat (mlx_dsv41/chat/repl.py)."""
 
-from .repl import main
+from mlx_dsv41.chat.repl import main
 
 main()

@@ -21,14 +21,23 @@ import copy
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 
-from ..generate import (DEMO_MAX_TOKENS, MIN_P, SEED, TEMP, TOP_K, TOP_P, CLIError, PrefillProgress,
-                        load_for_generation, resolve_model)
-from ..terminal import TokenWriter, dim
-from . import encoding as chat
+from mlx_dsv41.chat import encoding as chat
+from mlx_dsv41.generate import (
+    DEMO_MAX_TOKENS,
+    MIN_P,
+    SEED,
+    TEMP,
+    TOP_K,
+    TOP_P,
+    CLIError,
+    PrefillProgress,
+    load_for_generation,
+    resolve_model,
+)
+from mlx_dsv41.terminal import TokenWriter, dim
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Chat with DeepSeek-V4.1 in the terminal.")
@@ -203,7 +212,7 @@ def main_command(
     effort: str = typer.Option(chat.DEFAULT_EFFORT, "--effort", help="Reasoning effort 1..100 or "
                                "minimal, low, medium, high, max."),
     hide_thinking: bool = typer.Option(False, "--hide-thinking", help="Do not show the reasoning."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help=f"Most tokens per reply "
+    max_tokens: int | None = typer.Option(None, "--max-tokens", min=1, help=f"Most tokens per reply "
                                              f"(default {DEFAULT_MAX_TOKENS}, with --demo {DEMO_MAX_TOKENS})."),
     temp: float = TEMP, top_p: float = TOP_P, top_k: int = TOP_K, min_p: float = MIN_P, seed: int = SEED,
     engram_mode: str = typer.Option(None, "--engram-mode", help="Engram row reads: pread, mmap, ram, auto."),
@@ -211,7 +220,7 @@ def main_command(
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
-    from ..demo import DemoError
+    from mlx_dsv41.demo import DemoError
 
     try:
         conv = Conversation(system, thinking, chat.parse_effort(effort))
@@ -222,7 +231,7 @@ def main_command(
             raise CLIError("the chat runs as one process; use mlx_dsv41.generate under mlx.launch")
     except (CLIError, DemoError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     if demo:
         print(f"NOTE: the demo checkpoint ({path}) has SYNTHETIC RANDOM WEIGHTS: its replies are "
               f"meaningless.", file=sys.stderr)

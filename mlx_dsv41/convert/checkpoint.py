@@ -33,13 +33,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_dsv41 import __version__, layout
+from mlx_dsv41.config import ConfigError
 from mlx_dsv41.convert.engram_rows import write_engram_rows
 from mlx_dsv41.convert.plan import Step, plan_steps
 from mlx_dsv41.convert.safetensors_io import SafetensorsError
 from mlx_dsv41.convert.safetensors_writer import SafetensorsWriter, sync_dir, sync_file
 from mlx_dsv41.convert.source import DSPARK_HINT, ConvertError, Source, open_source
-from mlx_dsv41 import __version__, layout
-from mlx_dsv41.config import ConfigError
 from mlx_dsv41.engram_store import DEFAULT_CHUNK_ROWS, EngramStoreError, RowFileHeader, open_row_file
 from mlx_dsv41.quant import FormatError
 
@@ -183,12 +183,12 @@ def _write_json(path: Path, data, indent: int | None = 1) -> None:
 class _Workdir:
     """OUT.partial, locked, with its convert_state.json."""
 
-    def __init__(self, path: Path, fingerprint: str, report: "_Reporter"):
+    def __init__(self, path: Path, fingerprint: str, report: _Reporter):
         self.path, self.fingerprint, self.report = path, fingerprint, report
         self.complete = False
         self._lock = -1
 
-    def __enter__(self) -> "_Workdir":
+    def __enter__(self) -> _Workdir:
         leftover = self.path.is_dir() and any(e.name != _LOCK for e in self.path.iterdir())
         if leftover and not (self.path / layout.STATE).exists():
             block = _our_block(self.path)
@@ -296,7 +296,7 @@ def _write_tokenizer(source: Source, work: Path, token_map) -> str:
     return tokenizer_sha256
 
 
-def _write_shards(source: Source, steps: list[Step], work: _Workdir, report: "_Reporter") -> dict[str, str]:
+def _write_shards(source: Source, steps: list[Step], work: _Workdir, report: _Reporter) -> dict[str, str]:
     """One output shard per source shard that has tensors to keep; returns the weight map."""
     ckpt = source.ckpt
     groups: dict[Path, list[Step]] = {}
@@ -333,7 +333,7 @@ def _write_shards(source: Source, steps: list[Step], work: _Workdir, report: "_R
     return weight_map
 
 
-def _write_engram(source: Source, work: Path, report: "_Reporter") -> dict:
+def _write_engram(source: Source, work: Path, report: _Reporter) -> dict:
     """One row file per Engram layer; returns their records for config.json."""
     records = {}
     if source.tables:

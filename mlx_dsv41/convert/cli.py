@@ -9,7 +9,6 @@ stderr, and every bad input a one-line `error: ...` with exit status 1 (no trace
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -21,13 +20,13 @@ def convert(
     src: Path = typer.Argument(..., help="The checkpoint to convert: an EXL3 (exllamav3) or the "
                                "official FP8/FP4 DeepSeek-V4.1 directory."),
     out: Path = typer.Argument(..., help="The output directory (must not exist, or be empty)."),
-    engram_from: Optional[Path] = typer.Option(
+    engram_from: Path | None = typer.Option(
         None, "--engram-from", help="A directory with the official Engram tables: the official "
         "release's shards model-00047-of-00048 and model-00048-of-00048 (EXL3 packs have none)."),
-    dspark_from: Optional[Path] = typer.Option(
+    dspark_from: Path | None = typer.Option(
         None, "--dspark-from", help="A directory with the official release's DSpark draft head "
         "(mtp.*), for sources without it (only the shards holding it are read)."),
-    dtype: Optional[str] = typer.Option(
+    dtype: str | None = typer.Option(
         None, "--dtype", help="bf16: dequantize official FP8/FP4 weights (exact) instead of "
         "re-laying them as MLX mxfp8 / mxfp4."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -147,30 +147,37 @@ def write_engram_rows(table: EngramTable, out_path: str | os.PathLike, layer_id:
             os.ftruncate(fd, 0)
             os.ftruncate(fd, header.file_bytes)
             _pwrite_all(fd, header.pack(), 0)
-        if progress is not None:
-            progress(min(header.rows, header.chunks_done * header.chunk_rows), header.rows)
-        # One chunk of read-ahead: the source read of chunk k+1 overlaps hashing and writing
-        # chunk k (pread, sha256 and numpy copies all release the GIL).
-        with ThreadPoolExecutor(1, thread_name_prefix="engram-source") as reader:
-            chunks = range(header.chunks_done, header.n_chunks)
-            pending = reader.submit(table.rows_of, *header.chunk_range(chunks[0])) if chunks else None
-            for k in chunks:
-                rows = pending.result()
-                if k + 1 < header.n_chunks:
-                    pending = reader.submit(table.rows_of, *header.chunk_range(k + 1))
-                lo, hi = header.chunk_range(k)
-                _pwrite_all(fd, rows, header.data_offset + lo * header.row_bytes)
-                sync_file(fd)  # the chunk is durable before the header says it is done
-                header = header.with_chunk(k, chunk_digest(rows))
-                _pwrite_all(fd, header.pack(), 0)
-                if progress is not None:
-                    progress(hi, header.rows)
+        _write_chunks(fd, header, table, progress)
         sync_file(fd)
     finally:
         os.close(fd)
     os.replace(partial, out_path)
     sync_dir(out_path.parent)
     return "resumed" if resumed else "written"
+
+
+def _write_chunks(fd: int, header: RowFileHeader, table: EngramTable,
+                  progress: Callable[[int, int], None] | None) -> None:
+    """The chunks the header does not list as done, each made durable before the header (rewritten
+    after every chunk) says it is."""
+    if progress is not None:
+        progress(min(header.rows, header.chunks_done * header.chunk_rows), header.rows)
+    # One chunk of read-ahead: the source read of chunk k+1 overlaps hashing and writing
+    # chunk k (pread, sha256 and numpy copies all release the GIL).
+    with ThreadPoolExecutor(1, thread_name_prefix="engram-source") as reader:
+        chunks = range(header.chunks_done, header.n_chunks)
+        pending = reader.submit(table.rows_of, *header.chunk_range(chunks[0])) if chunks else None
+        for k in chunks:
+            rows = pending.result()
+            if k + 1 < header.n_chunks:
+                pending = reader.submit(table.rows_of, *header.chunk_range(k + 1))
+            lo, hi = header.chunk_range(k)
+            _pwrite_all(fd, rows, header.data_offset + lo * header.row_bytes)
+            sync_file(fd)  # the chunk is durable before the header says it is done
+            header = header.with_chunk(k, chunk_digest(rows))
+            _pwrite_all(fd, header.pack(), 0)
+            if progress is not None:
+                progress(hi, header.rows)
 
 
 def _resumable_header(fd: int, path: Path, table: EngramTable, layer_id: int,

@@ -24,17 +24,17 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from mlx_dsv41 import exl3, quant
 from mlx_dsv41.convert.safetensors_io import DTYPES, SafetensorsCheckpoint, TensorInfo
 from mlx_dsv41.convert.source import ConvertError, Source
-from mlx_dsv41 import exl3, quant
 from mlx_dsv41.loading import FP32_STORED
 from mlx_dsv41.model.deepseek_v41 import _DROP as DROPPED  # what Model.sanitize drops: one list
 from mlx_dsv41.model.deepseek_v41 import MTP, Model

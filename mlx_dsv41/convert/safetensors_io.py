@@ -224,7 +224,7 @@ class SafetensorsFile:
             os.close(self._fd)
             self._fd = -1
 
-    def __enter__(self) -> "SafetensorsFile":
+    def __enter__(self) -> SafetensorsFile:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -337,7 +337,7 @@ class SafetensorsCheckpoint:
             f.close()
         self._open.clear()
 
-    def __enter__(self) -> "SafetensorsCheckpoint":
+    def __enter__(self) -> SafetensorsCheckpoint:
         return self
 
     def __exit__(self, *exc) -> None:

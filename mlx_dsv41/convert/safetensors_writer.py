@@ -134,7 +134,7 @@ class SafetensorsWriter:
             self._fd = -1
         self.partial.unlink(missing_ok=True)
 
-    def __enter__(self) -> "SafetensorsWriter":
+    def __enter__(self) -> SafetensorsWriter:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:

@@ -19,10 +19,10 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_dsv41.convert.engram_rows import EngramTable, check_table, table_from_checkpoint
-from mlx_dsv41.convert.safetensors_io import SafetensorsCheckpoint, SafetensorsError
 from mlx_dsv41 import layout
 from mlx_dsv41.config import ConfigError, ModelArgs
+from mlx_dsv41.convert.engram_rows import EngramTable, check_table, table_from_checkpoint
+from mlx_dsv41.convert.safetensors_io import SafetensorsCheckpoint, SafetensorsError
 from mlx_dsv41.engram_store import WHERE_TO_GET, EngramStoreError
 from mlx_dsv41.loading import LoadError, checkpoint_kind, read_config, source_quantization
 from mlx_dsv41.model.deepseek_v41 import MTP

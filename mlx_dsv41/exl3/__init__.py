@@ -7,13 +7,12 @@ only builds and launches the GPU kernels. No model knowledge.
 """
 
 from mlx_dsv41.exl3.codebook import CODEBOOKS, codebook_table, decode_states
+from mlx_dsv41.exl3.experts import EXL3ExpertProjection, EXL3Experts, EXL3GroupedLinear  # noqa: E402 (uses the ops)
 from mlx_dsv41.exl3.hadamard import hadamard_128, input_transform, output_transform
+from mlx_dsv41.exl3.linear import EXL3Linear  # noqa: E402
 from mlx_dsv41.exl3.reference import dequantize
 from mlx_dsv41.exl3.stored import check_linear, codebook_from_markers, has_exl3, linear_tensors
 from mlx_dsv41.exl3.trellis import k2_from_trellis_shape, reconstruct
-
-from mlx_dsv41.exl3.experts import EXL3ExpertProjection, EXL3Experts, EXL3GroupedLinear  # noqa: E402 (uses the ops)
-from mlx_dsv41.exl3.linear import EXL3Linear  # noqa: E402
 
 
 def linear_from_stored(tensors, prefix: str, in_features=None, out_features=None) -> EXL3Linear:

@@ -9,7 +9,7 @@ over all local experts.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -178,7 +178,7 @@ class EXL3GroupedLinear(nn.Module):
         self.groups, self.in_features, self.out_features = proj.n_local, proj.in_features, proj.out_features
 
     @classmethod
-    def from_slices(cls, slices: Sequence[dict], in_features: int, out_features: int) -> "EXL3GroupedLinear":
+    def from_slices(cls, slices: Sequence[dict], in_features: int, out_features: int) -> EXL3GroupedLinear:
         """From each group's stored {trellis, suh, svh, codebook} (no bias)."""
         return cls(EXL3ExpertProjection.from_experts(slices, in_features, out_features))
 

@@ -7,7 +7,7 @@ A quantized linear under prefix P is ``P.trellis`` (int16, (k/16, n/16, 16K)), `
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import mlx.core as mx
 import numpy as np

@@ -1,4 +1,5 @@
-"""Random but valid EXL3 tensors, for tests and tiny checkpoints (numpy arrays as stored).
+"""Random but valid EXL3 tensors (numpy arrays as stored), for tests and the synthetic checkpoints
+of the demo.
 
 Every int16 pattern is a valid trellis (docs/exl3.md#bit-ring), so trellises are uniform random.
 suh/svh get the magnitudes exllamav3 produces for weights ~N(0, 0.02²) (docs/exl3.md#scales): |suh|
@@ -7,7 +8,7 @@ suh/svh get the magnitudes exllamav3 produces for weights ~N(0, 0.02²) (docs/ex
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 

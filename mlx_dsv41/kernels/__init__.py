@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np

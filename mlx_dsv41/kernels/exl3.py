@@ -424,7 +424,7 @@ def run_grouped(x, proj) -> mx.array:
 
 
 def _example_linear(k, n, bits, codebook, seed):
-    from mlx_dsv41.exl3.testing import random_linear_tensors
+    from mlx_dsv41.exl3.synthetic import random_linear_tensors
 
     t = random_linear_tensors(k, n, bits, codebook, seed=seed, bias=True)
     return mx.array(t["trellis"]), mx.array(t["suh"]), mx.array(t["svh"]), mx.array(t["bias"])
@@ -464,7 +464,7 @@ def _example_gemv_out():
 
 def _example_experts():
     from mlx_dsv41.exl3.experts import EXL3Experts
-    from mlx_dsv41.exl3.testing import random_experts_tensors
+    from mlx_dsv41.exl3.synthetic import random_experts_tensors
 
     tensors = random_experts_tensors(4, 256, 384, bits={"w1": 3, "w3": 3, "w2": (2, 4)}, seed=6)
     ex = EXL3Experts.from_tensors(tensors, "experts", 4, (1, 4))

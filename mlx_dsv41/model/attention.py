@@ -22,15 +22,15 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import LayerCache
-from ..config import ModelArgs
-from ..kernels.sparse_attention import sparse_attention
-from ..quant import GroupedLinear
-from .compressor import Compressor
-from .fake_quant import fake_quant_fp4, fake_quant_fp8
-from .indexer import Indexer
-from .norm import RMSNorm
-from .rope import make_rope
+from mlx_dsv41.cache import LayerCache
+from mlx_dsv41.config import ModelArgs
+from mlx_dsv41.kernels.sparse_attention import sparse_attention
+from mlx_dsv41.model.compressor import Compressor
+from mlx_dsv41.model.fake_quant import fake_quant_fp4, fake_quant_fp8
+from mlx_dsv41.model.indexer import Indexer
+from mlx_dsv41.model.norm import RMSNorm
+from mlx_dsv41.model.rope import make_rope
+from mlx_dsv41.quant import GroupedLinear
 
 
 def _read(shared: dict, kind: str, source: int, reader: int):

@@ -23,7 +23,7 @@ import os
 
 import mlx.core as mx
 
-from ..kernels import backend
+from mlx_dsv41.kernels import backend
 
 MAX_TOKENS = 10  # batch x tokens: decode and DSpark verify steps (the EXL3 fused-expert limit)
 ENV_VAR = "MLX_DSV41_COMPILE"

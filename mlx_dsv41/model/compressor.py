@@ -14,9 +14,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import LayerCache
-from ..config import ModelArgs
-from .norm import RMSNorm
+from mlx_dsv41.cache import LayerCache
+from mlx_dsv41.config import ModelArgs
+from mlx_dsv41.model.norm import RMSNorm
 
 
 def pool_groups(kv: mx.array, gate: mx.array, ratio: int) -> mx.array:

@@ -23,17 +23,24 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from .. import quant
-from ..batch_cache import BatchCache, batched_forward
-from ..cache import DraftCache, EngramHistory, LayerCache, make_draft_cache, make_engram_history, make_layer_cache
-from ..config import ModelArgs
-from . import compiled_step
-from .attention import Attention
-from .engram import Engram, RowSource
-from .engram_hash import CompressedTokenMap, EngramHashLayout
-from .hyper_connections import collapse_norm, expand, hc_mixes, initial_pre
-from .moe import MoE
-from .norm import RMSNorm
+from mlx_dsv41 import quant
+from mlx_dsv41.batch_cache import BatchCache, batched_forward
+from mlx_dsv41.cache import (
+    DraftCache,
+    EngramHistory,
+    LayerCache,
+    make_draft_cache,
+    make_engram_history,
+    make_layer_cache,
+)
+from mlx_dsv41.config import ModelArgs
+from mlx_dsv41.model import compiled_step
+from mlx_dsv41.model.attention import Attention
+from mlx_dsv41.model.engram import Engram, RowSource
+from mlx_dsv41.model.engram_hash import CompressedTokenMap, EngramHashLayout
+from mlx_dsv41.model.hyper_connections import collapse_norm, expand, hc_mixes, initial_pre
+from mlx_dsv41.model.moe import MoE
+from mlx_dsv41.model.norm import RMSNorm
 
 
 class Block(nn.Module):
@@ -104,7 +111,7 @@ class Model(nn.Module):
         self.layers = [Block(args, i, expert_range) for i in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        from .dspark import DSparkStage  # it subclasses Block (defined here)
+        from mlx_dsv41.model.dspark import DSparkStage  # it subclasses Block (defined here)
 
         # The DSpark stages (`mtp.{s}`); embed and head are the ones above (docs/dspark.md#tensors).
         self.mtp = [DSparkStage(args, s, expert_range) for s in range(args.dspark_stages)]

@@ -25,19 +25,19 @@ the cache holds (docs/dspark.md#stage-cache, docs/dspark.md#stage-rollback).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import DraftCache, LayerCache
-from ..config import ModelArgs
-from ..kernels.sparse_attention import sparse_attention
-from .attention import Attention
-from .deepseek_v41 import Block
-from .hyper_connections import collapse, initial_pre
-from .norm import RMSNorm
+from mlx_dsv41.cache import DraftCache, LayerCache
+from mlx_dsv41.config import ModelArgs
+from mlx_dsv41.kernels.sparse_attention import sparse_attention
+from mlx_dsv41.model.attention import Attention
+from mlx_dsv41.model.deepseek_v41 import Block
+from mlx_dsv41.model.hyper_connections import collapse, initial_pre
+from mlx_dsv41.model.norm import RMSNorm
 
 MAIN_X = "dspark.main_x"  # key of the shared dict: main_x rows of the positions the rings lack
 

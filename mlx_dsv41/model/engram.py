@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..config import ModelArgs
+from mlx_dsv41.config import ModelArgs
 
 # |dot| floor before the signed square root (docs/model.md#engram-gate).
 _GATE_FLOOR = 1e-6

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ConfigError, ModelArgs
-from ..layout import TOKEN_MAP, TOKEN_MAP_FORMAT
+from mlx_dsv41.config import ConfigError, ModelArgs
+from mlx_dsv41.layout import TOKEN_MAP, TOKEN_MAP_FORMAT
 
 DEAD = -1  # a compressed id that stops the n-gram look-back
 
@@ -73,14 +73,14 @@ class CompressedTokenMap:
     size: int  # number of compressed ids
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, expected_size: int) -> "CompressedTokenMap":
+    def from_tokenizer(cls, tokenizer, expected_size: int) -> CompressedTokenMap:
         first_seen: dict[str, int] = {}
         ids = np.array([first_seen.setdefault(k, len(first_seen)) for k in compressed_keys(tokenizer)],
                        dtype=np.int64)
         return cls._checked(ids, len(first_seen), expected_size, "the tokenizer")
 
     @classmethod
-    def _checked(cls, ids: np.ndarray, size: int, expected_size: int, where: str) -> "CompressedTokenMap":
+    def _checked(cls, ids: np.ndarray, size: int, expected_size: int, where: str) -> CompressedTokenMap:
         if size != expected_size:
             raise ConfigError(
                 f"{where} gives {size} compressed Engram token ids but engram_compressed_vocab_size "
@@ -91,7 +91,7 @@ class CompressedTokenMap:
 
     @classmethod
     def load_or_build(cls, tokenizer_file: str | os.PathLike, expected_size: int,
-                      cache_file: str | os.PathLike | None = None) -> "CompressedTokenMap":
+                      cache_file: str | os.PathLike | None = None) -> CompressedTokenMap:
         """Read the JSON cache (default: `engram_token_map.json` next to tokenizer.json, the file a
         converted directory holds) if it was built from this exact tokenizer file; otherwise build
         the map and write the cache."""
@@ -192,7 +192,7 @@ class EngramHashLayout:
     pad_id: int  # compressed id of engram_pad_token_id
 
     @classmethod
-    def from_args(cls, args: ModelArgs, token_map: CompressedTokenMap) -> "EngramHashLayout":
+    def from_args(cls, args: ModelArgs, token_map: CompressedTokenMap) -> EngramHashLayout:
         if token_map.size != args.engram_compressed_vocab_size:
             raise ConfigError(f"token map has {token_map.size} compressed ids, config says "
                               f"engram_compressed_vocab_size = {args.engram_compressed_vocab_size}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..kernels.hyper_connections import collapse, collapse_norm, expand, mixes
+from mlx_dsv41.kernels.hyper_connections import collapse, collapse_norm, expand, mixes
 
 __all__ = ["collapse", "collapse_norm", "expand", "hc_mixes", "initial_pre"]
 

@@ -25,10 +25,10 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config import ModelArgs
-from .fake_quant import fake_quant_fp4
-from .norm import RMSNorm
-from .rope import RoPE, make_rope
+from mlx_dsv41.config import ModelArgs
+from mlx_dsv41.model.fake_quant import fake_quant_fp4
+from mlx_dsv41.model.norm import RMSNorm
+from mlx_dsv41.model.rope import RoPE, make_rope
 
 # Bound on the [B, rows, heads, T] score temporary: prefill scores queries in row chunks.
 _SCORE_CHUNK_ELEMENTS = 1 << 26

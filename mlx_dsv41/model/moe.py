@@ -6,9 +6,10 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config import ModelArgs
-from ..kernels.moe_route import route
-from ..quant import DenseExperts, swiglu_mlp
+from mlx_dsv41.config import ModelArgs
+from mlx_dsv41.kernels.moe_route import route
+from mlx_dsv41.quant import DenseExperts, swiglu_mlp
+
 
 def sum_slots(slots: mx.array) -> mx.array:
     """Per-slot outputs [T, k, D] fp32 -> [T, D], summed in slot order (the reference's order)."""

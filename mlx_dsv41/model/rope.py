@@ -16,7 +16,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from ..config import ConfigError, ModelArgs
+from mlx_dsv41.config import ConfigError, ModelArgs
 
 
 def yarn_correction_range(dims: int, theta: float, beta_fast: float, beta_slow: float,

@@ -22,18 +22,18 @@ uint32 + `P.scales`).
 from __future__ import annotations
 
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import official
-from .dense import DenseExperts
-from .errors import FormatError
-from .experts import check_expert_range, expert_projections, swiglu
-from .mx_experts import MXExperts, MXProjection
-from .official import MODES as MX_MODES
+from mlx_dsv41.quant import official
+from mlx_dsv41.quant.dense import DenseExperts
+from mlx_dsv41.quant.errors import FormatError
+from mlx_dsv41.quant.experts import check_expert_range, expert_projections, swiglu
+from mlx_dsv41.quant.mx_experts import MXExperts, MXProjection
+from mlx_dsv41.quant.official import MODES as MX_MODES
 
 __all__ = [
     "DenseExperts", "DenseLinear", "FormatError", "GroupSlices", "GroupedLinear", "MXExperts", "check_expert_range",

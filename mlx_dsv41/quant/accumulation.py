@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..kernels import backend
+from mlx_dsv41.kernels import backend
 
 _QUANTIZED_OPS = ("quantized_matmul", "gather_qmm")
 _CUDA_QMV_ROWS = 8  # CUDA: quantized products with fewer rows take the qmv kernels

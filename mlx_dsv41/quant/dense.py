@@ -7,13 +7,20 @@ or the official FP4 experts.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import FormatError
-from .experts import check_expert_range, check_routing, expert_projections, held_slots, swiglu, zero_unheld
+from mlx_dsv41.quant.errors import FormatError
+from mlx_dsv41.quant.experts import (
+    check_expert_range,
+    check_routing,
+    expert_projections,
+    held_slots,
+    swiglu,
+    zero_unheld,
+)
 
 
 class DenseExperts(nn.Module):
@@ -34,7 +41,7 @@ class DenseExperts(nn.Module):
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, mx.array], prefix: str, n_experts: int, dim: int,
                      intermediate: int, swiglu_limit: float,
-                     expert_range: tuple[int, int] | None = None) -> "DenseExperts":
+                     expert_range: tuple[int, int] | None = None) -> DenseExperts:
         """Stack `{prefix}.{e}.{w1,w2,w3}.weight` for the experts in range (others are not read)."""
         module = cls(n_experts, dim, intermediate, swiglu_limit, expert_range)
         lo, hi = module.expert_range
@@ -55,7 +62,7 @@ class DenseExperts(nn.Module):
     @classmethod
     def from_stacked(cls, tensors: Mapping[str, mx.array], prefix: str, n_experts: int, dim: int,
                      intermediate: int, swiglu_limit: float,
-                     expert_range: tuple[int, int] | None = None) -> "DenseExperts":
+                     expert_range: tuple[int, int] | None = None) -> DenseExperts:
         """`{prefix}.{w1,w2,w3}` stacked over all experts or over exactly the experts in range."""
         module = cls(n_experts, dim, intermediate, swiglu_limit, expert_range)
         lo, hi = module.expert_range

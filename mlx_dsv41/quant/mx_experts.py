@@ -12,15 +12,22 @@ float32 per slot.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .accumulation import quantized_input
-from .errors import FormatError
-from .experts import check_expert_range, check_routing, expert_projections, held_slots, swiglu, zero_unheld
-from .official import GROUP, MODES, mx_shapes
+from mlx_dsv41.quant.accumulation import quantized_input
+from mlx_dsv41.quant.errors import FormatError
+from mlx_dsv41.quant.experts import (
+    check_expert_range,
+    check_routing,
+    expert_projections,
+    held_slots,
+    swiglu,
+    zero_unheld,
+)
+from mlx_dsv41.quant.official import GROUP, MODES, mx_shapes
 
 
 class MXProjection(nn.Module):
@@ -73,7 +80,7 @@ class MXExperts(nn.Module):
     @classmethod
     def from_parts(cls, parts: Mapping[str, Sequence[tuple[mx.array, mx.array, str]]], n_experts: int,
                    dim: int, intermediate: int, swiglu_limit: float,
-                   expert_range: tuple[int, int] | None = None) -> "MXExperts":
+                   expert_range: tuple[int, int] | None = None) -> MXExperts:
         """From per-expert `(weight, scales, mode)` of each projection ("w1", "w3", "w2"), in
         expert order over the range; every expert of a projection must share the mode."""
         projections = {}

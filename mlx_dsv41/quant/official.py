@@ -18,8 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .accumulation import quantized_input
-from .errors import FormatError
+from mlx_dsv41.quant.accumulation import quantized_input
+from mlx_dsv41.quant.errors import FormatError
 
 GROUP = 32  # MX block: 32 inputs share one E8M0 scale
 MODES = {"mxfp4": 4, "mxfp8": 8}  # MLX's MX modes and their bits per weight

@@ -41,7 +41,12 @@ _MAIN = r"""
 #include <unistd.h>
 static std::vector<unsigned char> sim_file;
 static size_t sim_pos = 0;
-template <typename T> static T sim_read() { T v; std::memcpy(&v, sim_file.data() + sim_pos, sizeof(T)); sim_pos += sizeof(T); return v; }
+template <typename T> static T sim_read() {
+  T v;
+  std::memcpy(&v, sim_file.data() + sim_pos, sizeof(T));
+  sim_pos += sizeof(T);
+  return v;
+}
 // A buffer that ends (16-byte rounded) right before an inaccessible page.
 static void* sim_guarded(size_t nbytes) {
   const size_t page = (size_t)sysconf(_SC_PAGESIZE);

@@ -33,6 +33,7 @@ from mlx_dsv41.model.fake_quant import E2M1, E4M3, fake_quant_fp4, fake_quant_fp
 from mlx_dsv41.model.indexer import select_candidate_blocks, select_topk
 from mlx_dsv41.model.rope import RoPE
 
+
 def _both(fn, *inputs):
     """fn on the default (GPU) device and on the CPU stream, as numpy."""
     gpu = fn(*inputs)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlx_dsv41.model import compiled_step
-from mlx_dsv41.testing import tiny_model
+from mlx_dsv41.synthetic import tiny_model
 
 pytestmark = pytest.mark.gpu
 L, PREFILL = 22, 9

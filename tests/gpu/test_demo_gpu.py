@@ -21,8 +21,8 @@ from mlx_dsv41.demo import DEMO_CONFIG
 from mlx_dsv41.kernels import sparse_attention
 from mlx_dsv41.model.deepseek_v41 import Model
 from mlx_dsv41.model.engram import MemoryRowSource
-from mlx_dsv41.testing import random_engram_tables, synthetic_token_map, tiny_args
-from mlx_dsv41.tiny_checkpoints import exl3_tensors
+from mlx_dsv41.synthetic import random_engram_tables, synthetic_token_map, tiny_args
+from mlx_dsv41.synthetic_checkpoints import exl3_tensors
 
 VOCAB, L = 809, 40  # the demo tokenizer's size; 40 tokens cross the window (16) and candidate blocks
 

@@ -12,17 +12,16 @@
 
 import math
 
+import exl3_numpy
 import mlx.core as mx
 import numpy as np
 import pytest
-
-import exl3_numpy
 from exl3_numpy import rel_err
-from mlx_dsv41.exl3 import EXL3Experts, EXL3Linear, reference
-from mlx_dsv41.exl3.testing import random_experts_tensors, random_linear_tensors
-from mlx_dsv41.exl3 import ops
-from mlx_dsv41.kernels import exl3 as launch
 from test_exl3_layers import experts_f64
+
+from mlx_dsv41.exl3 import EXL3Experts, EXL3Linear, ops, reference
+from mlx_dsv41.exl3.synthetic import random_experts_tensors, random_linear_tensors
+from mlx_dsv41.kernels import exl3 as launch
 
 BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 CODEBOOKS = ("3inst", "mcg", "mul1")

@@ -15,7 +15,16 @@ import numpy as np
 import pytest
 from attention_stack import rb
 from test_linear_arithmetic import (  # noqa: F401 (fixtures)
-    BOUND, SAME, _official, activations, check_experts, check_linear, experts, f64, linear, rel_err,
+    BOUND,
+    SAME,
+    _official,
+    activations,
+    check_experts,
+    check_linear,
+    experts,
+    f64,
+    linear,
+    rel_err,
     test_grouped_linear_sums_in_fp32,
 )
 
@@ -23,12 +32,12 @@ from mlx_dsv41.quant import accumulation, make_linear
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 512])
-def test_linear_on_the_gpu(linear, rows):
+def test_linear_on_the_gpu(linear, rows):  # noqa: F811 (the imported fixture)
     check_linear(*linear, rows)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 12])
-def test_experts_on_the_gpu(experts, tokens):
+def test_experts_on_the_gpu(experts, tokens):  # noqa: F811 (the imported fixture)
     check_experts(*experts, tokens)
 
 

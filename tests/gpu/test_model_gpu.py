@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dsv41.testing import random_weights, tiny_args, tiny_model
+from mlx_dsv41.synthetic import random_weights, tiny_args, tiny_model
 
 L = 24
 

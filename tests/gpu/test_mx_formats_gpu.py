@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-
 from test_load_formats import (  # noqa: F401 (collected here: the same checks on the GPU device)
-    D, INTER, N, _expert_tensors, _fp4, _fp8, _slots_reference, test_fp8_grouped_linear_is_dequantized_exactly,
-    test_official_experts, test_official_linear_is_exact,
+    INTER,
+    D,
+    N,
+    _expert_tensors,
+    _fp4,
+    _fp8,
+    _slots_reference,
+    test_fp8_grouped_linear_is_dequantized_exactly,
+    test_official_experts,
+    test_official_linear_is_exact,
     test_stacked_experts_over_all_experts_sliced_to_the_range,
 )
+
 from mlx_dsv41.quant import make_experts, make_linear
 
 

@@ -16,9 +16,9 @@ from fractions import Fraction
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_sparse_attention import as_f64, assert_matches_f64, attention_f64, make_inputs, misaligned
 
 from mlx_dsv41.kernels import sparse_attention as sa
-from test_sparse_attention import as_f64, assert_matches_f64, attention_f64, make_inputs, misaligned
 
 pytestmark = pytest.mark.gpu
 F32, BF16 = mx.float32, mx.bfloat16
