@@ -16,6 +16,11 @@ class ConfigError(ValueError):
     """A config that cannot describe a DeepSeek-V4.1 model; the message says which key is wrong."""
 
 
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
 @dataclass(frozen=True)
 class LayerRole:
     """What one backbone layer does (docs/model.md#layer-roles).
@@ -219,82 +224,96 @@ class ModelArgs:
     # ---------------------------------------------------------------- checks
 
     def validate(self) -> None:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ConfigError(msg)
+        """Every field checked in turn (a ConfigError, one line, for the first bad one), then the
+        layer roles they make (_derive_roles) and the DSpark head's."""
+        self._validate_sizes()
+        self._validate_supported()
+        self._validate_dims()
+        self._validate_compress_ratios()
+        self._validate_engram()
+        _derive_roles(self)  # raises ConfigError on inconsistent source ids
+        self._validate_dspark()
 
-        need(self.num_hidden_layers > 0, "num_hidden_layers must be positive")
+    def _validate_sizes(self) -> None:
+        _need(self.num_hidden_layers > 0, "num_hidden_layers must be positive")
         for name in ("vocab_size", "hidden_size", "num_attention_heads", "q_lora_rank", "o_lora_rank",
                      "moe_intermediate_size", "n_routed_experts", "hc_mult", "hc_sinkhorn_iters",
                      "sliding_window", "index_n_heads", "index_topk", "candidate_block_size",
                      "candidate_topk_blocks"):
-            need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
-        need(self.topk_method == "noaux_tc", f"topk_method {self.topk_method!r} is not supported (only 'noaux_tc')")
+            _need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+
+    def _validate_supported(self) -> None:
+        """The release's choices, the only ones the model implements."""
+        _need(self.topk_method == "noaux_tc", f"topk_method {self.topk_method!r} is not supported (only 'noaux_tc')")
         # The reference always renormalises sqrtsoftplus routing weights (docs/model.md#moe).
-        need(self.norm_topk_prob is True, "norm_topk_prob must be true for sqrtsoftplus routing")
-        need(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
-        need(self.gate_temp > 0, f"gate_temp must be positive, got {self.gate_temp}")
-        need(not self.tie_word_embeddings, "tie_word_embeddings must be false (embed and head are separate)")
-        need(self.num_key_value_heads == 1,
+        _need(self.norm_topk_prob is True, "norm_topk_prob must be true for sqrtsoftplus routing")
+        _need(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        _need(self.gate_temp > 0, f"gate_temp must be positive, got {self.gate_temp}")
+        _need(not self.tie_word_embeddings, "tie_word_embeddings must be false (embed and head are separate)")
+        _need(self.num_key_value_heads == 1,
              f"num_key_value_heads must be 1 (one shared K=V latent), got {self.num_key_value_heads}")
-        need(self.n_shared_experts == 1, f"n_shared_experts must be 1, got {self.n_shared_experts}")
-        need(self.scoring_func == "sqrtsoftplus",
+        _need(self.n_shared_experts == 1, f"n_shared_experts must be 1, got {self.n_shared_experts}")
+        _need(self.scoring_func == "sqrtsoftplus",
              f"scoring_func {self.scoring_func!r} is not supported (only 'sqrtsoftplus')")
-        need(0 < self.qk_rope_head_dim <= self.head_dim and self.qk_rope_head_dim % 2 == 0,
+
+    def _validate_dims(self) -> None:
+        _need(0 < self.qk_rope_head_dim <= self.head_dim and self.qk_rope_head_dim % 2 == 0,
              f"qk_rope_head_dim {self.qk_rope_head_dim} must be even and <= head_dim {self.head_dim}")
-        need(self.num_attention_heads % self.o_groups == 0,
+        _need(self.num_attention_heads % self.o_groups == 0,
              f"num_attention_heads {self.num_attention_heads} is not a multiple of o_groups {self.o_groups}")
-        need(0 < self.num_experts_per_tok <= self.n_routed_experts,
+        _need(0 < self.num_experts_per_tok <= self.n_routed_experts,
              "num_experts_per_tok must be in 1..n_routed_experts")
-        need(self.head_dim % 32 == 0, f"head_dim {self.head_dim} must be a multiple of 32 (fake-quant blocks)")
-        need(self.index_head_dim % 32 == 0 and self.index_head_dim >= self.qk_rope_head_dim,
+        _need(self.head_dim % 32 == 0, f"head_dim {self.head_dim} must be a multiple of 32 (fake-quant blocks)")
+        _need(self.index_head_dim % 32 == 0 and self.index_head_dim >= self.qk_rope_head_dim,
              f"index_head_dim {self.index_head_dim} must be a multiple of 32 and >= qk_rope_head_dim")
+
+    def _validate_compress_ratios(self) -> None:
         expected = self.num_hidden_layers + self.num_nextn_predict_layers
-        need(len(self.compress_ratios) == expected,
+        _need(len(self.compress_ratios) == expected,
              f"compress_ratios has {len(self.compress_ratios)} entries; expected num_hidden_layers + "
              f"num_nextn_predict_layers = {self.num_hidden_layers} + {self.num_nextn_predict_layers} = {expected}")
-        need(all(r in (0, 1, 2) for r in self.compress_ratios),
+        _need(all(r in (0, 1, 2) for r in self.compress_ratios),
              f"compress_ratios may only hold 0, 1 or 2, got {sorted(set(self.compress_ratios))}")
-        need(len(self.engram_num_embeddings) == len(self.engram_layer_ids),
+
+    def _validate_engram(self) -> None:
+        _need(len(self.engram_num_embeddings) == len(self.engram_layer_ids),
              f"engram_num_embeddings has {len(self.engram_num_embeddings)} entries for "
              f"{len(self.engram_layer_ids)} engram layers")
         for i in self.engram_layer_ids:
-            need(0 <= i < self.num_hidden_layers, f"engram layer {i} is not a backbone layer")
-        need(len(set(self.engram_layer_ids)) == len(self.engram_layer_ids),
+            _need(0 <= i < self.num_hidden_layers, f"engram layer {i} is not a backbone layer")
+        _need(len(set(self.engram_layer_ids)) == len(self.engram_layer_ids),
              f"engram_layer_ids has duplicates: {list(self.engram_layer_ids)}")
         if self.engram_layer_ids:
-            need(self.engram_max_ngram_size >= 2, "engram_max_ngram_size must be >= 2")
-            need(self.engram_n_heads > 0, f"engram_n_heads must be positive, got {self.engram_n_heads}")
-            need(0 < self.engram_compressed_vocab_size <= self.vocab_size,
+            _need(self.engram_max_ngram_size >= 2, "engram_max_ngram_size must be >= 2")
+            _need(self.engram_n_heads > 0, f"engram_n_heads must be positive, got {self.engram_n_heads}")
+            _need(0 < self.engram_compressed_vocab_size <= self.vocab_size,
                  f"engram_compressed_vocab_size {self.engram_compressed_vocab_size} must be in "
                  f"1..vocab_size ({self.vocab_size})")
-            need(0 <= self.engram_pad_token_id < self.vocab_size,
+            _need(0 <= self.engram_pad_token_id < self.vocab_size,
                  f"engram_pad_token_id {self.engram_pad_token_id} is not a token id (0..{self.vocab_size - 1})")
-            need(self.engram_head_dim % 32 == 0,
+            _need(self.engram_head_dim % 32 == 0,
                  "engram_head_dim must be a multiple of 32 (one e8m0 scale per 32 values)")
-        _derive_roles(self)  # raises ConfigError on inconsistent source ids
-        self._validate_dspark(need)
 
-    def _validate_dspark(self, need) -> None:
+    def _validate_dspark(self) -> None:
         """Values that are present must make sense; missing ones only turn drafting off."""
         targets = self.dspark_target_layer_ids
         for i in targets:
-            need(0 <= i < self.num_hidden_layers, f"dspark_target_layer_ids: {i} is not a backbone layer")
+            _need(0 <= i < self.num_hidden_layers, f"dspark_target_layer_ids: {i} is not a backbone layer")
             # The capture is the block input after Engram (docs/dspark.md#capture); ours is taken
             # before the block, which runs Engram first: exact only for targets without Engram.
-            need(i not in self.engram_layer_ids, f"dspark_target_layer_ids: {i} is an Engram layer")
-        need(len(set(targets)) == len(targets), f"dspark_target_layer_ids has duplicates: {list(targets)}")
+            _need(i not in self.engram_layer_ids, f"dspark_target_layer_ids: {i} is an Engram layer")
+        _need(len(set(targets)) == len(targets), f"dspark_target_layer_ids has duplicates: {list(targets)}")
         if self.dspark_noise_token_id is not None:
-            need(0 <= self.dspark_noise_token_id < self.vocab_size,
+            _need(0 <= self.dspark_noise_token_id < self.vocab_size,
                  f"dspark_noise_token_id {self.dspark_noise_token_id} is not a token id")
-        need(self.dspark_markov_rank > 0, f"dspark_markov_rank must be positive, got {self.dspark_markov_rank}")
-        need(self.dspark_n_routed_experts >= 0, "dspark_n_routed_experts must be >= 0")
+        _need(self.dspark_markov_rank > 0, f"dspark_markov_rank must be positive, got {self.dspark_markov_rank}")
+        _need(self.dspark_n_routed_experts >= 0, "dspark_n_routed_experts must be >= 0")
         stage = self.dspark_stage_args()
-        need(0 < stage.num_experts_per_tok <= stage.n_routed_experts,
+        _need(0 < stage.num_experts_per_tok <= stage.n_routed_experts,
              "dspark_num_experts_per_tok must be in 1..dspark_n_routed_experts")
         if self.dspark_stages:
             stage_ratios = self.compress_ratios[self.num_hidden_layers:]
-            need(not any(stage_ratios), "compress_ratios of the DSpark stages must be 0 "
+            _need(not any(stage_ratios), "compress_ratios of the DSpark stages must be 0 "
                                         f"(docs/dspark.md#config), got {list(stage_ratios)}")
 
 

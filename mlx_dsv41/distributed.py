@@ -240,33 +240,20 @@ _HINTS = {
 }
 
 
-def apply(model, cluster: Cluster | None) -> None:
-    """Install the exchange of `cluster.partition` in every MoE layer, after checking (one
-    collective) that every rank holds its share of the experts and that all ranks agree on the
-    model; any problem is the same DistributedError on every rank. A no-op for cluster None."""
-    if cluster is None:
-        return
-    moes = sorted(((name, m) for name, m in model.named_modules() if isinstance(m, MoE)),
-                  key=lambda item: [int(t) if t.isdigit() else t for t in item[0].split(".")])
-    if not moes:
-        raise ValueError("apply: the model has no MoE layers")
-    size, partition = cluster.size, cluster.partition
-    # Each MoE's share of its own experts (the DSpark stages have fewer than the backbone).
-    wants = [held_experts(cluster.rank, size, partition, moe.gate.weight.shape[0]) for _, moe in moes]
-    layout = [-1, 0, 0]  # first MoE layer holding the wrong experts, and what it holds
+def _first_wrong_layout(moes, wants) -> list[int]:
+    """[i, lo, hi]: the first MoE layer (index i) holding other experts than wants[i], and the
+    range it holds; [-1, 0, 0] when every layer holds its share."""
     for i, (_, moe) in enumerate(moes):
         held = tuple(getattr(moe.experts, "expert_range", None) or (-1, -1))
         if held != wants[i]:
-            layout = [i, *held]
-            break
-    act = model.embed(mx.array([[0]])).dtype  # the activation dtype the MoE hands its experts
-    rounded = layout[0] >= 0 or mx.all(mx.stack([
-        rounds_to(moe.experts, want, model.args.hidden_size, moe.gate.top_k, act)
-        for want, (_, moe) in zip(wants, moes)])).item()
-    digests = model_digests(model)
-    row = [*layout, int(rounded), *(int(v) for d in digests.values() for v in np.frombuffer(d, np.int32))]
-    rows = _gather_rows(cluster.group, row)
-    parts = {what: rows[:, 4 + 4 * i: 8 + 4 * i] for i, what in enumerate(digests)}
+            return [i, *held]
+    return [-1, 0, 0]
+
+
+def _check_rows(model, moes, rows: np.ndarray, digest_names: list[str], size: int, partition: str) -> None:
+    """Every rank's gathered row (its layout, rounding flag and digests) agrees, or every rank
+    raises the same DistributedError for the first disagreement."""
+    parts = {what: rows[:, 4 + 4 * i: 8 + 4 * i] for i, what in enumerate(digest_names)}
 
     def check(what: str) -> None:
         if (parts[what] != parts[what][0]).any():
@@ -288,6 +275,30 @@ def apply(model, cluster: Cluster | None) -> None:
                 f"expert_range=distributed.expert_range(cluster, {model.args.n_routed_experts})")
     check("the loaded tensors (names, shapes, dtypes)")
     check("the routed-expert formats")
+
+
+def apply(model, cluster: Cluster | None) -> None:
+    """Install the exchange of `cluster.partition` in every MoE layer, after checking (one
+    collective) that every rank holds its share of the experts and that all ranks agree on the
+    model; any problem is the same DistributedError on every rank. A no-op for cluster None."""
+    if cluster is None:
+        return
+    moes = sorted(((name, m) for name, m in model.named_modules() if isinstance(m, MoE)),
+                  key=lambda item: [int(t) if t.isdigit() else t for t in item[0].split(".")])
+    if not moes:
+        raise ValueError("apply: the model has no MoE layers")
+    size, partition = cluster.size, cluster.partition
+    # Each MoE's share of its own experts (the DSpark stages have fewer than the backbone).
+    wants = [held_experts(cluster.rank, size, partition, moe.gate.weight.shape[0]) for _, moe in moes]
+    layout = _first_wrong_layout(moes, wants)
+    act = model.embed(mx.array([[0]])).dtype  # the activation dtype the MoE hands its experts
+    rounded = layout[0] >= 0 or mx.all(mx.stack([
+        rounds_to(moe.experts, want, model.args.hidden_size, moe.gate.top_k, act)
+        for want, (_, moe) in zip(wants, moes)])).item()
+    digests = model_digests(model)
+    row = [*layout, int(rounded), *(int(v) for d in digests.values() for v in np.frombuffer(d, np.int32))]
+    rows = _gather_rows(cluster.group, row)
+    _check_rows(model, moes, rows, list(digests), size, partition)
 
     wire = None
     if not rows[:, 3].all():  # some rank's experts do not round to the activation dtype

@@ -390,7 +390,7 @@ def context_limit(max_tokens: int, context: int, max_kv_size: int | None) -> int
     return min(max_tokens, max_kv_size - context)
 
 
-# long: a typer command: its signature is the option table (45 lines), its body setup, one run, the report
+# long: a typer command: its signature is the option table; its body reads setup, one run, the report
 @app.command()
 def generate(
     model: str = typer.Option(None, "--model", "-m", help="Converted checkpoint directory, an HF repo "

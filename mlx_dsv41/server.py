@@ -98,7 +98,7 @@ def serve(model, tokenizer, name: str, cli_args: argparse.Namespace, host: str, 
     server._run_http_server(host, port, generator, server_class=HTTPServer, handler_class=APIHandler)
 
 
-# long: a typer command: its signature is the server's option table (30 lines)
+# long: a typer command: its signature is the server's option table
 @app.command()
 def main_command(
     model: str = typer.Option(None, "--model", "-m", help="Converted checkpoint directory or HF repo id."),

@@ -322,7 +322,6 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, draft: i
     sampling. `prompt_cache` (and, drafting, `draft_cache` at the same position) may hold the
     prompt's first tokens already: `prompt` is the rest. `stats` (a DraftStats) receives the
     rounds' counts; `prompt_progress_callback(done, total)` reports the prefill as mlx-lm does."""
-    from mlx_lm.generate import GenerationResponse
     from mlx_lm.generate import stream_generate as plain_stream_generate
     from mlx_lm.sample_utils import make_sampler
 
@@ -334,14 +333,28 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, draft: i
                                          prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
                                          prompt_progress_callback=prompt_progress_callback)
         return
-    if isinstance(prompt, str):
-        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
-        prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
-    prompt = list(np.array(prompt).reshape(-1).tolist()) if isinstance(prompt, mx.array) else list(prompt)
     decoder = SpeculativeDecoder(model, draft=draft, sampling=sampling, confidence=confidence,
                                  cache=prompt_cache, draft_cache=draft_cache)
     if stats is not None:
         decoder.stats = stats
+    yield from _drafted_responses(decoder, tokenizer, _prompt_ids(tokenizer, prompt), max_tokens, prefill_step_size,
+                                  prompt_progress_callback)
+
+
+def _prompt_ids(tokenizer, prompt) -> list[int]:
+    """A prompt given as text (encoded as mlx-lm does: BOS added unless the text starts with it),
+    an mx.array or a sequence of ids, as a list of ids."""
+    if isinstance(prompt, str):
+        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+        prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
+    return list(np.array(prompt).reshape(-1).tolist()) if isinstance(prompt, mx.array) else list(prompt)
+
+
+def _drafted_responses(decoder, tokenizer, prompt: list[int], max_tokens: int, prefill_step_size: int,
+                       prompt_progress_callback):
+    """stream_generate's responses from a SpeculativeDecoder's tokens."""
+    from mlx_lm.generate import GenerationResponse
+
     detokenizer = tokenizer.detokenizer
     eos = set(tokenizer.eos_token_ids)
     tic = time.perf_counter()

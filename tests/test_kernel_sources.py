@@ -38,12 +38,16 @@ def test_cuda_source_compiles(name, i):
     assert ok, f"{name} example {i}:\n{log[:4000]}"
 
 
-def test_codebook_ids_match_the_decode_header():
-    """The CB template value of each codebook is the header's EXL3_CB_* number."""
+def test_exl3_launch_constants_match_the_format():
+    """The launcher's copies of format facts (it imports nothing of mlx_dsv41.exl3): the 128-block,
+    and each codebook's CB template value, the header's EXL3_CB_* number."""
     from mlx_dsv41 import metal_ext
     from mlx_dsv41.exl3.codebook import CODEBOOKS
+    from mlx_dsv41.exl3.hadamard import BLOCK
+    from mlx_dsv41.kernels import exl3 as launch
     from mlx_dsv41.kernels.exl3 import CODEBOOK_IDS
 
+    assert launch.BLOCK == BLOCK
     defined = re.findall(r"^#define EXL3_CB_(\w+) (\d+)$", metal_ext.read("exl3_decode.h"), re.M)
     assert {name.lower(): int(v) for name, v in defined} == CODEBOOK_IDS
     assert set(CODEBOOK_IDS) == set(CODEBOOKS)

@@ -68,10 +68,7 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *,
         if dtype is not None and source.kind == "exl3":
             raise ConvertError(f"{source.path}: --dtype applies to official FP8/FP4 sources; "
                                "EXL3 tensors are kept as stored")
-        fingerprint = hashlib.sha256(json.dumps(
-            [source.fingerprint, source.engram_fingerprint, dtype, layout.FORMAT_VERSION]
-            + (["dspark", source.dspark_fingerprint] if source.dspark_ckpt is not None else [])
-        ).encode()).hexdigest()
+        fingerprint = _output_fingerprint(source, dtype)
         if _finished(out, fingerprint):
             report.say(f"{out}: already converted from this source; nothing to do")
             return out
@@ -79,18 +76,7 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *,
         if source.dspark_ckpt is None and source.args.dspark_stages:
             report.say(f"{source.path}: no DSpark draft head (mtp.*): the converted model decodes without "
                        f"speculation; {DSPARK_HINT}")
-        steps = plan_steps(source, dtype)
-        token_map = _token_map(source)
-        _check_free_space(out, source, steps)
-        with _Workdir(layout.partial_dir(out), fingerprint, report) as work:
-            if not work.complete:
-                tokenizer_sha256 = _write_tokenizer(source, work.path, token_map)
-                weight_map = _write_shards(source, steps, work, report)
-                engram = _write_engram(source, work.path, report)
-                block = _block(source, steps, weight_map, engram, tokenizer_sha256, dtype, fingerprint, work.path)
-                _write_meta(source, weight_map, block, work.path)
-                _verify(work.path, block)
-            work.finish(out)
+        _write_conversion(source, out, dtype, fingerprint, report)
     except (SafetensorsError, EngramStoreError, FormatError, ConfigError) as e:
         raise ConvertError(" ".join(str(e).split("\n"))) from None
     except OSError as e:
@@ -102,6 +88,32 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *,
     report.say(f"converted {source.path} -> {out}: {written / 1e9:.3f} GB in {seconds:.1f} s "
                f"({written / 1e6 / max(seconds, 1e-9):.0f} MB/s), peak RSS {peak_rss_bytes() / 1e6:.0f} MB")
     return out
+
+
+def _output_fingerprint(source: Source, dtype: str | None) -> str:
+    """What the output depends on: the source (and where its Engram tables and DSpark head come
+    from), the dtype and the layout's version."""
+    return hashlib.sha256(json.dumps(
+        [source.fingerprint, source.engram_fingerprint, dtype, layout.FORMAT_VERSION]
+        + (["dspark", source.dspark_fingerprint] if source.dspark_ckpt is not None else [])
+    ).encode()).hexdigest()
+
+
+def _write_conversion(source: Source, out: Path, dtype: str | None, fingerprint: str, report) -> None:
+    """The conversion into OUT.partial (resumed if it holds this fingerprint's work), verified, then
+    renamed to OUT."""
+    steps = plan_steps(source, dtype)
+    token_map = _token_map(source)
+    _check_free_space(out, source, steps)
+    with _Workdir(layout.partial_dir(out), fingerprint, report) as work:
+        if not work.complete:
+            tokenizer_sha256 = _write_tokenizer(source, work.path, token_map)
+            weight_map = _write_shards(source, steps, work, report)
+            engram = _write_engram(source, work.path, report)
+            block = _block(source, steps, weight_map, engram, tokenizer_sha256, dtype, fingerprint, work.path)
+            _write_meta(source, weight_map, block, work.path)
+            _verify(work.path, block)
+        work.finish(out)
 
 
 SPACE_MARGIN = 64 << 20  # tokenizer, token map, headers, config: small next to the tensors

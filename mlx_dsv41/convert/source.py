@@ -146,6 +146,36 @@ def _dspark_origin(args: ModelArgs, ckpt: SafetensorsCheckpoint, src: Path,
     return origin
 
 
+def _check_no_missing_shard(src: Path, ckpt: SafetensorsCheckpoint) -> None:
+    """Every shard the index lists is there (the Engram tables may come from elsewhere)."""
+    missing = {n: s for n, s in ckpt.missing.items() if ".engram.embed." not in n}
+    if missing:
+        name, shard = next(iter(missing.items()))
+        count = sum(s == shard for s in missing.values())
+        raise ConvertError(f"{src}: shard {shard} is missing ({count} tensors, e.g. {name!r}, are listed in it)")
+
+
+def _tokenizer_file(src: Path, engram_from: Path | None) -> Path:
+    tokenizer = next((d / "tokenizer.json" for d in (src, engram_from)
+                      if d is not None and d.is_dir() and (d / "tokenizer.json").is_file()), None)
+    if tokenizer is None:
+        raise ConvertError(f"{src}: no tokenizer.json (needed for the tokenizer and the Engram "
+                           f"token map); copy it from the official release")
+    return tokenizer
+
+
+def _fingerprints(src: Path, ckpt: SafetensorsCheckpoint, tables, origin, dspark) -> tuple[str, str, str]:
+    """(source, Engram tables, DSpark head) fingerprints: what a resumed conversion must match."""
+    config_bytes = (src / layout.CONFIG).read_bytes()
+    fingerprint = hashlib.sha256(config_bytes + shard_fingerprint(ckpt.shards()).encode()).hexdigest()
+    engram_fp = "" if origin is None else shard_fingerprint(
+        sorted({origin.weight_map[_ENGRAM_TABLE.format(layer, part)]
+                for layer in tables for part in ("weight", "scale")}))
+    dspark_fp = "" if dspark is None or dspark is ckpt else shard_fingerprint(
+        sorted({f for n, f in dspark.weight_map.items() if MTP.match(n)}))
+    return fingerprint, engram_fp, dspark_fp
+
+
 def open_source(src: str | os.PathLike, engram_from: str | os.PathLike | None = None,
                 dspark_from: str | os.PathLike | None = None) -> Source:
     """Everything the converter needs to know about ``src``, checked from headers."""
@@ -163,26 +193,11 @@ def open_source(src: str | os.PathLike, engram_from: str | os.PathLike | None = 
         raise ConvertError(str(e)) from None
     try:
         _open_all(ckpt)
-        missing = {n: s for n, s in ckpt.missing.items() if ".engram.embed." not in n}
-        if missing:
-            name, shard = next(iter(missing.items()))
-            count = sum(s == shard for s in missing.values())
-            raise ConvertError(f"{src}: shard {shard} is missing ({count} tensors, e.g. {name!r}, "
-                               f"are listed in it)")
+        _check_no_missing_shard(src, ckpt)
         tables, origin = _engram_tables(args, ckpt, src, engram_from)
         dspark = _dspark_origin(args, ckpt, src, dspark_from)
-        tokenizer = next((d / "tokenizer.json" for d in (src, engram_from)
-                          if d is not None and d.is_dir() and (d / "tokenizer.json").is_file()), None)
-        if tokenizer is None:
-            raise ConvertError(f"{src}: no tokenizer.json (needed for the tokenizer and the Engram "
-                               f"token map); copy it from the official release")
-        config_bytes = (src / layout.CONFIG).read_bytes()
-        fingerprint = hashlib.sha256(config_bytes + shard_fingerprint(ckpt.shards()).encode()).hexdigest()
-        engram_fp = "" if origin is None else shard_fingerprint(
-            sorted({origin.weight_map[_ENGRAM_TABLE.format(layer, part)]
-                    for layer in tables for part in ("weight", "scale")}))
-        dspark_fp = "" if dspark is None or dspark is ckpt else shard_fingerprint(
-            sorted({f for n, f in dspark.weight_map.items() if MTP.match(n)}))
+        tokenizer = _tokenizer_file(src, engram_from)
+        fingerprint, engram_fp, dspark_fp = _fingerprints(src, ckpt, tables, origin, dspark)
     except (SafetensorsError, EngramStoreError) as e:
         ckpt.close()
         raise ConvertError(str(e)) from None
