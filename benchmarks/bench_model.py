@@ -2,6 +2,11 @@
 
     python3 benchmarks/bench_model.py --out DIR [--quick]       # GPU: the Flash-shaped model
     python3 benchmarks/bench_model.py --out DIR --cpu           # CPU: the demo checkpoint
+    ... --compiled                                              # ours also with the compiled step
+
+--compiled adds a run of our model with the compiled decode step (MLX_DSV41_COMPILE=1; the
+default is eager): its first traces JIT-compile fused kernels (minutes for the Flash shape under
+CUDA; set MLX_PTX_CACHE_DIR to keep them), which the warm-up steps absorb.
 
 GPU mode: the Flash-shaped model of benchmarks/flash_model.py (40 layers with Flash's roles,
 16 routed experts held per layer, every linear the real 2.9 bpw EXL3 pack quantizes as EXL3 MUL1
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import platform
 import re
 import resource
@@ -46,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flash_model  # noqa: E402 (benchmarks/ is not a package)
 
 from mlx_dsv41.kernels import backend  # noqa: E402
+from mlx_dsv41.model import compiled_step  # noqa: E402
 from mlx_dsv41.testing import hf_config  # noqa: E402
 
 VIEWS = {"Reshape", "Broadcast", "Slice", "Squeeze", "ExpandDims", "Transpose", "AsStrided",
@@ -214,10 +221,22 @@ def table(runs: list[dict]) -> str:
             _f(d.get("build_ms_per_token")), str(cu.get("kernels", "—")), _f(cu.get("device_ms")),
             f"{d.get('primitives', '—')} ({d.get('primitives_compute', '—')})",
             f"{_f(r.get('active_GB'), '.1f')} / {_f(d.get('peak_GB'), '.1f')} |"]))
-    if len(runs) == 2 and all("decode" in r for r in runs):
-        a, b = (r["decode"]["ms_per_token_pipelined"] for r in runs)
-        lines.append(f"\n{runs[0]['label']} / {runs[1]['label']} tokens/s (pipelined): {b / a:.2f}x")
+    theirs = [r for r in runs if r["label"].startswith("mlx-lm")]
+    for r in runs:
+        if theirs and r is not theirs[0]:
+            a, b = r["decode"]["ms_per_token_pipelined"], theirs[0]["decode"]["ms_per_token_pipelined"]
+            lines.append(f"\n{r['label']} / {theirs[0]['label']} tokens/s (pipelined): {b / a:.2f}x")
     return "\n".join(lines)
+
+
+def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
+    """Our model eagerly, then (--compiled) with the compiled decode step."""
+    runs = []
+    for compiled in (False, True) if a.compiled else (False,):
+        os.environ[compiled_step.ENV_VAR] = "1" if compiled else "0"
+        runs.append(measure(label + (" compiled" if compiled else " eager"), build, a, prompt_len))
+    os.environ.pop(compiled_step.ENV_VAR)
+    return runs
 
 
 def main() -> int:
@@ -231,6 +250,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-mlx-lm", action="store_true")
+    ap.add_argument("--compiled", action="store_true", help="also time our compiled decode step")
     a = ap.parse_args()
     if a.quick:
         a.steps, a.warmup = min(a.steps, 12), min(a.warmup, 2)
@@ -251,13 +271,13 @@ def main() -> int:
         a.skip_mlx_lm = True
     runs = []
     if a.cpu:
-        runs.append(measure("mlx_dsv41 demo", lambda: ours_demo(a), a, min(a.prompt, 32)))
+        runs += ours_runs("mlx_dsv41 demo", lambda: ours_demo(a), a, min(a.prompt, 32))
         demo_args = ours_demo(a)[1]
         if not a.skip_mlx_lm:
             runs.append(measure("mlx-lm deepseek_v41 affine 4-bit (demo dims)",
                                 lambda: (mlx_lm_model(demo_args, 4, a.seed), demo_args), a, min(a.prompt, 32)))
     else:
-        runs.append(measure("mlx_dsv41 Flash-shaped EXL3", lambda: ours_flash(a), a, a.prompt))
+        runs += ours_runs("mlx_dsv41 Flash-shaped EXL3", lambda: ours_flash(a), a, a.prompt)
         if not a.skip_mlx_lm:
             args = flash_model.flash_args(a.layers)
             runs.append(measure("mlx-lm deepseek_v41 affine 4-bit",
