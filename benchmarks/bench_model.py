@@ -196,6 +196,7 @@ def measure(label: str, build, a, prompt_len: int) -> dict:
     result.update(memory())
     prompt = mx.array(np.random.default_rng(7).integers(3, args.vocab_size - 200, (1, prompt_len)), mx.int32)
     result["decode"] = decode(lambda ids, c: model(ids, c), model.make_cache, prompt, a.steps, a.warmup)
+    print(f"{label}: {json.dumps(result['decode'])}", flush=True)  # each run as it ends
     del model
     mx.clear_cache()
     return result

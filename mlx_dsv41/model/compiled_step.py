@@ -12,11 +12,11 @@ as an eager call would.
 
 Replaying a graph costs no Python per operation and fuses elementwise chains: MLX's host cost per
 launch falls from ~5-13 µs to ~3-4 µs for a custom kernel and to ~1 µs for fused elementwise
-pairs (benchmarks/profile_exl3.py --part host, H200). MLX_DSV41_COMPILE=1 compiles steps of up to
-MAX_TOKENS tokens; by default every backend runs eagerly. It is opt-in until it has been proven
-and timed on a GPU: on the CPU it gives the eager bytes (tests/test_compiled_step.py), but its GPU
-test has not run to the end yet and a Flash-shaped model's first trace took over 290 s of CUDA
-JIT compiling on the H200 (docs/benchmarks.md, seventh session).
+pairs (benchmarks/profile_exl3.py --part host, H200). By default a GPU compiles steps of up to
+MAX_TOKENS tokens and the CPU runs eagerly (its bytes are the project's CPU reference; the compiled
+step gives the same bytes there: tests/test_compiled_step.py); MLX_DSV41_COMPILE=1 / 0 forces it
+on / off. On the H200 it gives the eager greedy tokens and takes a Flash-shaped token from 135.5
+to 60.9 ms (docs/benchmarks.md, eighth session).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import os
 
 import mlx.core as mx
 
+from ..kernels import backend
 
 MAX_TOKENS = 10  # batch x tokens: decode and DSpark verify steps (the EXL3 fused-expert limit)
 ENV_VAR = "MLX_DSV41_COMPILE"
@@ -35,7 +36,9 @@ def compiles(tokens: int) -> bool:
     setting = os.environ.get(ENV_VAR, "").strip()
     if setting not in ("", "0", "1"):
         raise ValueError(f"{ENV_VAR} must be 0 or 1; got {setting!r}")
-    return setting == "1" and tokens <= MAX_TOKENS
+    if setting:
+        return setting == "1" and tokens <= MAX_TOKENS
+    return backend() != "cpu" and tokens <= MAX_TOKENS
 
 
 class CompiledStep:
