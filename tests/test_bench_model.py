@@ -53,7 +53,8 @@ def test_demo_dspark_costs(tmp_path, tmp_path_factory, monkeypatch, capsys):
     assert p4["tokens_per_round"] == pytest.approx(1 + 0.8 + 0.8**2 + 0.8**3 + 0.8**4)
     round_ms = d["verify"][4]["ms"] + d["draft"][1]["ms"]
     assert p4["round_ms"] == pytest.approx(round_ms) and p4["tokens_per_s"] == pytest.approx(1e3 * 3.3616 / round_ms)
-    assert d["step"]["cuda"] is None  # no kernels counted on the CPU
+    assert [r["position"] for r in d["steps"]] == [12, 13] and d["steps"][0]["cuda"] is None  # none on the CPU
+    assert d["step"]["ms"] == pytest.approx((d["steps"][0]["ms"] + d["steps"][1]["ms"]) / 2)
     text = capsys.readouterr().out
     assert "| verify 1 + 4 |" in text and "On paper at 80 %" in text and text.count("| draft block of 5") == 2
 
