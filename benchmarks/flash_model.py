@@ -12,13 +12,14 @@ DSpark (`dspark=True`): Flash's draft head at Flash's config (docs/dspark.md#con
 `mtp.0..2` = num_nextn_predict_layers, block size 5, noise id 128799, target layers 37, 38, 39,
 markov rank 256, top-3 of the stages' experts), holding 16 of the stages' 128 routed experts as the
 backbone holds 16 of its 384 (a token's routed work is the same: top-3 of 2304-wide experts).
-Formats as the real pack stores `mtp.*`: the exllamav3 converter quantizes every DSpark linear at
-`mtp_bits` (exl3 spec §1.5, §5.2; the 2.9 bpw pack: MTP K = 4, §5.4), so attention (wq_a, wq_b,
-wkv, wo_a per group slice, wo_b), stage 0's `main_proj`, the shared expert and the routed experts
-are EXL3 MUL1 K = 4 (not the backbone's 5 / 5 / 3); native as in the backbone: norms, router, sinks,
-mHC tensors, and the markov and confidence heads (left unquantized by the converter, §5.3; held
-fp32 where the model holds them fp32). The loader builds these modules from such a pack with the
-same quant seam as the backbone's (Model.sanitize), so the modules here are the ones it would build.
+Formats as the real pack stores `mtp.*`: the exllamav3 converter quantizes every DSpark linear
+at `mtp_bits` (exl3 spec §1.5; the 2.9 bpw pack's MTP K is 4, exl3 spec §5.4), so attention
+(wq_a, wq_b, wkv, wo_a per group slice, wo_b), stage 0's `main_proj`, the shared expert and the
+routed experts are EXL3 MUL1 K = 4 (not the backbone's 5 / 5 / 3); native as in the backbone:
+norms, router, sinks, mHC tensors, and the markov and confidence heads (left unquantized by the
+converter, exl3 spec §5.3; held fp32 where the model holds them fp32). The loader builds these
+modules from such a pack with the same quant seam as the backbone's (Model.sanitize), so the
+modules here are the ones it would build.
 With `layers` < 40 the target layers keep their distance from the top: Flash's 37, 38, 39 (the
 last three of 40) become layers - 3, layers - 2, layers - 1 (t -> t - 40 + layers).
 
