@@ -14,6 +14,7 @@ error of one call against float64 `x @ W` rounded once (W decoded exactly).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sparse_attention import device_us  # noqa: E402
 
 from mlx_dsv41.kernels import backend  # noqa: E402
-from mlx_dsv41.quant import make_experts, make_linear  # noqa: E402
+from mlx_dsv41.quant import make_experts, make_linear, mx_experts  # noqa: E402
 from mlx_dsv41.synthetic_checkpoints import decode_fp4, decode_fp8, quantize_fp4, quantize_fp8  # noqa: E402
 
 K = 5120
@@ -52,9 +53,19 @@ def _raw(layer, x):
     return (x @ layer.weight.T).astype(mx.bfloat16)
 
 
+PADDED_ROWS = 8  # CUDA: quantized products with 8 or more rows take qmm, which sums in fp32
+
+
+def _pad_rows(x):
+    return mx.concatenate([x, mx.zeros((PADDED_ROWS - x.shape[0], x.shape[1]), x.dtype)])
+
+
+ERR_ROWS = 16  # the error is measured on the first rows (float64 on the host is slow at 512)
+
+
 def _err(y, x, w) -> float:
-    want = np.array(x.astype(mx.float32), np.float64) @ w.T
-    got = np.array(y.astype(mx.float32), np.float64)
+    want = np.array(x[:ERR_ROWS].astype(mx.float32), np.float64) @ w.T
+    got = np.array(y[:ERR_ROWS].astype(mx.float32), np.float64)
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
@@ -68,10 +79,24 @@ def linears(rows_list, chain, repeats) -> list[dict]:
             variants = {"bf16 x (MLX as is)": lambda v: _raw(layer, v),
                         "fp32 x": lambda v: _raw(layer, v.astype(mx.float32)),
                         "ours (policy)": lambda v: layer(v)}
+            if rows < PADDED_ROWS:  # an alternative to fp32 x: enough rows for the fp32-summing qmm
+                variants["bf16 x padded to 8 rows"] = lambda v: _raw(layer, _pad_rows(v))[: v.shape[0]]
             for name, fn in variants.items():
                 us = device_us(lambda i, prev: fn(prev), x, repeats, chain)
                 out.append({"what": fmt, "rows": rows, "variant": name, "us": us, "rel_err": _err(fn(x), x, w)})
+                print(_row(out[-1]), flush=True)
     return out
+
+
+@contextlib.contextmanager
+def _activations_as_given():
+    """The experts with the policy switched off: gather_qmm gets x as it comes."""
+    saved = mx_experts.quantized_input
+    mx_experts.quantized_input = lambda x, *a: x
+    try:
+        yield
+    finally:
+        mx_experts.quantized_input = saved
 
 
 def experts(rows_list, chain, repeats) -> list[dict]:
@@ -88,10 +113,23 @@ def experts(rows_list, chain, repeats) -> list[dict]:
         idx = mx.array(np.sort(np.stack([rng.choice(E, TOPK, replace=False) for _ in range(rows)]), 1).astype(np.int32))
         wts = mx.array(rng.uniform(0.1, 0.4, (rows, TOPK)).astype(np.float32))
         x = mx.array(rng.standard_normal((rows, K)).astype(np.float32)).astype(mx.bfloat16)
-        us = device_us(lambda i, prev: module(prev, idx, wts).sum(1).astype(mx.bfloat16), x, repeats, chain)
-        out.append({"what": "experts mxfp4 (gather_qmm x3)", "rows": rows, "variant": "ours (policy)", "us": us,
-                    "rel_err": None})
+        step = lambda i, prev: module(prev, idx, wts).sum(1).astype(mx.bfloat16)  # noqa: E731
+        out.append({"what": "experts mxfp4 (gather_qmm x3)", "rows": rows, "variant": "ours (policy)",
+                    "us": device_us(step, x, repeats, chain), "rel_err": None})
+        print(_row(out[-1]), flush=True)
+        with _activations_as_given():
+            out.append({"what": "experts mxfp4 (gather_qmm x3)", "rows": rows, "variant": "bf16 x (MLX as is)",
+                        "us": device_us(step, x, repeats, chain), "rel_err": None})
+        print(_row(out[-1]), flush=True)
     return out
+
+
+HEADER = "| layer | rows | variant | device µs / call | rel. error vs float64 |\n|---|---|---|---|---|"
+
+
+def _row(r: dict) -> str:
+    err = "—" if r["rel_err"] is None else f"{r['rel_err']:.2e}"
+    return f"| {r['what']} | {r['rows']} | {r['variant']} | {r['us']:.1f} | {err} |"
 
 
 def main() -> int:
@@ -107,11 +145,7 @@ def main() -> int:
         print("bench_linear_arithmetic: needs MLX's CUDA backend (device clock stamps); nothing measured")
         return 0
     results = linears(a.rows, a.chain, a.repeats) + experts(a.rows, a.chain, a.repeats)
-    lines = ["| layer | rows | variant | device µs / call | rel. error vs float64 |", "|---|---|---|---|---|"]
-    for r in results:
-        err = "—" if r["rel_err"] is None else f"{r['rel_err']:.2e}"
-        lines.append(f"| {r['what']} | {r['rows']} | {r['variant']} | {r['us']:.1f} | {err} |")
-    print("\n".join(lines))
+    print("\n".join([HEADER, *map(_row, results)]))
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "bench_linear_arithmetic.json").write_text(json.dumps(results, indent=1))
     return 0

@@ -2,6 +2,14 @@
 
     python3 benchmarks/bench_model.py --out DIR [--quick]       # GPU: the Flash-shaped model
     python3 benchmarks/bench_model.py --out DIR --cpu           # CPU: the demo checkpoint
+    ... --compiled                                              # ours also with the compiled step
+    ... --no-dspark                                             # without the DSpark costs (on by default)
+    ... --dspark-only [--verify-k 2,4,5]                        # only the DSpark costs
+    ... --flash [--cpu]                                         # the Flash-shaped model even on the CPU
+
+--compiled adds a run of our model with the compiled decode step (MLX_DSV41_COMPILE=1; the
+default is eager): its first traces JIT-compile fused kernels (minutes for the Flash shape under
+CUDA; set MLX_PTX_CACHE_DIR to keep them), which the warm-up steps absorb.
 
 GPU mode: the Flash-shaped model of benchmarks/flash_model.py (40 layers with Flash's roles,
 16 routed experts held per layer, every linear the real 2.9 bpw EXL3 pack quantizes as EXL3 MUL1
@@ -20,6 +28,31 @@ For each model (same prompt ids, greedy):
   included), and their summed device time; MLX primitives per token: the non-view nodes of the
   step's graph (`mx.export_to_dot`, as benchmarks/count_ops.py counts them);
 - memory: MLX active memory after loading, peak during decode, process max RSS.
+
+DSpark (on by default; --no-dspark: off; --dspark-only: only these, no decode loop above): the
+Flash-shaped model is built with Flash's DSpark head (flash_model.py: 3 stages, block 5, 16 of
+the stages' 128 experts held, EXL3 K = 4 as the pack's mtp_bits); the demo has its own. After
+the same prompt (`SpeculativeDecoder.prefill`), through the decoder's own methods, every repeat at
+the same position p (the caches taken back between repeats, so each sees the same context):
+- step: one decode step, the plain forward of x_{p+1} (`model(token, cache)`, as generate runs
+  it), then `rewind(0)`; timed at p + 1 and (one token kept, then taken back) at p + 2, since
+  ratio-2 compressors complete a group at every other position: "one step" is the mean of both;
+- verify k, k = 0 .. block size (--verify-k: a list): `verify(d_1..d_k)`, one forward of 1 + k
+  tokens with the hidden rows captured, then `rewind(k)`; ms, ratio to the step (target: k = 4
+  <= 1.3x);
+- draft: `draft()`, one draft block (block-size tokens whatever k), evaluated as `round` does
+  (tokens and confidence); "1 ring row": the rings already hold p - 1, so it writes one entry,
+  as a repeat does; "B + 1 ring rows" (reported, and the one the target and the estimate use):
+  the draft cache in the state a round that accepted all B drafts leaves (its last B + 1 rows
+  taken back and appended again with the cache's own trim / append, so the rings lag B + 1
+  positions), the most ring entries a round's draft writes; % of the step (target <= 15 %).
+Each: median ms over --steps repeats after --warmup, synchronous (`mx.eval` of each), CUDA kernels
+of one call counted as above. On paper, at per-position acceptance a (default 0.8): draft j is
+accepted only if drafts 1..j are (chain rule), so a round of k drafts emits
+E = sum_{j=0..k} a^j = (1 - a^(k+1)) / (1 - a) tokens (the accepted drafts plus the main model's
+own next token) in verify(k) + draft ms: tokens/s = 1000 E / (verify_k + draft), against
+1000 / step for plain decoding; the accept / trim host work of a round is not in it.
+
 Results: a markdown table on stdout and bench_model.json in --out.
 """
 
@@ -28,6 +61,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import platform
 import re
 import resource
@@ -46,6 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flash_model  # noqa: E402 (benchmarks/ is not a package)
 
 from mlx_dsv41.kernels import backend  # noqa: E402
+from mlx_dsv41.model import compiled_step  # noqa: E402
 from mlx_dsv41.synthetic import hf_config  # noqa: E402
 
 VIEWS = {"Reshape", "Broadcast", "Slice", "Squeeze", "ExpandDims", "Transpose", "AsStrided",
@@ -56,7 +91,7 @@ VIEWS = {"Reshape", "Broadcast", "Slice", "Squeeze", "ExpandDims", "Transpose", 
 
 
 def ours_flash(a) -> tuple[object, object]:
-    args = flash_model.flash_args(a.layers)
+    args = flash_model.flash_args(a.layers, dspark=a.dspark)
     return flash_model.build(args, a.seed), args
 
 
@@ -174,6 +209,107 @@ def decode(forward, make_cache, prompt: mx.array, steps: int, warmup: int) -> di
     return out
 
 
+def accepted_per_round(k: int, acceptance: float) -> float:
+    """Expected tokens a round of k drafts emits at per-position acceptance a: draft j is kept
+    only if drafts 1..j all are (a^j), plus the main model's own token after them:
+    sum_{j=0..k} a^j = (1 - a^(k+1)) / (1 - a)."""
+    return float(k + 1) if acceptance == 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+def dspark_costs(model, prompt: mx.array, steps: int, warmup: int, acceptance: float = 0.8,
+                 ks: list[int] | None = None) -> dict:
+    """One decode step, a verify of 1 + k tokens (k in `ks`, default 0 .. block) and one draft block,
+    each timed at the same position through SpeculativeDecoder's own methods (module docstring)."""
+    from mlx_dsv41.speculative import SpeculativeDecoder
+
+    block = model.args.dspark_block_size
+    ks = list(range(block + 1)) if ks is None else [k for k in ks if 0 <= k <= block]
+    dec = SpeculativeDecoder(model, draft=block)
+    t0 = time.perf_counter()
+    dec.prefill(np.array(prompt).reshape(-1).tolist())
+    out = {"block_size": block, "position": dec.cache[0].offset, "prefill_s": time.perf_counter() - t0,
+           "repeats": steps, "warmup": warmup, "acceptance": acceptance}
+    first = dec.draft()
+    mx.eval(first.tokens, first.confidence)
+    drafted = first.tokens[:, 1:]  # d_1 .. d_B: what a verify of k checks is d_1 .. d_k
+
+    def timed(call, undo, setup=lambda: None) -> dict:
+        """Median ms of call() (evaluating what it returns) over `steps` repeats after `warmup`;
+        setup() before and undo() after each, untimed; the kernels of one more call."""
+        samples = []
+        for i in range(warmup + steps):
+            setup()
+            t0 = time.perf_counter()
+            mx.eval(call())
+            if i >= warmup:
+                samples.append(time.perf_counter() - t0)
+            undo()
+        ran = []
+
+        def counted():
+            ran.append(mx.eval(call()))
+
+        setup()
+        cu = cuda_kernels(counted)
+        if ran:  # (cuda_kernels runs nothing where it cannot count)
+            undo()
+        return {"ms": 1e3 * statistics.median(samples), "ms_min": 1e3 * min(samples), "cuda": cu}
+
+    def step():  # the plain decode forward of x_{p+1} and its greedy choice
+        return mx.argmax(model(mx.array([[dec.token]], mx.int32), dec.cache)[:, -1], axis=-1)
+
+    def verify(k):  # logits and captured rows of [x_{p+1}, d_1 .. d_k]
+        return lambda: dec.verify(drafted[:, :k])
+
+    def lag(rows):  # the draft cache as a round that emitted `rows` tokens leaves it: rings behind
+        def setup():
+            held = dec.draft_cache.hidden[:, -rows:]
+            dec.draft_cache.trim(rows)
+            dec.draft_cache.append(held)
+        return setup
+
+    def draft():
+        d = dec.draft()
+        return d.tokens, d.confidence
+
+    position = dec.cache[0].offset
+    # The step at p + 1 and, one kept token later, at p + 2 (ratio-2 compressors complete a group
+    # at every other position, and plain decoding pays both): the step is their mean.
+    out["steps"] = [timed(step, lambda: dec.rewind(0))]
+    mx.eval(step())
+    out["steps"].append(timed(step, lambda: dec.rewind(0)))
+    dec.rewind(0)
+    for i, r in enumerate(out["steps"]):
+        r["position"] = position + i
+    step_ms = statistics.mean(r["ms"] for r in out["steps"])
+    out["step"] = {"ms": step_ms, "ms_min": min(r["ms_min"] for r in out["steps"])}
+    out["verify"] = []
+    for k in ks:
+        r = timed(verify(k), lambda k=k: dec.rewind(k))
+        r.update(k=k, ratio=r["ms"] / step_ms)
+        out["verify"].append(r)
+    out["draft"] = []
+    for rows in (1, block + 1):
+        r = timed(draft, lambda: None, lag(rows))
+        r.update(ring_rows=rows, pct_of_step=100 * r["ms"] / step_ms)
+        out["draft"].append(r)
+    if dec.cache[0].offset != position or dec.draft_cache.offset != position:
+        raise RuntimeError("dspark_costs: a repeat did not return to its position")
+    draft_ms = out["draft"][-1]["ms"]
+    out["paper"] = []
+    for v in [v for v in out["verify"] if v["k"] > 0]:
+        e = accepted_per_round(v["k"], acceptance)
+        tps = 1e3 * e / (v["ms"] + draft_ms)
+        out["paper"].append({"k": v["k"], "tokens_per_round": e, "round_ms": v["ms"] + draft_ms,
+                             "tokens_per_s": tps, "speedup": tps * step_ms / 1e3})
+    by_k = {v["k"]: v for v in out["verify"]}
+    out["targets"] = {"verify_k4_ratio": by_k[4]["ratio"] if 4 in by_k else None,
+                      "verify_k4_ok": by_k[4]["ratio"] <= 1.3 if 4 in by_k else None,
+                      "draft_pct_of_step": out["draft"][-1]["pct_of_step"],
+                      "draft_ok": out["draft"][-1]["pct_of_step"] <= 15}
+    return out
+
+
 def memory() -> dict:
     return {"active_GB": mx.get_active_memory() / 1e9,
             "rss_GB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
@@ -188,7 +324,14 @@ def measure(label: str, build, a, prompt_len: int) -> dict:
     result["load_peak_GB"] = mx.get_peak_memory() / 1e9
     result.update(memory())
     prompt = mx.array(np.random.default_rng(7).integers(3, args.vocab_size - 200, (1, prompt_len)), mx.int32)
-    result["decode"] = decode(lambda ids, c: model(ids, c), model.make_cache, prompt, a.steps, a.warmup)
+    if not getattr(a, "dspark_only", False):
+        result["decode"] = decode(lambda ids, c: model(ids, c), model.make_cache, prompt, a.steps, a.warmup)
+        print(f"{label}: {json.dumps(result['decode'])}", flush=True)  # each run as it ends
+    if getattr(a, "dspark", False) and getattr(model, "mtp", None):
+        result["dspark"] = dspark_costs(model, prompt, a.steps, a.warmup, a.acceptance, a.verify_k)
+        print(f"{label} DSpark: {json.dumps(result['dspark'])}", flush=True)
+    elif getattr(a, "dspark", False) and hasattr(model, "mtp"):
+        result["dspark"] = {"unavailable": model.dspark_unavailable}
     model = None  # frees the model (the decode closure reads it: rebound, not deleted)
     mx.clear_cache()
     return result
@@ -205,8 +348,11 @@ def table(runs: list[dict]) -> str:
     lines = ["| model | ms/token | ms/token pipelined | tokens/s (pipelined) | build ms/token | kernels/token "
              "| device ms/token | primitives/token (compute) | GPU GB active / peak |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for r in runs:
-        d = r.get("decode", {})
+    decoded = [r for r in runs if "decode" in r]  # (--dspark-only: none)
+    if not decoded:
+        lines = []
+    for r in decoded:
+        d = r["decode"]
         cu = d.get("cuda") or {}
         tps = 1e3 / d["ms_per_token_pipelined"] if d.get("ms_per_token_pipelined") else None
         lines.append(" | ".join([
@@ -214,10 +360,65 @@ def table(runs: list[dict]) -> str:
             _f(d.get("build_ms_per_token")), str(cu.get("kernels", "—")), _f(cu.get("device_ms")),
             f"{d.get('primitives', '—')} ({d.get('primitives_compute', '—')})",
             f"{_f(r.get('active_GB'), '.1f')} / {_f(d.get('peak_GB'), '.1f')} |"]))
-    if len(runs) == 2 and all("decode" in r for r in runs):
-        a, b = (r["decode"]["ms_per_token_pipelined"] for r in runs)
-        lines.append(f"\n{runs[0]['label']} / {runs[1]['label']} tokens/s (pipelined): {b / a:.2f}x")
+    theirs = [r for r in runs if r["label"].startswith("mlx-lm") and "decode" in r]
+    for r in runs:
+        if theirs and r is not theirs[0] and "decode" in r:
+            a, b = r["decode"]["ms_per_token_pipelined"], theirs[0]["decode"]["ms_per_token_pipelined"]
+            lines.append(f"\n{r['label']} / {theirs[0]['label']} tokens/s (pipelined): {b / a:.2f}x")
+    for r in runs:
+        if r.get("dspark"):
+            lines += ["", dspark_table(r["label"], r["dspark"], r.get("active_GB"))]
+    return "\n".join(lines).strip("\n")
+
+
+def dspark_table(label: str, d: dict, active_GB: float | None = None) -> str:
+    if "unavailable" in d:
+        return f"{label}: no DSpark costs ({d['unavailable']})"
+    kernels = lambda r: str((r.get("cuda") or {}).get("kernels", "—"))  # noqa: E731
+    device = lambda r: _f((r.get("cuda") or {}).get("device_ms"))  # noqa: E731
+    lines = [f"DSpark costs, {label} (position {d['position']}, median of {d['repeats']} after "
+             f"{d['warmup']} warm-up, synchronous; {_f(active_GB, '.1f')} GB active after loading)", "",
+             "| forward | ms (median) | ms (min) | x one step | kernels | device ms |", "|---|---|---|---|---|---|"]
+    s = d["step"]
+    for r in d["steps"]:
+        lines.append(f"| decode step at position {r['position']} | {r['ms']:.2f} | {r['ms_min']:.2f} "
+                     f"| {r['ms'] / s['ms']:.2f} | {kernels(r)} | {device(r)} |")
+    lines.append(f"| **one step** (their mean) | {s['ms']:.2f} | {s['ms_min']:.2f} | 1.00 | | |")
+    for v in d["verify"]:
+        lines.append(f"| verify 1 + {v['k']} | {v['ms']:.2f} | {v['ms_min']:.2f} | {v['ratio']:.2f} "
+                     f"| {kernels(v)} | {device(v)} |")
+    for r in d["draft"]:
+        rows = f"{r['ring_rows']} ring row{'s' if r['ring_rows'] > 1 else ''}"
+        lines.append(f"| draft block of {d['block_size']} ({rows}) | {r['ms']:.2f} | {r['ms_min']:.2f} "
+                     f"| {r['pct_of_step'] / 100:.2f} ({r['pct_of_step']:.0f} %) | {kernels(r)} | {device(r)} |")
+    t = d["targets"]
+    ok = lambda v: "—" if v is None else ("met" if v else "NOT met")  # noqa: E731
+    lines += ["", f"verify 1 + 4 / step: {_f(t['verify_k4_ratio'])}x (target <= 1.3: {ok(t['verify_k4_ok'])}); "
+              f"draft / step: {t['draft_pct_of_step']:.1f} % (target <= 15 %: {ok(t['draft_ok'])})", "",
+              f"On paper at {100 * d['acceptance']:.0f} % per-position acceptance: tokens/round = "
+              f"(1 - a^(k+1)) / (1 - a), tokens/s = 1000 * tokens/round / (verify_k ms + draft ms); "
+              f"plain decoding {1e3 / s['ms']:.2f} tokens/s", "",
+              "| k | tokens/round | round ms | tokens/s | x plain |", "|---|---|---|---|---|"]
+    for p in d["paper"]:
+        lines.append(f"| {p['k']} | {p['tokens_per_round']:.2f} | {p['round_ms']:.2f} | {p['tokens_per_s']:.2f} "
+                     f"| {p['speedup']:.2f} |")
     return "\n".join(lines)
+
+
+def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
+    """Our model as the backend runs it by default (GPUs: the compiled step; the CPU: eagerly), or
+    with --compiled both ways, eager first."""
+    runs, saved = [], os.environ.get(compiled_step.ENV_VAR)
+    for setting in ("0", "1") if a.compiled else (saved,):
+        if setting is not None:
+            os.environ[compiled_step.ENV_VAR] = setting
+        mode = "compiled" if compiled_step.compiles(1) else "eager"
+        runs.append(measure(f"{label} {mode}", build, a, prompt_len))
+    if saved is None:
+        os.environ.pop(compiled_step.ENV_VAR, None)
+    else:
+        os.environ[compiled_step.ENV_VAR] = saved
+    return runs
 
 
 def main() -> int:
@@ -231,16 +432,31 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-mlx-lm", action="store_true")
+    ap.add_argument("--compiled", action="store_true", help="time our step both eagerly and compiled")
+    ap.add_argument("--dspark", action=argparse.BooleanOptionalAction, default=True,
+                    help="time the DSpark verify and draft costs (default on; the Flash-shaped model "
+                    "gets Flash's DSpark head)")
+    ap.add_argument("--dspark-only", action="store_true", help="only the DSpark costs: no decode loop, no mlx-lm")
+    ap.add_argument("--acceptance", type=float, default=0.8, help="per-position acceptance for the on-paper tokens/s")
+    ap.add_argument("--verify-k", type=lambda v: [int(k) for k in v.split(",")], default=None,
+                    help="drafts per verify to time, e.g. 2,4,5 (default 0 .. the block size)")
+    ap.add_argument("--flash", action="store_true",
+                    help="the Flash-shaped model even on the CPU (slow: a check; use a small --layers)")
     a = ap.parse_args()
     if a.quick:
         a.steps, a.warmup = min(a.steps, 12), min(a.warmup, 2)
     if a.steps < 1 or a.warmup < 0 or a.prompt < 1:
         ap.error("--steps and --prompt must be >= 1, --warmup >= 0")
+    if not 0 <= a.acceptance <= 1:
+        ap.error("--acceptance must be in 0..1")
+    if a.dspark_only:
+        a.dspark, a.skip_mlx_lm = True, True
     if a.cpu:
         mx.set_default_device(mx.cpu)
     elif backend() == "cpu":
-        print("bench_model: no MLX GPU here; timing the demo model on the CPU (--cpu)")
+        print(f"bench_model: no MLX GPU here; timing the {'Flash-shaped' if a.flash else 'demo'} model on the CPU")
         a.cpu = True
+        mx.set_default_device(mx.cpu)
     a.out.mkdir(parents=True, exist_ok=True)
     info = {"mlx": mx.__version__, "device": str(mx.default_device()), "host": platform.node(),
             "backend": backend(), "args": {k: str(v) for k, v in vars(a).items()}}
@@ -250,14 +466,14 @@ def main() -> int:
     except ImportError:
         a.skip_mlx_lm = True
     runs = []
-    if a.cpu:
-        runs.append(measure("mlx_dsv41 demo", lambda: ours_demo(a), a, min(a.prompt, 32)))
-        demo_args = ours_demo(a)[1]
+    if a.cpu and not a.flash:
+        runs += ours_runs("mlx_dsv41 demo", lambda: ours_demo(a), a, min(a.prompt, 32))
         if not a.skip_mlx_lm:
+            demo_args = ours_demo(a)[1]
             runs.append(measure("mlx-lm deepseek_v41 affine 4-bit (demo dims)",
                                 lambda: (mlx_lm_model(demo_args, 4, a.seed), demo_args), a, min(a.prompt, 32)))
     else:
-        runs.append(measure("mlx_dsv41 Flash-shaped EXL3", lambda: ours_flash(a), a, a.prompt))
+        runs += ours_runs("mlx_dsv41 Flash-shaped EXL3", lambda: ours_flash(a), a, a.prompt)
         if not a.skip_mlx_lm:
             args = flash_model.flash_args(a.layers)
             runs.append(measure("mlx-lm deepseek_v41 affine 4-bit",

@@ -8,5 +8,10 @@ if ! python3 -c 'import mlx.core' 2>/dev/null; then
   tar -xJf .gpu/mlx-cuda13-sm90.tar.xz -C "$SP" || exit 1
 fi
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}
+# A PTX cache saved by an earlier call (benchmarks/gpu_save_ptx.sh) skips the CUDA JIT's first-run
+# compiles, which cost minutes for the compiled decode step.
+if [ -f .gpu/ptx-cache.tar.xz ] && [ ! -d "$MLX_PTX_CACHE_DIR" ]; then
+  mkdir -p "$MLX_PTX_CACHE_DIR" && tar -xJf .gpu/ptx-cache.tar.xz -C "$MLX_PTX_CACHE_DIR"
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1

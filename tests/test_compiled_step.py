@@ -76,3 +76,20 @@ def test_a_trace_may_not_create_buffers():
     with pytest.raises(RuntimeError, match="caches must be reserved first"):
         compiled_step.CompiledStep(forward)([cache], mx.zeros((1, 1), mx.int32), None, {}, None)
     assert cache.offset == 0 and cache.ring is None
+
+
+def test_gpus_compile_by_default_and_a_bad_setting_is_refused(monkeypatch):
+    monkeypatch.delenv(compiled_step.ENV_VAR, raising=False)
+    monkeypatch.setattr(compiled_step, "backend", lambda: "cpu")
+    assert not compiled_step.compiles(1)  # the CPU's eager bytes are the reference
+    for gpu in ("cuda", "metal"):
+        monkeypatch.setattr(compiled_step, "backend", lambda gpu=gpu: gpu)
+        assert compiled_step.compiles(1) and not compiled_step.compiles(compiled_step.MAX_TOKENS + 1)
+    monkeypatch.setenv(compiled_step.ENV_VAR, "0")
+    assert not compiled_step.compiles(1)
+    monkeypatch.setenv(compiled_step.ENV_VAR, "1")
+    assert compiled_step.compiles(1) and compiled_step.compiles(compiled_step.MAX_TOKENS)
+    assert not compiled_step.compiles(compiled_step.MAX_TOKENS + 1)  # a prompt: always eager
+    monkeypatch.setenv(compiled_step.ENV_VAR, "yes")
+    with pytest.raises(ValueError, match="MLX_DSV41_COMPILE must be 0 or 1; got 'yes'"):
+        compiled_step.compiles(1)
