@@ -82,3 +82,15 @@ def test_wheel_holds_only_the_package(tmp_path):
     stubs = {p.name for p in (ROOT / "tests" / "kernel_stubs").rglob("*") if p.is_file()}
     assert stubs and not stubs & {Path(n).name for n in names}
     assert not [n for n in names if "kernel_stub" in n or "source_check" in n or "/ci/" in n]
+
+
+def test_console_scripts_resolve():
+    """Every [project.scripts] entry names a callable that exists (pip writes the script blind)."""
+    import importlib
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts
+    for name, target in scripts.items():
+        module, _, attr = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), attr, None)), f"{name} = {target!r}"
