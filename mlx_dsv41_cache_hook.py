@@ -27,8 +27,15 @@ def stand_in(name: str) -> type:
         cache.register_with_mlx_lm()
         return getattr(cache, name).from_state(state)
 
-    return type(name, (), {"from_state": classmethod(from_state), "mlx_dsv41_stand_in": True,
-                           "__doc__": f"Stands in for mlx_dsv41.cache.{name} until it is imported."})
+    return type(
+        name,
+        (),
+        {
+            "from_state": classmethod(from_state),
+            "mlx_dsv41_stand_in": True,
+            "__doc__": f"Stands in for mlx_dsv41.cache.{name} until it is imported.",
+        },
+    )
 
 
 def add_stand_ins(module) -> None:

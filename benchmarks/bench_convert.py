@@ -46,13 +46,34 @@ def bench_args():
     from mlx_dsv41.synthetic import tiny_args
 
     return tiny_args(
-        vocab_size=129280, hidden_size=5120, num_hidden_layers=4, num_attention_heads=64, head_dim=512,
-        qk_rope_head_dim=64, q_lora_rank=1280, o_lora_rank=1024, o_groups=8, moe_intermediate_size=2304,
-        n_routed_experts=16, num_experts_per_tok=6, sliding_window=128, num_nextn_predict_layers=0,
-        compress_ratios=(0, 0, 2, 2), kv_source_layer_ids=(2,), index_source_layer_ids=(2,),
-        candidate_source_layer_id=-1, index_n_heads=32, index_head_dim=128, index_topk=512,
-        engram_layer_ids=(1,), engram_vocab_size=100_000, engram_n_heads=8, engram_head_dim=256,
-        engram_compressed_vocab_size=99092, image_token_id=129264)
+        vocab_size=129280,
+        hidden_size=5120,
+        num_hidden_layers=4,
+        num_attention_heads=64,
+        head_dim=512,
+        qk_rope_head_dim=64,
+        q_lora_rank=1280,
+        o_lora_rank=1024,
+        o_groups=8,
+        moe_intermediate_size=2304,
+        n_routed_experts=16,
+        num_experts_per_tok=6,
+        sliding_window=128,
+        num_nextn_predict_layers=0,
+        compress_ratios=(0, 0, 2, 2),
+        kv_source_layer_ids=(2,),
+        index_source_layer_ids=(2,),
+        candidate_source_layer_id=-1,
+        index_n_heads=32,
+        index_head_dim=128,
+        index_topk=512,
+        engram_layer_ids=(1,),
+        engram_vocab_size=100_000,
+        engram_n_heads=8,
+        engram_head_dim=256,
+        engram_compressed_vocab_size=99092,
+        image_token_id=129264,
+    )
 
 
 def _random_rows(rng, dtype: str, shape: tuple[int, ...], rows: slice) -> np.ndarray:
@@ -97,8 +118,10 @@ def write_source(path: Path, args, seed: int = 3) -> dict:
             specs.append((name, "F8_E4M3" if fmt == "fp8" else "I8", w_shape))
             specs.append((name.removesuffix(".weight") + ".scale", "F8_E8M0", s_shape))
     layer, rows = args.engram_layer_ids[0], args.engram_num_embeddings[0]
-    table = [(f"layers.{layer}.engram.embed.weight", "F8_E4M3", (rows, args.engram_head_dim)),
-             (f"layers.{layer}.engram.embed.scale", "F8_E8M0", (rows, args.engram_head_dim // 32))]
+    table = [
+        (f"layers.{layer}.engram.embed.weight", "F8_E4M3", (rows, args.engram_head_dim)),
+        (f"layers.{layer}.engram.embed.scale", "F8_E8M0", (rows, args.engram_head_dim // 32)),
+    ]
     shards, current, size = [], [], 0
     for spec in specs:
         nbytes = int(np.prod(spec[2])) * DTYPES[spec[1]].itemsize
@@ -117,7 +140,9 @@ def write_source(path: Path, args, seed: int = 3) -> dict:
                 row_bytes = int(np.prod(shape[1:])) * DTYPES[dtype].itemsize if shape else 1
                 step = max(1, CHUNK_BYTES // max(row_bytes, 1)) if shape else 1
                 for lo in range(0, shape[0] if shape else 1, step):
-                    w.write(tensor, _random_rows(rng, dtype, shape, slice(lo, min(lo + step, shape[0] if shape else 1))))
+                    w.write(
+                        tensor, _random_rows(rng, dtype, shape, slice(lo, min(lo + step, shape[0] if shape else 1)))
+                    )
         weight_map.update({t: name for t, _, _ in shard})
         total += (path / name).stat().st_size
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -150,8 +175,14 @@ def run_child(cmd: list[str]) -> dict:
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"bench_convert: {' '.join(cmd)} failed:\n{err}")
     rss = usage.ru_maxrss if sys.platform == "darwin" else usage.ru_maxrss * 1024
-    return {"seconds": seconds, "peak_rss": rss, "major_faults": usage.ru_majflt,
-            "read_blocks": usage.ru_inblock, "write_blocks": usage.ru_oublock, "log": err.strip().splitlines()[-1:]}
+    return {
+        "seconds": seconds,
+        "peak_rss": rss,
+        "major_faults": usage.ru_majflt,
+        "read_blocks": usage.ru_inblock,
+        "write_blocks": usage.ru_oublock,
+        "log": err.strip().splitlines()[-1:],
+    }
 
 
 def conversion(workdir: Path, trials: int) -> dict:
@@ -159,8 +190,10 @@ def conversion(workdir: Path, trials: int) -> dict:
     src = workdir / "src"
     t0 = time.perf_counter()
     info = write_source(src, args)
-    print(f"source {src}: {info['bytes'] / 1e9:.2f} GB in {info['shards']} shards "
-          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(
+        f"source {src}: {info['bytes'] / 1e9:.2f} GB in {info['shards']} shards ({time.perf_counter() - t0:.0f} s)",
+        flush=True,
+    )
     runs = []
     for trial in range(trials):
         out = workdir / f"out{trial}"
@@ -168,16 +201,29 @@ def conversion(workdir: Path, trials: int) -> dict:
         drop_cache(src)
         run = run_child([sys.executable, "-m", "mlx_dsv41.convert", str(src), str(out)])
         run["out_bytes"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-        run["noop_seconds"] = run_child([sys.executable, "-m", "mlx_dsv41.convert", str(src), str(out), "-q"])["seconds"]
+        run["noop_seconds"] = run_child([sys.executable, "-m", "mlx_dsv41.convert", str(src), str(out), "-q"])[
+            "seconds"
+        ]
         shutil.rmtree(out)
-        print(f"trial {trial}: {run['seconds']:.1f} s, {info['bytes'] / 1e6 / run['seconds']:.0f} MB/s read, "
-              f"peak RSS {run['peak_rss'] / 1e6:.0f} MB, second run {run['noop_seconds']:.2f} s", flush=True)
+        print(
+            f"trial {trial}: {run['seconds']:.1f} s, {info['bytes'] / 1e6 / run['seconds']:.0f} MB/s read, "
+            f"peak RSS {run['peak_rss'] / 1e6:.0f} MB, second run {run['noop_seconds']:.2f} s",
+            flush=True,
+        )
         runs.append(run)
     med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
-    return {"source_bytes": info["bytes"], "out_bytes": runs[0]["out_bytes"], "shards": info["shards"],
-            "engram_rows": info["engram_rows"], "seconds": med("seconds"),
-            "read_MBps": info["bytes"] / 1e6 / med("seconds"), "write_MBps": runs[0]["out_bytes"] / 1e6 / med("seconds"),
-            "peak_rss": med("peak_rss"), "noop_seconds": med("noop_seconds"), "trials": runs}
+    return {
+        "source_bytes": info["bytes"],
+        "out_bytes": runs[0]["out_bytes"],
+        "shards": info["shards"],
+        "engram_rows": info["engram_rows"],
+        "seconds": med("seconds"),
+        "read_MBps": info["bytes"] / 1e6 / med("seconds"),
+        "write_MBps": runs[0]["out_bytes"] / 1e6 / med("seconds"),
+        "peak_rss": med("peak_rss"),
+        "noop_seconds": med("noop_seconds"),
+        "trials": runs,
+    }
 
 
 def decode_faults(workdir: Path, steps: int = 64, warmup: int = 8) -> list[dict]:
@@ -203,7 +249,10 @@ def decode_faults(workdir: Path, steps: int = 64, warmup: int = 8) -> list[dict]
             for _ in range(warmup):
                 token = model(token, cache=cache)[:, -1:].argmax(-1)
             mx.eval(token)
-            before, read0 = resource.getrusage(resource.RUSAGE_SELF), {k: s.stats.rows_requested for k, s in model.engram_sources.items()}
+            before, read0 = (
+                resource.getrusage(resource.RUSAGE_SELF),
+                {k: s.stats.rows_requested for k, s in model.engram_sources.items()},
+            )
             t0 = time.perf_counter()
             for _ in range(steps):
                 token = model(token, cache=cache)[:, -1:].argmax(-1)
@@ -211,10 +260,16 @@ def decode_faults(workdir: Path, steps: int = 64, warmup: int = 8) -> list[dict]
             seconds = time.perf_counter() - t0
             after = resource.getrusage(resource.RUSAGE_SELF)
             engram_rows = sum(s.stats.rows_requested - read0[k] for k, s in model.engram_sources.items())
-            rows.append({"checkpoint": name.removesuffix("_out"), "engram_mode": mode,
-                         "major_faults_per_token": (after.ru_majflt - before.ru_majflt) / steps,
-                         "minor_faults_per_token": (after.ru_minflt - before.ru_minflt) / steps,
-                         "engram_rows_per_token": engram_rows / steps, "ms_per_token": 1e3 * seconds / steps})
+            rows.append(
+                {
+                    "checkpoint": name.removesuffix("_out"),
+                    "engram_mode": mode,
+                    "major_faults_per_token": (after.ru_majflt - before.ru_majflt) / steps,
+                    "minor_faults_per_token": (after.ru_minflt - before.ru_minflt) / steps,
+                    "engram_rows_per_token": engram_rows / steps,
+                    "ms_per_token": 1e3 * seconds / steps,
+                }
+            )
             for s in model.engram_sources.values():
                 s.close()
             print(rows[-1], flush=True)
@@ -224,16 +279,23 @@ def decode_faults(workdir: Path, steps: int = 64, warmup: int = 8) -> list[dict]
 
 def markdown(result: dict) -> str:
     c = result["conversion"]
-    lines = [f"Synthetic official checkpoint: {c['source_bytes'] / 1e9:.2f} GB in {c['shards']} shards "
-             f"-> {c['out_bytes'] / 1e9:.2f} GB converted (median of {len(c['trials'])} cold trials).", "",
-             "| seconds | read MB/s | write MB/s | peak RSS MB | second run (no-op) s |", "|---|---|---|---|---|",
-             f"| {c['seconds']:.1f} | {c['read_MBps']:.0f} | {c['write_MBps']:.0f} | {c['peak_rss'] / 1e6:.0f} "
-             f"| {c['noop_seconds']:.2f} |", "",
-             "| checkpoint | Engram mode | major faults / token | minor faults / token | Engram rows / token | ms / token |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"Synthetic official checkpoint: {c['source_bytes'] / 1e9:.2f} GB in {c['shards']} shards "
+        f"-> {c['out_bytes'] / 1e9:.2f} GB converted (median of {len(c['trials'])} cold trials).",
+        "",
+        "| seconds | read MB/s | write MB/s | peak RSS MB | second run (no-op) s |",
+        "|---|---|---|---|---|",
+        f"| {c['seconds']:.1f} | {c['read_MBps']:.0f} | {c['write_MBps']:.0f} | {c['peak_rss'] / 1e6:.0f} "
+        f"| {c['noop_seconds']:.2f} |",
+        "",
+        "| checkpoint | Engram mode | major faults / token | minor faults / token | Engram rows / token | ms / token |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in result["decode"]:
-        lines.append(f"| {r['checkpoint']} | {r['engram_mode']} | {r['major_faults_per_token']:.2f} | "
-                     f"{r['minor_faults_per_token']:.1f} | {r['engram_rows_per_token']:.0f} | {r['ms_per_token']:.1f} |")
+        lines.append(
+            f"| {r['checkpoint']} | {r['engram_mode']} | {r['major_faults_per_token']:.2f} | "
+            f"{r['minor_faults_per_token']:.1f} | {r['engram_rows_per_token']:.0f} | {r['ms_per_token']:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -245,16 +307,26 @@ def main() -> None:
     ap.add_argument("--on-gpu-host", action="store_true")
     args = ap.parse_args()
     if shutil.which("nvidia-smi") and not args.on_gpu_host:
-        print("bench_convert: storage benchmark for the development machine; skipped on the GPU host "
-              "(--on-gpu-host to run it)")
+        print(
+            "bench_convert: storage benchmark for the development machine; skipped on the GPU host "
+            "(--on-gpu-host to run it)"
+        )
         return
     args.out.mkdir(parents=True, exist_ok=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
     import mlx.core as mx
 
-    result = {"machine": {"platform": platform.platform(), "python": platform.python_version(),
-                          "mlx": mx.__version__, "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
-              "conversion": conversion(args.workdir, args.trials), "decode": decode_faults(args.workdir)}
+    result = {
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "mlx": mx.__version__,
+            "cpus": os.cpu_count(),
+            "loadavg": os.getloadavg(),
+        },
+        "conversion": conversion(args.workdir, args.trials),
+        "decode": decode_faults(args.workdir),
+    }
     (args.out / "bench_convert.json").write_text(json.dumps(result, indent=1))
     (args.out / "bench_convert.md").write_text(markdown(result))
     print(markdown(result))

@@ -54,18 +54,35 @@ from mlx_dsv41.config import ModelArgs  # noqa: E402
 from mlx_dsv41.model.deepseek_v41 import Model  # noqa: E402
 
 # Small dimensions for --smoke (CPU): the same code path at a size the reference BLAS can run.
-SMOKE = dict(vocab_size=512, hidden_size=256, num_attention_heads=4, head_dim=128, q_lora_rank=64,
-             o_lora_rank=64, o_groups=2, moe_intermediate_size=128, n_routed_experts=8,
-             num_experts_per_tok=2, index_n_heads=2, index_head_dim=64, index_topk=8,
-             sliding_window=16, candidate_topk_blocks=2, candidate_block_size=4)
+SMOKE = dict(
+    vocab_size=512,
+    hidden_size=256,
+    num_attention_heads=4,
+    head_dim=128,
+    q_lora_rank=64,
+    o_lora_rank=64,
+    o_groups=2,
+    moe_intermediate_size=128,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    index_n_heads=2,
+    index_head_dim=64,
+    index_topk=8,
+    sliding_window=16,
+    candidate_topk_blocks=2,
+    candidate_block_size=4,
+)
 FLASH_LAYERS = 40  # MoE layers of the real model, for the per-token extrapolation
 
 
 def flash_args(layers: int, smoke: bool) -> ModelArgs:
     """Flash dimensions (all 384 experts) at `layers` depth with Flash's roles in miniature
     (flash_model.flash_args); no Engram (replicated host work, not part of the exchange)."""
-    return flash_model.flash_args(layers, experts=SMOKE["n_routed_experts"] if smoke else 384,
-                                  **({k: v for k, v in SMOKE.items() if k != "n_routed_experts"} if smoke else {}))
+    return flash_model.flash_args(
+        layers,
+        experts=SMOKE["n_routed_experts"] if smoke else 384,
+        **({k: v for k, v in SMOKE.items() if k != "n_routed_experts"} if smoke else {}),
+    )
 
 
 # ------------------------------------------------------------------------------- timing helpers
@@ -125,8 +142,11 @@ def build_model(args: ModelArgs, held: tuple[int, int], bits: int, codebook: str
     for i, layer in enumerate(model.layers):
         layer.ffn.experts = flash_model.exl3_experts(f"layers.{i}.ffn.experts", args, bits, seed, held, codebook)
     keep = model.cast_predicate  # False for the tensors the model holds in fp32
-    dense = [(k, v.astype(mx.bfloat16) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v)
-             for k, v in tree_flatten(model.parameters()) if ".ffn.experts." not in k]
+    dense = [
+        (k, v.astype(mx.bfloat16) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v)
+        for k, v in tree_flatten(model.parameters())
+        if ".ffn.experts." not in k
+    ]
     model.load_weights(dense, strict=False)
     for part in (model.embed, *model.layers, model.norm, model.head):
         mx.eval(part.parameters())
@@ -149,8 +169,7 @@ def decode(model: Model, cluster, prompt: int, steps: int, warmup: int, logits_p
     t0 = time.perf_counter()
     logits, tok = step(ids)
     mx.eval(logits, tok)
-    out = {"prefill_s": time.perf_counter() - t0, "hashes": [digest(logits[:, -1])],
-           "tokens": [int(tok.item())]}
+    out = {"prefill_s": time.perf_counter() - t0, "hashes": [digest(logits[:, -1])], "tokens": [int(tok.item())]}
     times, counts = [], []
     for i in range(warmup + steps):
         before = (cluster.exchanges, cluster.exchange_bytes) if cluster else (0, 0)
@@ -185,8 +204,11 @@ def decode(model: Model, cluster, prompt: int, steps: int, warmup: int, logits_p
 
 
 def memory() -> dict:
-    return {"active_GB": mx.get_active_memory() / 1e9, "peak_GB": mx.get_peak_memory() / 1e9,
-            "rss_GB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
+    return {
+        "active_GB": mx.get_active_memory() / 1e9,
+        "peak_GB": mx.get_peak_memory() / 1e9,
+        "rss_GB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+    }
 
 
 # ------------------------------------------------------------------------------- roles
@@ -197,11 +219,22 @@ def measure(a, cluster) -> dict:
     rank = cluster.rank if cluster else 0
     path = a.out / f"bench_distributed_{label}_rank{rank}.json"
     args = flash_args(a.layers, a.smoke)
-    result = {"label": label, "rank": rank, "size": cluster.size if cluster else 1,
-              "partition": cluster.partition if cluster else None, "layers": a.layers,
-              "smoke": a.smoke, "bits": a.bits, "codebook": a.codebook, "prompt": a.prompt,
-              "steps": a.steps, "mlx": mx.__version__, "device": str(mx.default_device()),
-              "host": platform.node(), "errors": {}}
+    result = {
+        "label": label,
+        "rank": rank,
+        "size": cluster.size if cluster else 1,
+        "partition": cluster.partition if cluster else None,
+        "layers": a.layers,
+        "smoke": a.smoke,
+        "bits": a.bits,
+        "codebook": a.codebook,
+        "prompt": a.prompt,
+        "steps": a.steps,
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "host": platform.node(),
+        "errors": {},
+    }
 
     def phase(name, fn):
         t0 = time.perf_counter()
@@ -214,10 +247,10 @@ def measure(a, cluster) -> dict:
         path.write_text(json.dumps(result, indent=1))
 
     if cluster is not None:
-        phase("exchange", lambda: exchange_costs(cluster, args.num_experts_per_tok, args.hidden_size,
-                                                 a.chain, a.repeats))
-    held = distributed.held_experts(rank, result["size"], result["partition"] or "slots",
-                                    args.n_routed_experts)
+        phase(
+            "exchange", lambda: exchange_costs(cluster, args.num_experts_per_tok, args.hidden_size, a.chain, a.repeats)
+        )
+    held = distributed.held_experts(rank, result["size"], result["partition"] or "slots", args.n_routed_experts)
     model = None
 
     def load():
@@ -230,10 +263,17 @@ def measure(a, cluster) -> dict:
 
     phase("load", load)
     if model is not None:
-        phase("decode", lambda: {**decode(model, cluster, a.prompt, a.steps, a.warmup,
-                                          path.with_suffix(".last_logits.npy")), **memory()})
-    print(f"bench_distributed: {label} rank {rank}: wrote {path}"
-          + (f" (errors: {sorted(result['errors'])})" if result["errors"] else ""))
+        phase(
+            "decode",
+            lambda: {
+                **decode(model, cluster, a.prompt, a.steps, a.warmup, path.with_suffix(".last_logits.npy")),
+                **memory(),
+            },
+        )
+    print(
+        f"bench_distributed: {label} rank {rank}: wrote {path}"
+        + (f" (errors: {sorted(result['errors'])})" if result["errors"] else "")
+    )
     return result
 
 
@@ -258,41 +298,63 @@ def report(out: Path) -> int:
         print(f"bench_distributed: no runs in {out}")
         return 1
     base = next((r for r in runs if r["label"] == "single"), None)
-    lines = ["| run | rank | experts held | ms/token | ms/token pipelined | first forward s (prefill + JIT) "
-             "| exchanges/token | exchange B/token (this rank) | GPU GB active / peak | RSS GB | same tokens "
-             "| same logits |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | rank | experts held | ms/token | ms/token pipelined | first forward s (prefill + JIT) "
+        "| exchanges/token | exchange B/token (this rank) | GPU GB active / peak | RSS GB | same tokens "
+        "| same logits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
         d, ld = r.get("decode", {}), r.get("load", {})
         held = ld.get("held_experts")
         same_tokens, same_logits = _same(r, base)
-        lines.append(" | ".join([
-            f"| {r['label']}", str(r["rank"]), f"{held[0]}..{held[1] - 1}" if held else "—",
-            _num(d.get("ms_per_token")), _num(d.get("ms_per_token_pipelined")), _num(d.get("prefill_s")),
-            str(d.get("exchanges_per_token", 0)), f"{d.get('exchange_bytes_per_token', 0):,}",
-            f"{_num(ld.get('active_GB'), '.1f')} / {_num(d.get('peak_GB', ld.get('peak_GB')), '.1f')}",
-            _num(d.get("rss_GB", ld.get("rss_GB")), ".1f"), same_tokens, f"{same_logits} |"]))
+        lines.append(
+            " | ".join(
+                [
+                    f"| {r['label']}",
+                    str(r["rank"]),
+                    f"{held[0]}..{held[1] - 1}" if held else "—",
+                    _num(d.get("ms_per_token")),
+                    _num(d.get("ms_per_token_pipelined")),
+                    _num(d.get("prefill_s")),
+                    str(d.get("exchanges_per_token", 0)),
+                    f"{d.get('exchange_bytes_per_token', 0):,}",
+                    f"{_num(ld.get('active_GB'), '.1f')} / {_num(d.get('peak_GB', ld.get('peak_GB')), '.1f')}",
+                    _num(d.get("rss_GB", ld.get("rss_GB")), ".1f"),
+                    same_tokens,
+                    f"{same_logits} |",
+                ]
+            )
+        )
     exchange = [r for r in runs if "exchange" in r]
     if exchange:
-        lines += ["", "| run | rank | all_sum [k, D] + eval, µs | all_sum in one graph, µs/exchange (net) "
-                      "| all_gather + eval, µs | all_gather in one graph, µs/exchange (net) "
-                      "| same chain without collectives, µs/step |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| run | rank | all_sum [k, D] + eval, µs | all_sum in one graph, µs/exchange (net) "
+            "| all_gather + eval, µs | all_gather in one graph, µs/exchange (net) "
+            "| same chain without collectives, µs/step |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in exchange:
             e = r["exchange"]
-            lines.append(f"| {r['label']} | {r['rank']} | {e['all_sum_eval_each_us']:.1f} | "
-                         f"{e['all_sum_in_graph_us']:.1f} ({e['all_sum_in_graph_net_us']:.1f}) | "
-                         f"{e['all_gather_eval_each_us']:.1f} | {e['all_gather_in_graph_us']:.1f} "
-                         f"({e['all_gather_in_graph_net_us']:.1f}) | {e['none_in_graph_us']:.1f} |")
+            lines.append(
+                f"| {r['label']} | {r['rank']} | {e['all_sum_eval_each_us']:.1f} | "
+                f"{e['all_sum_in_graph_us']:.1f} ({e['all_sum_in_graph_net_us']:.1f}) | "
+                f"{e['all_gather_eval_each_us']:.1f} | {e['all_gather_in_graph_us']:.1f} "
+                f"({e['all_gather_in_graph_net_us']:.1f}) | {e['none_in_graph_us']:.1f} |"
+            )
     notes = []
     for r in runs:
         d = r.get("decode", {})
         if r["rank"] == 0 and d.get("exchanges_per_token"):
             per_layer = d["exchanges_per_token"] / r["layers"]
             per_exchange = d["exchange_bytes_per_token"] // d["exchanges_per_token"]
-            notes.append(f"- {r['label']}: {per_layer:g} exchange per MoE layer, {per_exchange:,} B into "
-                         f"each from every rank; at Flash depth ({FLASH_LAYERS} MoE layers): "
-                         f"{FLASH_LAYERS * per_layer:g} exchanges, {int(FLASH_LAYERS * per_layer) * per_exchange:,} "
-                         "B per token per rank")
+            notes.append(
+                f"- {r['label']}: {per_layer:g} exchange per MoE layer, {per_exchange:,} B into "
+                f"each from every rank; at Flash depth ({FLASH_LAYERS} MoE layers): "
+                f"{FLASH_LAYERS * per_layer:g} exchanges, {int(FLASH_LAYERS * per_layer) * per_exchange:,} "
+                "B per token per rank"
+            )
     errors = [f"- {r['label']} rank {r['rank']}: {k}: {v}" for r in runs for k, v in r.get("errors", {}).items()]
     text = "\n".join(lines + ([""] + notes if notes else []) + (["", "Errors:"] + errors if errors else []))
     print(text)

@@ -55,8 +55,9 @@ def ensure_table(path: Path, gigabytes: float) -> dict:
     rows = int(gigabytes * 1e9) // ROW_BYTES
     free = shutil.disk_usage(path.parent).free
     if not path.exists() and free < rows * ROW_BYTES + (2 << 30):
-        sys.exit(f"bench_engram_store: {path.parent} has {free / 1e9:.1f} GB free, needs "
-                 f"{rows * ROW_BYTES / 1e9 + 2:.1f} GB")
+        sys.exit(
+            f"bench_engram_store: {path.parent} has {free / 1e9:.1f} GB free, needs {rows * ROW_BYTES / 1e9 + 2:.1f} GB"
+        )
     t0 = time.perf_counter()
     status = write_engram_rows(synthetic_table(rows), path, 1, rows)
     seconds = time.perf_counter() - t0
@@ -83,10 +84,15 @@ def relayout_throughput(directory: Path, gigabytes: float) -> dict:
         values = np.frombuffer(rng.bytes(rows * HEAD_DIM), np.uint8)
         scales = rng.integers(112, 136, rows * HEAD_DIM // 32, dtype=np.uint8)
         specs = {
-            "layers.14.engram.embed.weight": TensorSpec(dtype="float8_e4m3fn", shape=[rows, HEAD_DIM],
-                                                        data_ptr=values.ctypes.data, data_len=values.nbytes),
-            "layers.14.engram.embed.scale": TensorSpec(dtype="float8_e8m0fnu", shape=[rows, HEAD_DIM // 32],
-                                                       data_ptr=scales.ctypes.data, data_len=scales.nbytes),
+            "layers.14.engram.embed.weight": TensorSpec(
+                dtype="float8_e4m3fn", shape=[rows, HEAD_DIM], data_ptr=values.ctypes.data, data_len=values.nbytes
+            ),
+            "layers.14.engram.embed.scale": TensorSpec(
+                dtype="float8_e8m0fnu",
+                shape=[rows, HEAD_DIM // 32],
+                data_ptr=scales.ctypes.data,
+                data_len=scales.nbytes,
+            ),
         }
         safetensors.serialize_file(specs, str(shard))
         del values, scales
@@ -125,8 +131,17 @@ def disk_read_bytes() -> int:
         return 0
 
 
-def trial(path: Path, rows: int, mode: str, threads: int, cold: bool, prefetch: bool,
-          tokens: int, compute_s: float, rng: np.random.Generator) -> dict:
+def trial(
+    path: Path,
+    rows: int,
+    mode: str,
+    threads: int,
+    cold: bool,
+    prefetch: bool,
+    tokens: int,
+    compute_s: float,
+    rng: np.random.Generator,
+) -> dict:
     """One trial: open the store, warm it up on a few tokens, then time `tokens` tokens."""
     if cold:
         drop_cache(path)
@@ -212,8 +227,10 @@ def main() -> None:
     ap.add_argument("--on-gpu-host", action="store_true")
     args = ap.parse_args()
     if shutil.which("nvidia-smi") and not args.on_gpu_host:
-        print("bench_engram_store: storage benchmark for the development machine; skipped on the "
-              "GPU host (--on-gpu-host to run it)")
+        print(
+            "bench_engram_store: storage benchmark for the development machine; skipped on the "
+            "GPU host (--on-gpu-host to run it)"
+        )
         return
     if not hasattr(os, "posix_fadvise"):
         sys.exit("bench_engram_store: needs posix_fadvise to drop the page cache (Linux)")
@@ -225,8 +242,11 @@ def main() -> None:
     rows = table["rows"]
     rng = np.random.default_rng(0)
     relayouts = [relayout_throughput(args.dir, args.relayout_gb) for _ in range(args.trials)]
-    relayout = {**relayouts[0], "MBps": statistics.median(r["MBps"] for r in relayouts),
-                "MBps_trials": [r["MBps"] for r in relayouts]}
+    relayout = {
+        **relayouts[0],
+        "MBps": statistics.median(r["MBps"] for r in relayouts),
+        "MBps_trials": [r["MBps"] for r in relayouts],
+    }
     print(f"re-layout from a safetensors shard: {relayout['MBps']:.0f} MB/s", flush=True)
 
     configs = [  # (label, mode, threads)
@@ -238,8 +258,10 @@ def main() -> None:
     for cold in (True, False):
         for label, mode, threads in configs:
             for prefetch in (False, True):
-                runs = [trial(path, rows, mode, threads, cold, prefetch, args.tokens,
-                              args.compute_ms / 1e3, rng) for _ in range(args.trials)]
+                runs = [
+                    trial(path, rows, mode, threads, cold, prefetch, args.tokens, args.compute_ms / 1e3, rng)
+                    for _ in range(args.trials)
+                ]
                 row = {"state": "cold" if cold else "warm", "store": label, "prefetch": prefetch}
                 row.update({k: statistics.median(r[k] for r in runs) for k in runs[0]})
                 results.append(row)
@@ -250,9 +272,17 @@ def main() -> None:
         bulk.append({"store": label, "rows": 4096, "cold_rows_per_s": rate})
         print(json.dumps(bulk[-1]), flush=True)
 
-    report = {"machine": machine_info(path), "table": table, "tokens_per_trial": args.tokens,
-              "trials": args.trials, "compute_ms": args.compute_ms, "per_token": results,
-              "bulk": bulk, "relayout": relayout, "seconds": time.perf_counter() - t_begin}
+    report = {
+        "machine": machine_info(path),
+        "table": table,
+        "tokens_per_trial": args.tokens,
+        "trials": args.trials,
+        "compute_ms": args.compute_ms,
+        "per_token": results,
+        "bulk": bulk,
+        "relayout": relayout,
+        "seconds": time.perf_counter() - t_begin,
+    }
     (args.out / "bench_engram_store.json").write_text(json.dumps(report, indent=1))
     lines = [
         "| state | store | prefetch | wait ms/token (median) | wait ms (p90) | fetch ms/token | rows/s "
@@ -268,9 +298,12 @@ def main() -> None:
         )
     lines += ["", "| store | cold rows/s, one read of 4096 random rows |", "|---|---|"]
     lines += [f"| {b['store']} | {b['cold_rows_per_s']:,.0f} |" for b in bulk]
-    lines += ["", f"Row-file writing from a cold official-format shard: {relayout['MBps']:.0f} MB/s "
-              f"({relayout['bytes'] / 1e9:.2f} GB; trials "
-              f"{', '.join(f'{v:.0f}' for v in relayout['MBps_trials'])})."]
+    lines += [
+        "",
+        f"Row-file writing from a cold official-format shard: {relayout['MBps']:.0f} MB/s "
+        f"({relayout['bytes'] / 1e9:.2f} GB; trials "
+        f"{', '.join(f'{v:.0f}' for v in relayout['MBps_trials'])}).",
+    ]
     (args.out / "bench_engram_store.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"total {report['seconds']:.0f} s")

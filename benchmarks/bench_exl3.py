@@ -57,19 +57,40 @@ from mlx_dsv41.kernels import backend  # noqa: E402
 from mlx_dsv41.kernels import exl3 as launch  # noqa: E402
 
 SHAPES = (
-    ("wq_a", 5120, 1280), ("wq_b", 1280, 32768), ("wkv", 5120, 512), ("wo_a group", 4096, 1024),
-    ("wo_b", 8192, 5120), ("expert w1/w3", 5120, 2304), ("expert w2", 2304, 5120), ("head", 5120, 129280),
+    ("wq_a", 5120, 1280),
+    ("wq_b", 1280, 32768),
+    ("wkv", 5120, 512),
+    ("wo_a group", 4096, 1024),
+    ("wo_b", 8192, 5120),
+    ("expert w1/w3", 5120, 2304),
+    ("expert w2", 2304, 5120),
+    ("head", 5120, 129280),
 )
 # exllamav3 v1.4.1 on the H200, fp16 activations (issue 6): (shape, K) -> (m=1 µs, m=8 µs).
 ANCHOR = {
-    ("wq_a", 3): (17.8, 18.1), ("wq_a", 4): (16.7, 16.9), ("wq_a", 5): (21.9, 22.6),
-    ("wq_b", 3): (26.6, 27.9), ("wq_b", 4): (22.3, 22.5), ("wq_b", 5): (27.5, 29.2),
-    ("wkv", 3): (17.5, 18.4), ("wkv", 4): (16.4, 17.1), ("wkv", 5): (21.6, 22.0),
-    ("wo_a group", 3): (15.0, 15.4), ("wo_a group", 4): (14.1, 14.5), ("wo_a group", 5): (20.3, 20.8),
-    ("wo_b", 3): (34.9, 35.8), ("wo_b", 4): (32.3, 33.4), ("wo_b", 5): (39.2, 40.8),
-    ("expert w1/w3", 2): (16.3, 16.4), ("expert w1/w3", 3): (18.0, 18.5), ("expert w1/w3", 4): (16.8, 17.1),
-    ("expert w2", 2): (12.7, 13.4), ("expert w2", 3): (13.4, 14.2), ("expert w2", 4): (12.7, 13.6),
-    ("head", 4): (318.7, 322.1), ("head", 5): (380.7, 386.8),
+    ("wq_a", 3): (17.8, 18.1),
+    ("wq_a", 4): (16.7, 16.9),
+    ("wq_a", 5): (21.9, 22.6),
+    ("wq_b", 3): (26.6, 27.9),
+    ("wq_b", 4): (22.3, 22.5),
+    ("wq_b", 5): (27.5, 29.2),
+    ("wkv", 3): (17.5, 18.4),
+    ("wkv", 4): (16.4, 17.1),
+    ("wkv", 5): (21.6, 22.0),
+    ("wo_a group", 3): (15.0, 15.4),
+    ("wo_a group", 4): (14.1, 14.5),
+    ("wo_a group", 5): (20.3, 20.8),
+    ("wo_b", 3): (34.9, 35.8),
+    ("wo_b", 4): (32.3, 33.4),
+    ("wo_b", 5): (39.2, 40.8),
+    ("expert w1/w3", 2): (16.3, 16.4),
+    ("expert w1/w3", 3): (18.0, 18.5),
+    ("expert w1/w3", 4): (16.8, 17.1),
+    ("expert w2", 2): (12.7, 13.4),
+    ("expert w2", 3): (13.4, 14.2),
+    ("expert w2", 4): (12.7, 13.6),
+    ("head", 4): (318.7, 322.1),
+    ("head", 5): (380.7, 386.8),
 }
 ANCHOR_BITS = {name: sorted(b for s, b in ANCHOR if s == name) for name, _, _ in SHAPES}  # K measured per shape
 MOE_ANCHOR = {2: 132.1, 3: 137.2, 4: 131.4, 5: 150.8}  # µs, one token, 6 of 384 experts
@@ -149,8 +170,12 @@ def device_read_bandwidth(repeats: int) -> dict:
     read_sum = a.nbytes / sum_us / 1e3  # GB/s
     read_copy = a.nbytes / copy_us / 1e3  # the read half of a copy that moves 2x the bytes
     a = None  # frees the 4 GiB (the closures above read `a`: rebound, not deleted)
-    return {"sum_read_GBps": read_sum, "copy_read_GBps": read_copy, "copy_total_GBps": 2 * read_copy,
-            "roofline_GBps": max(read_sum, 2 * read_copy)}
+    return {
+        "sum_read_GBps": read_sum,
+        "copy_read_GBps": read_copy,
+        "copy_total_GBps": 2 * read_copy,
+        "roofline_GBps": max(read_sum, 2 * read_copy),
+    }
 
 
 def random_trellis(shape_prefix, bits: int) -> mx.array:
@@ -167,8 +192,13 @@ def linear_sets(k, n, bits, rotate_mib):
     set_bytes = k * n * bits // 8 + 2 * (k + n)
     sets = []
     for _ in range(n_sets(set_bytes, rotate_mib)):
-        sets.append((random_trellis((k // 16, n // 16), bits), (mx.random.normal((k,)) * 0.02).astype(mx.float16),
-                     mx.random.normal((n,)).astype(mx.float16)))
+        sets.append(
+            (
+                random_trellis((k // 16, n // 16), bits),
+                (mx.random.normal((k,)) * 0.02).astype(mx.float16),
+                mx.random.normal((n,)).astype(mx.float16),
+            )
+        )
     mx.eval(sets)
     return sets
 
@@ -190,8 +220,12 @@ def exl3_device_time(sets, m, args) -> float:
     k, n = sets[0][1].shape[0], sets[0][2].shape[0]
     x = mx.random.normal((m, k)).astype(mx.bfloat16)
     # Each call's output row 0 is the next call's bias (both launches of a k-split call read it).
-    return device_us(lambda i, prev: ops.linear(x, *sets[i % len(sets)], "mul1", bias=prev[0]),
-                     mx.zeros((1, n), mx.bfloat16), args.repeats, DEVICE_CHAIN)
+    return device_us(
+        lambda i, prev: ops.linear(x, *sets[i % len(sets)], "mul1", bias=prev[0]),
+        mx.zeros((1, n), mx.bfloat16),
+        args.repeats,
+        DEVICE_CHAIN,
+    )
 
 
 def timings(device, chained, independent, calls) -> dict:
@@ -209,10 +243,22 @@ def exl3_row(name, k, n, bits, m, t: dict, roofline, label="default") -> dict:
     packed = k * n * bits // 8
     us = headline_us(t)
     anchor = ANCHOR.get((name, bits), (None, None))[0 if m == 1 else 1]
-    return {"kind": "exl3", "shape": name, "k": k, "n": n, "K": bits, "m": m, **t, "tuning": label,
-            "tuning_fields": asdict(launch.TUNING), "packed_GBps": packed / us / 1e3,
-            "roofline_frac": packed / us / 1e3 / roofline, "anchor_us": anchor, "splits": splits,
-            "launches": 1 if (m <= launch.GEMV_MAX_ROWS and splits == 1) else 2}
+    return {
+        "kind": "exl3",
+        "shape": name,
+        "k": k,
+        "n": n,
+        "K": bits,
+        "m": m,
+        **t,
+        "tuning": label,
+        "tuning_fields": asdict(launch.TUNING),
+        "packed_GBps": packed / us / 1e3,
+        "roofline_frac": packed / us / 1e3 / roofline,
+        "anchor_us": anchor,
+        "splits": splits,
+        "launches": 1 if (m <= launch.GEMV_MAX_ROWS and splits == 1) else 2,
+    }
 
 
 def mlx_case(name, k, n, fmt, m, args, roofline) -> dict:
@@ -241,8 +287,19 @@ def mlx_case(name, k, n, fmt, m, args, roofline) -> dict:
     calls = calls_for(len(sets), args.calls)
     us = per_call_us(launch, calls, args.repeats, False)
     sets = None  # frees the weights (launch() reads `sets`: rebound, not deleted)
-    return {"kind": "mlx", "shape": name, "k": k, "n": n, "format": fmt, "m": m, "us": us, "chained": False,
-            "packed_GBps": set_bytes / us / 1e3, "roofline_frac": set_bytes / us / 1e3 / roofline, "calls": calls}
+    return {
+        "kind": "mlx",
+        "shape": name,
+        "k": k,
+        "n": n,
+        "format": fmt,
+        "m": m,
+        "us": us,
+        "chained": False,
+        "packed_GBps": set_bytes / us / 1e3,
+        "roofline_frac": set_bytes / us / 1e3 / roofline,
+        "calls": calls,
+    }
 
 
 def routing(calls: int, seed: int):
@@ -284,20 +341,33 @@ def moe_device_time(experts, bits, args) -> float:
     # Each round routes its chain to other experts, and rounds differ by several µs (which experts
     # share L2 lines and SMs): the median needs more rounds than the dense rows (--moe-repeats).
     picks = routing(DEVICE_CHAIN * (args.moe_repeats + 1), seed=bits)
-    return device_us(lambda i, prev: experts(prev.reshape(-1, HIDDEN)[:1], *picks[i]), mx.random.normal((1, HIDDEN)),
-                     args.moe_repeats, DEVICE_CHAIN)
+    return device_us(
+        lambda i, prev: experts(prev.reshape(-1, HIDDEN)[:1], *picks[i]),
+        mx.random.normal((1, HIDDEN)),
+        args.moe_repeats,
+        DEVICE_CHAIN,
+    )
 
 
 def moe_row(bits, t: dict, roofline, label="default") -> dict:
     packed = TOP_K * 3 * HIDDEN * INTER * bits // 8
     us = headline_us(t)
-    return {"kind": "exl3_moe", "K": bits, **t, "tuning": label, "tuning_fields": asdict(launch.TUNING),
-            "packed_GBps": packed / us / 1e3, "roofline_frac": packed / us / 1e3 / roofline,
-            "anchor_us": MOE_ANCHOR[bits], "target_us": MOE_TARGET_US if bits == 3 else None}
+    return {
+        "kind": "exl3_moe",
+        "K": bits,
+        **t,
+        "tuning": label,
+        "tuning_fields": asdict(launch.TUNING),
+        "packed_GBps": packed / us / 1e3,
+        "roofline_frac": packed / us / 1e3 / roofline,
+        "anchor_us": MOE_ANCHOR[bits],
+        "target_us": MOE_TARGET_US if bits == 3 else None,
+    }
 
 
 def moe_mlx_case(fmt, args, roofline) -> dict:
     """mlx-lm's SwitchGLU pattern: gather_qmm gate, up, silu * up, gather_qmm down (random bits)."""
+
     def stack(n, k):
         if fmt == "affine4":
             w = random_words((N_EXPERTS, n, k // 8))
@@ -323,8 +393,15 @@ def moe_mlx_case(fmt, args, roofline) -> dict:
     us = per_call_us(launch, args.moe_calls, args.repeats, False)
     packed = sum(a.nbytes for a in (*gate, *up, *down)) * TOP_K // N_EXPERTS
     gate = up = down = None  # frees the weights (launch() reads them: rebound, not deleted)
-    return {"kind": "mlx_moe", "format": fmt, "us": us, "chained": False, "packed_GBps": packed / us / 1e3,
-            "roofline_frac": packed / us / 1e3 / roofline, "calls": args.moe_calls}
+    return {
+        "kind": "mlx_moe",
+        "format": fmt,
+        "us": us,
+        "chained": False,
+        "packed_GBps": packed / us / 1e3,
+        "roofline_frac": packed / us / 1e3 / roofline,
+        "calls": args.moe_calls,
+    }
 
 
 def fmt_us(v):
@@ -332,19 +409,25 @@ def fmt_us(v):
 
 
 def print_tables(bw, rows):
-    print(f"\nDevice read bandwidth: {bw['roofline_GBps']:.0f} GB/s (sum {bw['sum_read_GBps']:.0f}, "
-          f"copy {bw['copy_total_GBps']:.0f} GB/s read+write)\n")
+    print(
+        f"\nDevice read bandwidth: {bw['roofline_GBps']:.0f} GB/s (sum {bw['sum_read_GBps']:.0f}, "
+        f"copy {bw['copy_total_GBps']:.0f} GB/s read+write)\n"
+    )
     main = [r for r in rows if r["kind"] == "exl3" and not r.get("sweep")]
     if main:
-        print("| shape (in x out) | K | m | device µs | chained µs | independent µs | packed GB/s (device) | "
-              "of roofline | launches | exllamav3 µs | vs exllamav3 (device) |")
+        print(
+            "| shape (in x out) | K | m | device µs | chained µs | independent µs | packed GB/s (device) | "
+            "of roofline | launches | exllamav3 µs | vs exllamav3 (device) |"
+        )
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     order = [s[0] for s in SHAPES]
     for r in sorted(main, key=lambda r: (order.index(r["shape"]), r["K"], r["m"])):
         ratio = "–" if r["anchor_us"] is None else f"{r['anchor_us'] / headline_us(r):.2f}x"
-        print(f"| {r['shape']} {r['k']}x{r['n']} | {r['K']} | {r['m']} | {fmt_us(r['device_us'])} | "
-              f"{fmt_us(r['chained_us'])} | {fmt_us(r['independent_us'])} | {r['packed_GBps']:.0f} | "
-              f"{100 * r['roofline_frac']:.0f}% | {r['launches']} | {fmt_us(r['anchor_us'])} | {ratio} |")
+        print(
+            f"| {r['shape']} {r['k']}x{r['n']} | {r['K']} | {r['m']} | {fmt_us(r['device_us'])} | "
+            f"{fmt_us(r['chained_us'])} | {fmt_us(r['independent_us'])} | {r['packed_GBps']:.0f} | "
+            f"{100 * r['roofline_frac']:.0f}% | {r['launches']} | {fmt_us(r['anchor_us'])} | {ratio} |"
+        )
     mlx_rows = [r for r in rows if r["kind"] == "mlx"]
     if mlx_rows:
         print("\n| shape (in x out) | m | MLX bf16 µs | MLX affine4 µs | MLX mxfp4 µs |")
@@ -353,20 +436,28 @@ def print_tables(bw, rows):
             for m in sorted({r["m"] for r in mlx_rows}):
                 got = {r["format"]: r["us"] for r in mlx_rows if r["shape"] == name and r["m"] == m}
                 if got:
-                    print(f"| {name} {k}x{n} | {m} | {fmt_us(got.get('bf16'))} | {fmt_us(got.get('affine4'))} | "
-                          f"{fmt_us(got.get('mxfp4'))} |")
+                    print(
+                        f"| {name} {k}x{n} | {m} | {fmt_us(got.get('bf16'))} | {fmt_us(got.get('affine4'))} | "
+                        f"{fmt_us(got.get('mxfp4'))} |"
+                    )
     moe = [r for r in rows if r["kind"] == "exl3_moe" and not r.get("sweep")]
     if moe:
-        print("\n| MoE block, 1 token, 6 of 384 experts | device µs | chained µs | independent µs | packed GB/s "
-              "(device) | of roofline | exllamav3 µs | target µs |")
+        print(
+            "\n| MoE block, 1 token, 6 of 384 experts | device µs | chained µs | independent µs | packed GB/s "
+            "(device) | of roofline | exllamav3 µs | target µs |"
+        )
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in moe:
-            print(f"| EXL3 K={r['K']} | {fmt_us(r['device_us'])} | {fmt_us(r['chained_us'])} | "
-                  f"{fmt_us(r['independent_us'])} | {r['packed_GBps']:.0f} | {100 * r['roofline_frac']:.0f}% | "
-                  f"{fmt_us(r['anchor_us'])} | {fmt_us(r['target_us'])} |")
+            print(
+                f"| EXL3 K={r['K']} | {fmt_us(r['device_us'])} | {fmt_us(r['chained_us'])} | "
+                f"{fmt_us(r['independent_us'])} | {r['packed_GBps']:.0f} | {100 * r['roofline_frac']:.0f}% | "
+                f"{fmt_us(r['anchor_us'])} | {fmt_us(r['target_us'])} |"
+            )
     for r in [r for r in rows if r["kind"] == "mlx_moe"]:
-        print(f"| MLX gather_qmm {r['format']} (independent) | – | – | {r['us']:.1f} | {r['packed_GBps']:.0f} | "
-              f"{100 * r['roofline_frac']:.0f}% | – | – |")
+        print(
+            f"| MLX gather_qmm {r['format']} (independent) | – | – | {r['us']:.1f} | {r['packed_GBps']:.0f} | "
+            f"{100 * r['roofline_frac']:.0f}% | – | – |"
+        )
     sweep = [r for r in rows if r["kind"] in ("exl3", "exl3_moe") and r.get("sweep")]
     if sweep:
         # Columns: (shape or "MoE block", K) pairs in measuring order.
@@ -381,7 +472,11 @@ def print_tables(bw, rows):
         for label in SWEEP:
             cells = []
             for col in cols:
-                got = [headline_us(r) for r in sweep if r["tuning"] == label and (r.get("shape", "MoE block"), r["K"]) == col]
+                got = [
+                    headline_us(r)
+                    for r in sweep
+                    if r["tuning"] == label and (r.get("shape", "MoE block"), r["K"]) == col
+                ]
                 cells.append("–" if not got else f"{got[0]:.1f}{'*' if got[0] == best[col] else ''}")
             print(f"| {label} | " + " | ".join(cells) + " |")
 
@@ -410,17 +505,21 @@ def run_sweep(args, roofline, rows, t_start):
             sets = linear_sets(k, n, bits, args.rotate_mib)
             for label, t in SWEEP.items():
                 with tuning(t):
-                    rows.append(dict(exl3_row(name, k, n, bits, 1, linear_timings(sets, 1, args, walls=False),
-                                              roofline, label), sweep=True))
+                    rows.append(
+                        dict(
+                            exl3_row(name, k, n, bits, 1, linear_timings(sets, 1, args, walls=False), roofline, label),
+                            sweep=True,
+                        )
+                    )
             del sets
-            print(f"  sweep {name} K={bits}: done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr,
-                  flush=True)
+            print(f"  sweep {name} K={bits}: done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
         if not args.skip_moe:
             experts = moe_experts(bits)
             for label, t in SWEEP.items():
                 with tuning(t):
-                    rows.append(dict(moe_row(bits, moe_timings(experts, bits, args, walls=False), roofline, label),
-                                     sweep=True))
+                    rows.append(
+                        dict(moe_row(bits, moe_timings(experts, bits, args, walls=False), roofline, label), sweep=True)
+                    )
             del experts
             print(f"  sweep MoE K={bits}: done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
 
@@ -439,8 +538,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=positive_int, default=5, metavar="N")
     ap.add_argument("--calls", type=int, default=16, help="minimum launches per evaluation")
     ap.add_argument("--moe-calls", type=int, default=100)
-    ap.add_argument("--moe-repeats", type=positive_int, default=15, metavar="N",
-                    help="rounds of the MoE device time (median)")
+    ap.add_argument(
+        "--moe-repeats", type=positive_int, default=15, metavar="N", help="rounds of the MoE device time (median)"
+    )
     ap.add_argument("--rotate-mib", type=int, default=256)
     ap.add_argument("--bits", type=int, nargs="+", help="K values (default: the anchor's per shape; MoE 2..5)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
@@ -448,8 +548,15 @@ def main() -> int:
     ap.add_argument("--skip-mlx", action="store_true", help="no MLX baselines")
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time every launch shape of SWEEP (m = 1)")
-    ap.add_argument("--sweep-bits", type=int, nargs="+", default=[3], choices=range(1, 9), metavar="K",
-                    help="K values of the sweep (1..8, default 3)")
+    ap.add_argument(
+        "--sweep-bits",
+        type=int,
+        nargs="+",
+        default=[3],
+        choices=range(1, 9),
+        metavar="K",
+        help="K values of the sweep (1..8, default 3)",
+    )
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep (implies --sweep, --skip-mlx)")
     ap.add_argument("--quick", action="store_true", help="m = 1, K = 3 and 4, no MLX baselines, --sweep")
     args = ap.parse_args()
@@ -472,9 +579,12 @@ def main() -> int:
             for m in args.rows:
                 rows.append(exl3_row(name, k, n, bits, m, linear_timings(sets, m, args), roofline))
                 r = rows[-1]
-                print(f"  {name} K={bits} m={m}: {fmt_us(r['device_us'])} µs device, {r['chained_us']:.1f} chained, "
-                      f"{r['independent_us']:.1f} independent ({time.perf_counter() - t_start:.0f} s)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  {name} K={bits} m={m}: {fmt_us(r['device_us'])} µs device, {r['chained_us']:.1f} chained, "
+                    f"{r['independent_us']:.1f} independent ({time.perf_counter() - t_start:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             del sets
     if not args.skip_mlx:
         for name, k, n in shapes:
@@ -488,9 +598,12 @@ def main() -> int:
             rows.append(moe_row(bits, moe_timings(experts, bits, args), roofline))
             del experts
             r = rows[-1]
-            print(f"  MoE K={bits}: {fmt_us(r['device_us'])} µs device, {r['chained_us']:.1f} chained, "
-                  f"{r['independent_us']:.1f} independent ({time.perf_counter() - t_start:.0f} s)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  MoE K={bits}: {fmt_us(r['device_us'])} µs device, {r['chained_us']:.1f} chained, "
+                f"{r['independent_us']:.1f} independent ({time.perf_counter() - t_start:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
         if not args.skip_mlx:
             for fmt in ("affine4", "mxfp4"):
                 rows.append(moe_mlx_case(fmt, args, roofline))
@@ -499,8 +612,15 @@ def main() -> int:
     print_tables(bw, rows)
     total = time.perf_counter() - t_start
     print(f"\nbench_exl3: {total:.0f} s")
-    result = {"device": str(mx.default_device()), "backend": backend(), "mlx": mx.__version__,
-              "bandwidth": bw, "rows": rows, "seconds": total, "args": {k: str(v) for k, v in vars(args).items()}}
+    result = {
+        "device": str(mx.default_device()),
+        "backend": backend(),
+        "mlx": mx.__version__,
+        "bandwidth": bw,
+        "rows": rows,
+        "seconds": total,
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
     (args.out / "bench_exl3.json").write_text(json.dumps(result, indent=1))
     return 0
 

@@ -37,10 +37,14 @@ def _layer(fmt: str, seed: int = 0):
     w = np.random.default_rng(seed).standard_normal((K, K)) / np.sqrt(K)
     if fmt == "mxfp8":
         codes, scale = quantize_fp8(w)
-        return make_linear({"p.weight": mx.array(codes), "p.scale": mx.array(scale)}, "p", K, K), decode_fp8(codes, scale)
+        return make_linear({"p.weight": mx.array(codes), "p.scale": mx.array(scale)}, "p", K, K), decode_fp8(
+            codes, scale
+        )
     if fmt == "mxfp4":
         packed, scale = quantize_fp4(w)
-        return make_linear({"p.weight": mx.array(packed), "p.scale": mx.array(scale)}, "p", K, K), decode_fp4(packed, scale)
+        return make_linear({"p.weight": mx.array(packed), "p.scale": mx.array(scale)}, "p", K, K), decode_fp4(
+            packed, scale
+        )
     wb = mx.array(w.astype(np.float32)).astype(mx.bfloat16)
     return make_linear({"p.weight": wb}, "p", K, K), np.array(wb.astype(mx.float32), np.float64)
 
@@ -48,8 +52,9 @@ def _layer(fmt: str, seed: int = 0):
 def _raw(layer, x):
     """MLX's own op on x as given (the state before the policy)."""
     if hasattr(layer, "scales"):
-        return mx.quantized_matmul(x, layer.weight, layer.scales, transpose=True, group_size=32,
-                                   bits=layer.bits, mode=layer.mode).astype(mx.bfloat16)
+        return mx.quantized_matmul(
+            x, layer.weight, layer.scales, transpose=True, group_size=32, bits=layer.bits, mode=layer.mode
+        ).astype(mx.bfloat16)
     return (x @ layer.weight.T).astype(mx.bfloat16)
 
 
@@ -76,9 +81,11 @@ def linears(rows_list, chain, repeats) -> list[dict]:
         mx.eval(layer.parameters())
         for rows in rows_list:
             x = mx.array(np.random.default_rng(rows).standard_normal((rows, K)).astype(np.float32)).astype(mx.bfloat16)
-            variants = {"bf16 x (MLX as is)": lambda v: _raw(layer, v),
-                        "fp32 x": lambda v: _raw(layer, v.astype(mx.float32)),
-                        "ours (policy)": lambda v: layer(v)}
+            variants = {
+                "bf16 x (MLX as is)": lambda v: _raw(layer, v),
+                "fp32 x": lambda v: _raw(layer, v.astype(mx.float32)),
+                "ours (policy)": lambda v: layer(v),
+            }
             if rows < PADDED_ROWS:  # an alternative to fp32 x: enough rows for the fp32-summing qmm
                 variants["bf16 x padded to 8 rows"] = lambda v: _raw(layer, _pad_rows(v))[: v.shape[0]]
             for name, fn in variants.items():
@@ -114,12 +121,26 @@ def experts(rows_list, chain, repeats) -> list[dict]:
         wts = mx.array(rng.uniform(0.1, 0.4, (rows, TOPK)).astype(np.float32))
         x = mx.array(rng.standard_normal((rows, K)).astype(np.float32)).astype(mx.bfloat16)
         step = lambda i, prev: module(prev, idx, wts).sum(1).astype(mx.bfloat16)  # noqa: E731
-        out.append({"what": "experts mxfp4 (gather_qmm x3)", "rows": rows, "variant": "ours (policy)",
-                    "us": device_us(step, x, repeats, chain), "rel_err": None})
+        out.append(
+            {
+                "what": "experts mxfp4 (gather_qmm x3)",
+                "rows": rows,
+                "variant": "ours (policy)",
+                "us": device_us(step, x, repeats, chain),
+                "rel_err": None,
+            }
+        )
         print(_row(out[-1]), flush=True)
         with _activations_as_given():
-            out.append({"what": "experts mxfp4 (gather_qmm x3)", "rows": rows, "variant": "bf16 x (MLX as is)",
-                        "us": device_us(step, x, repeats, chain), "rel_err": None})
+            out.append(
+                {
+                    "what": "experts mxfp4 (gather_qmm x3)",
+                    "rows": rows,
+                    "variant": "bf16 x (MLX as is)",
+                    "us": device_us(step, x, repeats, chain),
+                    "rel_err": None,
+                }
+            )
         print(_row(out[-1]), flush=True)
     return out
 

@@ -83,8 +83,21 @@ from mlx_dsv41.kernels import backend  # noqa: E402
 from mlx_dsv41.model import compiled_step  # noqa: E402
 from mlx_dsv41.synthetic import hf_config  # noqa: E402
 
-VIEWS = {"Reshape", "Broadcast", "Slice", "Squeeze", "ExpandDims", "Transpose", "AsStrided",
-         "Depends", "StopGradient", "Split", "Flatten", "Unflatten", "View"}
+VIEWS = {
+    "Reshape",
+    "Broadcast",
+    "Slice",
+    "Squeeze",
+    "ExpandDims",
+    "Transpose",
+    "AsStrided",
+    "Depends",
+    "StopGradient",
+    "Split",
+    "Flatten",
+    "Unflatten",
+    "View",
+}
 
 
 # ------------------------------------------------------------------------------- models
@@ -216,8 +229,9 @@ def accepted_per_round(k: int, acceptance: float) -> float:
     return float(k + 1) if acceptance == 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
 
 
-def dspark_costs(model, prompt: mx.array, steps: int, warmup: int, acceptance: float = 0.8,
-                 ks: list[int] | None = None) -> dict:
+def dspark_costs(
+    model, prompt: mx.array, steps: int, warmup: int, acceptance: float = 0.8, ks: list[int] | None = None
+) -> dict:
     """One decode step, a verify of 1 + k tokens (k in `ks`, default 0 .. block) and one draft block,
     each timed at the same position through SpeculativeDecoder's own methods (module docstring)."""
     from mlx_dsv41.speculative import SpeculativeDecoder
@@ -227,8 +241,14 @@ def dspark_costs(model, prompt: mx.array, steps: int, warmup: int, acceptance: f
     dec = SpeculativeDecoder(model, draft=block)
     t0 = time.perf_counter()
     dec.prefill(np.array(prompt).reshape(-1).tolist())
-    out = {"block_size": block, "position": dec.cache[0].offset, "prefill_s": time.perf_counter() - t0,
-           "repeats": steps, "warmup": warmup, "acceptance": acceptance}
+    out = {
+        "block_size": block,
+        "position": dec.cache[0].offset,
+        "prefill_s": time.perf_counter() - t0,
+        "repeats": steps,
+        "warmup": warmup,
+        "acceptance": acceptance,
+    }
     first = dec.draft()
     mx.eval(first.tokens, first.confidence)
     drafted = first.tokens[:, 1:]  # d_1 .. d_B: what a verify of k checks is d_1 .. d_k
@@ -266,6 +286,7 @@ def dspark_costs(model, prompt: mx.array, steps: int, warmup: int, acceptance: f
             held = dec.draft_cache.hidden[:, -rows:]
             dec.draft_cache.trim(rows)
             dec.draft_cache.append(held)
+
         return setup
 
     def draft():
@@ -300,19 +321,30 @@ def dspark_costs(model, prompt: mx.array, steps: int, warmup: int, acceptance: f
     for v in [v for v in out["verify"] if v["k"] > 0]:
         e = accepted_per_round(v["k"], acceptance)
         tps = 1e3 * e / (v["ms"] + draft_ms)
-        out["paper"].append({"k": v["k"], "tokens_per_round": e, "round_ms": v["ms"] + draft_ms,
-                             "tokens_per_s": tps, "speedup": tps * step_ms / 1e3})
+        out["paper"].append(
+            {
+                "k": v["k"],
+                "tokens_per_round": e,
+                "round_ms": v["ms"] + draft_ms,
+                "tokens_per_s": tps,
+                "speedup": tps * step_ms / 1e3,
+            }
+        )
     by_k = {v["k"]: v for v in out["verify"]}
-    out["targets"] = {"verify_k4_ratio": by_k[4]["ratio"] if 4 in by_k else None,
-                      "verify_k4_ok": by_k[4]["ratio"] <= 1.3 if 4 in by_k else None,
-                      "draft_pct_of_step": out["draft"][-1]["pct_of_step"],
-                      "draft_ok": out["draft"][-1]["pct_of_step"] <= 15}
+    out["targets"] = {
+        "verify_k4_ratio": by_k[4]["ratio"] if 4 in by_k else None,
+        "verify_k4_ok": by_k[4]["ratio"] <= 1.3 if 4 in by_k else None,
+        "draft_pct_of_step": out["draft"][-1]["pct_of_step"],
+        "draft_ok": out["draft"][-1]["pct_of_step"] <= 15,
+    }
     return out
 
 
 def memory() -> dict:
-    return {"active_GB": mx.get_active_memory() / 1e9,
-            "rss_GB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
+    return {
+        "active_GB": mx.get_active_memory() / 1e9,
+        "rss_GB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+    }
 
 
 def measure(label: str, build, a, prompt_len: int) -> dict:
@@ -345,9 +377,11 @@ def _f(v, fmt=".2f"):
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| model | ms/token | ms/token pipelined | tokens/s (pipelined) | build ms/token | kernels/token "
-             "| device ms/token | primitives/token (compute) | GPU GB active / peak |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | ms/token | ms/token pipelined | tokens/s (pipelined) | build ms/token | kernels/token "
+        "| device ms/token | primitives/token (compute) | GPU GB active / peak |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     decoded = [r for r in runs if "decode" in r]  # (--dspark-only: none)
     if not decoded:
         lines = []
@@ -355,11 +389,21 @@ def table(runs: list[dict]) -> str:
         d = r["decode"]
         cu = d.get("cuda") or {}
         tps = 1e3 / d["ms_per_token_pipelined"] if d.get("ms_per_token_pipelined") else None
-        lines.append(" | ".join([
-            f"| {r['label']}", _f(d.get("ms_per_token")), _f(d.get("ms_per_token_pipelined")), _f(tps, ".1f"),
-            _f(d.get("build_ms_per_token")), str(cu.get("kernels", "—")), _f(cu.get("device_ms")),
-            f"{d.get('primitives', '—')} ({d.get('primitives_compute', '—')})",
-            f"{_f(r.get('active_GB'), '.1f')} / {_f(d.get('peak_GB'), '.1f')} |"]))
+        lines.append(
+            " | ".join(
+                [
+                    f"| {r['label']}",
+                    _f(d.get("ms_per_token")),
+                    _f(d.get("ms_per_token_pipelined")),
+                    _f(tps, ".1f"),
+                    _f(d.get("build_ms_per_token")),
+                    str(cu.get("kernels", "—")),
+                    _f(cu.get("device_ms")),
+                    f"{d.get('primitives', '—')} ({d.get('primitives_compute', '—')})",
+                    f"{_f(r.get('active_GB'), '.1f')} / {_f(d.get('peak_GB'), '.1f')} |",
+                ]
+            )
+        )
     theirs = [r for r in runs if r["label"].startswith("mlx-lm") and "decode" in r]
     for r in runs:
         if theirs and r is not theirs[0] and "decode" in r:
@@ -376,32 +420,50 @@ def dspark_table(label: str, d: dict, active_GB: float | None = None) -> str:
         return f"{label}: no DSpark costs ({d['unavailable']})"
     kernels = lambda r: str((r.get("cuda") or {}).get("kernels", "—"))  # noqa: E731
     device = lambda r: _f((r.get("cuda") or {}).get("device_ms"))  # noqa: E731
-    lines = [f"DSpark costs, {label} (position {d['position']}, median of {d['repeats']} after "
-             f"{d['warmup']} warm-up, synchronous; {_f(active_GB, '.1f')} GB active after loading)", "",
-             "| forward | ms (median) | ms (min) | x one step | kernels | device ms |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"DSpark costs, {label} (position {d['position']}, median of {d['repeats']} after "
+        f"{d['warmup']} warm-up, synchronous; {_f(active_GB, '.1f')} GB active after loading)",
+        "",
+        "| forward | ms (median) | ms (min) | x one step | kernels | device ms |",
+        "|---|---|---|---|---|---|",
+    ]
     s = d["step"]
     for r in d["steps"]:
-        lines.append(f"| decode step at position {r['position']} | {r['ms']:.2f} | {r['ms_min']:.2f} "
-                     f"| {r['ms'] / s['ms']:.2f} | {kernels(r)} | {device(r)} |")
+        lines.append(
+            f"| decode step at position {r['position']} | {r['ms']:.2f} | {r['ms_min']:.2f} "
+            f"| {r['ms'] / s['ms']:.2f} | {kernels(r)} | {device(r)} |"
+        )
     lines.append(f"| **one step** (their mean) | {s['ms']:.2f} | {s['ms_min']:.2f} | 1.00 | | |")
     for v in d["verify"]:
-        lines.append(f"| verify 1 + {v['k']} | {v['ms']:.2f} | {v['ms_min']:.2f} | {v['ratio']:.2f} "
-                     f"| {kernels(v)} | {device(v)} |")
+        lines.append(
+            f"| verify 1 + {v['k']} | {v['ms']:.2f} | {v['ms_min']:.2f} | {v['ratio']:.2f} "
+            f"| {kernels(v)} | {device(v)} |"
+        )
     for r in d["draft"]:
         rows = f"{r['ring_rows']} ring row{'s' if r['ring_rows'] > 1 else ''}"
-        lines.append(f"| draft block of {d['block_size']} ({rows}) | {r['ms']:.2f} | {r['ms_min']:.2f} "
-                     f"| {r['pct_of_step'] / 100:.2f} ({r['pct_of_step']:.0f} %) | {kernels(r)} | {device(r)} |")
+        lines.append(
+            f"| draft block of {d['block_size']} ({rows}) | {r['ms']:.2f} | {r['ms_min']:.2f} "
+            f"| {r['pct_of_step'] / 100:.2f} ({r['pct_of_step']:.0f} %) | {kernels(r)} | {device(r)} |"
+        )
     t = d["targets"]
     ok = lambda v: "—" if v is None else ("met" if v else "NOT met")  # noqa: E731
-    lines += ["", f"verify 1 + 4 / step: {_f(t['verify_k4_ratio'])}x (target <= 1.3: {ok(t['verify_k4_ok'])}); "
-              f"draft / step: {t['draft_pct_of_step']:.1f} % (target <= 15 %: {ok(t['draft_ok'])})", "",
-              f"On paper at {100 * d['acceptance']:.0f} % per-position acceptance: tokens/round = "
-              f"(1 - a^(k+1)) / (1 - a), tokens/s = 1000 * tokens/round / (verify_k ms + draft ms); "
-              f"plain decoding {1e3 / s['ms']:.2f} tokens/s", "",
-              "| k | tokens/round | round ms | tokens/s | x plain |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"verify 1 + 4 / step: {_f(t['verify_k4_ratio'])}x (target <= 1.3: {ok(t['verify_k4_ok'])}); "
+        f"draft / step: {t['draft_pct_of_step']:.1f} % (target <= 15 %: {ok(t['draft_ok'])})",
+        "",
+        f"On paper at {100 * d['acceptance']:.0f} % per-position acceptance: tokens/round = "
+        f"(1 - a^(k+1)) / (1 - a), tokens/s = 1000 * tokens/round / (verify_k ms + draft ms); "
+        f"plain decoding {1e3 / s['ms']:.2f} tokens/s",
+        "",
+        "| k | tokens/round | round ms | tokens/s | x plain |",
+        "|---|---|---|---|---|",
+    ]
     for p in d["paper"]:
-        lines.append(f"| {p['k']} | {p['tokens_per_round']:.2f} | {p['round_ms']:.2f} | {p['tokens_per_s']:.2f} "
-                     f"| {p['speedup']:.2f} |")
+        lines.append(
+            f"| {p['k']} | {p['tokens_per_round']:.2f} | {p['round_ms']:.2f} | {p['tokens_per_s']:.2f} "
+            f"| {p['speedup']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -433,15 +495,25 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--compiled", action="store_true", help="time our step both eagerly and compiled")
-    ap.add_argument("--dspark", action=argparse.BooleanOptionalAction, default=True,
-                    help="time the DSpark verify and draft costs (default on; the Flash-shaped model "
-                    "gets Flash's DSpark head)")
+    ap.add_argument(
+        "--dspark",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time the DSpark verify and draft costs (default on; the Flash-shaped model gets Flash's DSpark head)",
+    )
     ap.add_argument("--dspark-only", action="store_true", help="only the DSpark costs: no decode loop, no mlx-lm")
     ap.add_argument("--acceptance", type=float, default=0.8, help="per-position acceptance for the on-paper tokens/s")
-    ap.add_argument("--verify-k", type=lambda v: [int(k) for k in v.split(",")], default=None,
-                    help="drafts per verify to time, e.g. 2,4,5 (default 0 .. the block size)")
-    ap.add_argument("--flash", action="store_true",
-                    help="the Flash-shaped model even on the CPU (slow: a check; use a small --layers)")
+    ap.add_argument(
+        "--verify-k",
+        type=lambda v: [int(k) for k in v.split(",")],
+        default=None,
+        help="drafts per verify to time, e.g. 2,4,5 (default 0 .. the block size)",
+    )
+    ap.add_argument(
+        "--flash",
+        action="store_true",
+        help="the Flash-shaped model even on the CPU (slow: a check; use a small --layers)",
+    )
     a = ap.parse_args()
     if a.quick:
         a.steps, a.warmup = min(a.steps, 12), min(a.warmup, 2)
@@ -458,10 +530,16 @@ def main() -> int:
         a.cpu = True
         mx.set_default_device(mx.cpu)
     a.out.mkdir(parents=True, exist_ok=True)
-    info = {"mlx": mx.__version__, "device": str(mx.default_device()), "host": platform.node(),
-            "backend": backend(), "args": {k: str(v) for k, v in vars(a).items()}}
+    info = {
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "host": platform.node(),
+        "backend": backend(),
+        "args": {k: str(v) for k, v in vars(a).items()},
+    }
     try:
         import mlx_lm
+
         info["mlx_lm"] = mlx_lm.__version__
     except ImportError:
         a.skip_mlx_lm = True
@@ -470,14 +548,21 @@ def main() -> int:
         runs += ours_runs("mlx_dsv41 demo", lambda: ours_demo(a), a, min(a.prompt, 32))
         if not a.skip_mlx_lm:
             demo_args = ours_demo(a)[1]
-            runs.append(measure("mlx-lm deepseek_v41 affine 4-bit (demo dims)",
-                                lambda: (mlx_lm_model(demo_args, 4, a.seed), demo_args), a, min(a.prompt, 32)))
+            runs.append(
+                measure(
+                    "mlx-lm deepseek_v41 affine 4-bit (demo dims)",
+                    lambda: (mlx_lm_model(demo_args, 4, a.seed), demo_args),
+                    a,
+                    min(a.prompt, 32),
+                )
+            )
     else:
         runs += ours_runs("mlx_dsv41 Flash-shaped EXL3", lambda: ours_flash(a), a, a.prompt)
         if not a.skip_mlx_lm:
             args = flash_model.flash_args(a.layers)
-            runs.append(measure("mlx-lm deepseek_v41 affine 4-bit",
-                                lambda: (mlx_lm_model(args, 4, a.seed), args), a, a.prompt))
+            runs.append(
+                measure("mlx-lm deepseek_v41 affine 4-bit", lambda: (mlx_lm_model(args, 4, a.seed), args), a, a.prompt)
+            )
     text = table(runs)
     print(text)
     (a.out / "bench_model.json").write_text(json.dumps({"info": info, "runs": runs, "table": text}, indent=1))

@@ -69,11 +69,16 @@ def stamp(x: mx.array) -> tuple[mx.array, mx.array]:
     """(copy of x, [device ns when the copy started]); CUDA only."""
     global _stamp_kernel
     if _stamp_kernel is None:
-        _stamp_kernel = mx.fast.cuda_kernel(name="bench_gpu_clock", input_names=["x", "n"],
-                                            output_names=["y", "ns"], source=STAMP_SOURCE)
-    y, ns = _stamp_kernel(inputs=[x, mx.array([x.size], mx.int32)], output_shapes=[x.shape, (1,)],
-                          output_dtypes=[x.dtype, mx.uint64], grid=(max(x.size, 1), 1, 1),
-                          threadgroup=(256, 1, 1))
+        _stamp_kernel = mx.fast.cuda_kernel(
+            name="bench_gpu_clock", input_names=["x", "n"], output_names=["y", "ns"], source=STAMP_SOURCE
+        )
+    y, ns = _stamp_kernel(
+        inputs=[x, mx.array([x.size], mx.int32)],
+        output_shapes=[x.shape, (1,)],
+        output_dtypes=[x.dtype, mx.uint64],
+        grid=(max(x.size, 1), 1, 1),
+        threadgroup=(256, 1, 1),
+    )
     return y, ns
 
 
@@ -85,10 +90,16 @@ def make_inputs(rows: int, keys: int, seed: int):
 
     window_part = np.arange(min(keys, W))
     picks = keys - len(window_part)
-    indices = np.stack([np.concatenate([window_part, W + np.sort(rng.choice(T, picks, replace=False))])
-                        for _ in range(rows)]).astype(np.int32)[None]
-    inputs = (bf16((1, rows, H, D)), bf16((1, W, D)), bf16((1, T, D)), mx.array(indices),
-              mx.array(rng.standard_normal(H).astype(np.float32)))
+    indices = np.stack(
+        [np.concatenate([window_part, W + np.sort(rng.choice(T, picks, replace=False))]) for _ in range(rows)]
+    ).astype(np.int32)[None]
+    inputs = (
+        bf16((1, rows, H, D)),
+        bf16((1, W, D)),
+        bf16((1, T, D)),
+        mx.array(indices),
+        mx.array(rng.standard_normal(H).astype(np.float32)),
+    )
     mx.eval(*inputs)
     return inputs
 
@@ -197,10 +208,21 @@ def main() -> int:
         # Tuning sweep (bytes must not change with any constant).
         for variant, tuning in itertools.product(("serial", "parallel"), [] if args.quick else tunings()):
             sa.set_tuning(variant, **tuning)
-            same = np.array(sa._run(variant, *inputs, scale)).view(np.uint32).tobytes() == \
-                outs["serial"].view(np.uint32).tobytes()
-            sweep.append(dict(case=name, rows=rows, keys=keys, variant=variant, tuning=tuning,
-                              bytes_identical=same, **measure(variant, inputs, calls)))
+            same = (
+                np.array(sa._run(variant, *inputs, scale)).view(np.uint32).tobytes()
+                == outs["serial"].view(np.uint32).tobytes()
+            )
+            sweep.append(
+                dict(
+                    case=name,
+                    rows=rows,
+                    keys=keys,
+                    variant=variant,
+                    tuning=tuning,
+                    bytes_identical=same,
+                    **measure(variant, inputs, calls),
+                )
+            )
             sa.set_tuning(variant, **default_tuning[variant])
         # The default tuning: serial, parallel, auto.
         r = {v: measure(v, inputs, calls) for v in ("serial", "parallel")}
@@ -214,28 +236,48 @@ def main() -> int:
         choice = sa.auto_choices()[sa._shape_class(q32, inputs[1], inputs[3])]
         metric = "gpu_us" if device_clock else "chain_us"
         best_chain = min(r["serial"]["chain_us"], r["parallel"]["chain_us"])
-        results.append(dict(
-            case=name, rows=rows, heads=H, keys=keys, calls_per_eval=calls,
-            serial=r["serial"], parallel=r["parallel"], auto=r["auto"], auto_choice=choice,
-            auto_first_call_ms=auto_first_ms, speedup_metric=metric,
-            speedup=r["serial"][metric] / r["parallel"][metric],
-            chain_speedup=r["serial"]["chain_us"] / r["parallel"]["chain_us"],
-            auto_over_best=r["auto"]["chain_us"] / best_chain, bytes_identical=identical,
-        ))
-        print(f"  {name} rows={rows} keys={keys}: serial {r['serial']} parallel {r['parallel']} "
-              f"auto {r['auto']} ({choice}) ({time.perf_counter() - t_start:.0f} s)",
-              file=sys.stderr, flush=True)
+        results.append(
+            dict(
+                case=name,
+                rows=rows,
+                heads=H,
+                keys=keys,
+                calls_per_eval=calls,
+                serial=r["serial"],
+                parallel=r["parallel"],
+                auto=r["auto"],
+                auto_choice=choice,
+                auto_first_call_ms=auto_first_ms,
+                speedup_metric=metric,
+                speedup=r["serial"][metric] / r["parallel"][metric],
+                chain_speedup=r["serial"]["chain_us"] / r["parallel"]["chain_us"],
+                auto_over_best=r["auto"]["chain_us"] / best_chain,
+                bytes_identical=identical,
+            )
+        )
+        print(
+            f"  {name} rows={rows} keys={keys}: serial {r['serial']} parallel {r['parallel']} "
+            f"auto {r['auto']} ({choice}) ({time.perf_counter() - t_start:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     decode_640 = next(r for r in results if r["case"] == "decode" and r["keys"] == 640)
     summary = dict(
-        device=str(mx.default_device()), backend=backend(), mlx=mx.__version__,
-        shapes=dict(H=H, D=D, W=W, T=T, dtype="bfloat16"), repeats=args.repeats,
-        device_clock=device_clock, default_tuning=default_tuning, results=results, sweep=sweep,
-        decode_640_speedup=decode_640["speedup"], decode_640_speedup_metric=decode_640["speedup_metric"],
+        device=str(mx.default_device()),
+        backend=backend(),
+        mlx=mx.__version__,
+        shapes=dict(H=H, D=D, W=W, T=T, dtype="bfloat16"),
+        repeats=args.repeats,
+        device_clock=device_clock,
+        default_tuning=default_tuning,
+        results=results,
+        sweep=sweep,
+        decode_640_speedup=decode_640["speedup"],
+        decode_640_speedup_metric=decode_640["speedup_metric"],
         target_met=decode_640["speedup"] >= TARGET_SPEEDUP,
         auto_within_noise=all(r["auto_over_best"] <= AUTO_NOISE for r in results),
-        all_bytes_identical=all(r["bytes_identical"] for r in results) and all(
-            s["bytes_identical"] for s in sweep),
+        all_bytes_identical=all(r["bytes_identical"] for r in results) and all(s["bytes_identical"] for s in sweep),
         parallel_refusals={str(k): v for k, v in sa.parallel_refusals().items() if v},
         seconds=time.perf_counter() - t_start,
     )
@@ -244,31 +286,41 @@ def main() -> int:
     def us(r, key):
         return f"{r[key]:.1f}" if key in r else "–"
 
-    print(f"sparse attention, {backend()}, H={H} D={D} bf16 keys, W={W} T={T}; µs per call (median); "
-          f"tuning {default_tuning}")
-    print("| case | rows | keys | serial chain | serial GPU | serial indep. | parallel chain "
-          "| parallel GPU | parallel indep. | speedup | auto chain (choice) | auto/best "
-          "| auto first call ms | same bytes |")
+    print(
+        f"sparse attention, {backend()}, H={H} D={D} bf16 keys, W={W} T={T}; µs per call (median); "
+        f"tuning {default_tuning}"
+    )
+    print(
+        "| case | rows | keys | serial chain | serial GPU | serial indep. | parallel chain "
+        "| parallel GPU | parallel indep. | speedup | auto chain (choice) | auto/best "
+        "| auto first call ms | same bytes |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in results:
         s, p = r["serial"], r["parallel"]
-        print(f"| {r['case']} | {r['rows']} | {r['keys']} | {us(s, 'chain_us')} | {us(s, 'gpu_us')} "
-              f"| {us(s, 'independent_us')} | {us(p, 'chain_us')} | {us(p, 'gpu_us')} "
-              f"| {us(p, 'independent_us')} | {r['speedup']:.2f}x | {r['auto']['chain_us']:.1f} "
-              f"({r['auto_choice']}) | {r['auto_over_best']:.2f} | {r['auto_first_call_ms']:.1f} "
-              f"| {r['bytes_identical']} |")
+        print(
+            f"| {r['case']} | {r['rows']} | {r['keys']} | {us(s, 'chain_us')} | {us(s, 'gpu_us')} "
+            f"| {us(s, 'independent_us')} | {us(p, 'chain_us')} | {us(p, 'gpu_us')} "
+            f"| {us(p, 'independent_us')} | {r['speedup']:.2f}x | {r['auto']['chain_us']:.1f} "
+            f"({r['auto_choice']}) | {r['auto_over_best']:.2f} | {r['auto_first_call_ms']:.1f} "
+            f"| {r['bytes_identical']} |"
+        )
     if sweep:
         print("\ntuning sweep (µs per call, chain / GPU):")
         print("| case | rows | keys | kernel | tuning | chain | GPU | same bytes |")
         print("|---|---:|---:|---|---|---:|---:|---|")
         for s in sweep:
-            print(f"| {s['case']} | {s['rows']} | {s['keys']} | {s['variant']} | {label(s['tuning'])} "
-                  f"| {s['chain_us']:.1f} | {us(s, 'gpu_us')} | {s['bytes_identical']} |")
-    print(f"decode @640 keys: parallel {decode_640['speedup']:.2f}x serial by {decode_640['speedup_metric']} "
-          f"(chain {decode_640['chain_speedup']:.2f}x; target >= {TARGET_SPEEDUP}x: "
-          f"{'met' if summary['target_met'] else 'NOT met'}); auto within {AUTO_NOISE:.2f}x of the "
-          f"better everywhere: {summary['auto_within_noise']}; all bytes identical: "
-          f"{summary['all_bytes_identical']}; {summary['seconds']:.0f} s")
+            print(
+                f"| {s['case']} | {s['rows']} | {s['keys']} | {s['variant']} | {label(s['tuning'])} "
+                f"| {s['chain_us']:.1f} | {us(s, 'gpu_us')} | {s['bytes_identical']} |"
+            )
+    print(
+        f"decode @640 keys: parallel {decode_640['speedup']:.2f}x serial by {decode_640['speedup_metric']} "
+        f"(chain {decode_640['chain_speedup']:.2f}x; target >= {TARGET_SPEEDUP}x: "
+        f"{'met' if summary['target_met'] else 'NOT met'}); auto within {AUTO_NOISE:.2f}x of the "
+        f"better everywhere: {summary['auto_within_noise']}; all bytes identical: "
+        f"{summary['all_bytes_identical']}; {summary['seconds']:.0f} s"
+    )
     return 0 if summary["all_bytes_identical"] else 1
 
 

@@ -27,8 +27,21 @@ import numpy as np
 
 from mlx_dsv41.synthetic import tiny_args, tiny_model
 
-VIEWS = {"Reshape", "Broadcast", "Slice", "Squeeze", "ExpandDims", "Transpose", "AsStrided",
-         "Depends", "StopGradient", "Split", "Flatten", "Unflatten", "View"}
+VIEWS = {
+    "Reshape",
+    "Broadcast",
+    "Slice",
+    "Squeeze",
+    "ExpandDims",
+    "Transpose",
+    "AsStrided",
+    "Depends",
+    "StopGradient",
+    "Split",
+    "Flatten",
+    "Unflatten",
+    "View",
+}
 
 
 def primitives(*arrays) -> Counter:
@@ -127,9 +140,19 @@ def _fmt(c: Counter) -> str:
     return f"{total} ({compute})"
 
 
-ORDER = ["embedding", "Engram", "attention: window-only", "attention: Full r2", "attention: Reuse r2",
-         "attention: Full r1 + candidate source", "attention: Reuse r1", "attention: Reindex r1",
-         "MoE", "mHC + norms (per block)", "head (collapse, norm, fp32 head)"]
+ORDER = [
+    "embedding",
+    "Engram",
+    "attention: window-only",
+    "attention: Full r2",
+    "attention: Reuse r2",
+    "attention: Full r1 + candidate source",
+    "attention: Reuse r1",
+    "attention: Reindex r1",
+    "MoE",
+    "mHC + norms (per block)",
+    "head (collapse, norm, fp32 head)",
+]
 
 
 def _moe_counts(top_k: int) -> Counter:
@@ -176,10 +199,12 @@ def main() -> None:
         parts, whole = count_step(model, cache, mx.array([[11 + pos % 7]]))
         steps.append((pos, parts, whole))
 
-    print(f"MLX primitives per decoded token, tiny config ({args.num_hidden_layers} layers, hc_mult "
-          f"{args.hc_mult}, {args.n_routed_experts} experts top-{args.num_experts_per_tok}, window "
-          f"{args.sliding_window}, after a 24-token prefill). Cells: total (compute = total - views); "
-          f"a/b where layers of the same kind differ.\n")
+    print(
+        f"MLX primitives per decoded token, tiny config ({args.num_hidden_layers} layers, hc_mult "
+        f"{args.hc_mult}, {args.n_routed_experts} experts top-{args.num_experts_per_tok}, window "
+        f"{args.sliding_window}, after a 24-token prefill). Cells: total (compute = total - views); "
+        f"a/b where layers of the same kind differ.\n"
+    )
     print("| part | " + " | ".join(f"token at position {pos}" for pos, _, _ in steps) + " |")
     print("|" + "---|" * (len(steps) + 1))
     report = {}
@@ -192,16 +217,18 @@ def main() -> None:
         print(f"| {label} | " + " | ".join(cells) + " |")
     print("| **whole decode step** | " + " | ".join(_fmt(w) for _, _, w in steps) + " |")
     flash = flash_estimate(steps)
-    print(f"| **Flash layout estimate** (40 layers, top-6; per token, mean of the two steps) | "
-          f"{flash[0]:.0f} ({flash[1]:.0f}) |")
+    print(
+        f"| **Flash layout estimate** (40 layers, top-6; per token, mean of the two steps) | "
+        f"{flash[0]:.0f} ({flash[1]:.0f}) |"
+    )
     for pos, parts, whole in steps:
         assert sum((c for _, c in parts), Counter()) == whole  # every primitive attributed once
-        print(f"\nposition {pos}, most frequent primitives: "
-              + ", ".join(f"{k} {v}" for k, v in whole.most_common(10)))
+        print(f"\nposition {pos}, most frequent primitives: " + ", ".join(f"{k} {v}" for k, v in whole.most_common(10)))
     if opts.out:
         opts.out.mkdir(parents=True, exist_ok=True)
-        (opts.out / "count_ops.json").write_text(json.dumps(
-            {"parts": report, "whole": {pos: dict(w) for pos, _, w in steps}}, indent=1))
+        (opts.out / "count_ops.json").write_text(
+            json.dumps({"parts": report, "whole": {pos: dict(w) for pos, _, w in steps}}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,7 @@ def main() -> None:
         total += len(plain)
         told = "identical" if at is None else f"first difference at token {at}"
         print(f"prompt {i}: {len(ids)} tokens, {len(plain)} generated: {told}", flush=True)
-    print(f"identical: {same} of {a.prompts} prompts; tokens before the first difference: "
-          f"{agreed} of {total}")
+    print(f"identical: {same} of {a.prompts} prompts; tokens before the first difference: {agreed} of {total}")
     print(stats.line())
 
 

@@ -46,9 +46,15 @@ HELD_EXPERTS = 16  # a token's routed work is top-6 of 2304-wide experts whateve
 FLASH_LAYERS = 40
 # Flash's config.json DSpark keys (docs/dspark.md#config; config.py's ModelArgs defaults are the
 # reference's for a config without them). dspark_n_routed_experts: Flash has 128; held: see dspark_args.
-FLASH_DSPARK = dict(num_nextn_predict_layers=3, dspark_block_size=5, dspark_noise_token_id=128799,
-                    dspark_target_layer_ids=(37, 38, 39), dspark_markov_rank=256,
-                    dspark_n_routed_experts=128, dspark_num_experts_per_tok=3)
+FLASH_DSPARK = dict(
+    num_nextn_predict_layers=3,
+    dspark_block_size=5,
+    dspark_noise_token_id=128799,
+    dspark_target_layer_ids=(37, 38, 39),
+    dspark_markov_rank=256,
+    dspark_n_routed_experts=128,
+    dspark_num_experts_per_tok=3,
+)
 MTP_BITS = 4  # K of every quantized `mtp.*` linear in the 2.9 bpw pack (docs/checkpoint.md#exl3-bitrates)
 
 
@@ -56,8 +62,11 @@ def dspark_args(layers: int, experts: int = HELD_EXPERTS) -> dict:
     """Flash's DSpark keys for a `layers`-deep model holding `experts` of each stage's routed experts
     (top-k unchanged); target layers counted from the top (t -> t - 40 + layers)."""
     targets = tuple(t - FLASH_LAYERS + layers for t in FLASH_DSPARK["dspark_target_layer_ids"])
-    return {**FLASH_DSPARK, "dspark_target_layer_ids": targets,
-            "dspark_n_routed_experts": min(experts, FLASH_DSPARK["dspark_n_routed_experts"])}
+    return {
+        **FLASH_DSPARK,
+        "dspark_target_layer_ids": targets,
+        "dspark_n_routed_experts": min(experts, FLASH_DSPARK["dspark_n_routed_experts"]),
+    }
 
 
 def flash_args(layers: int = 40, experts: int = HELD_EXPERTS, dspark: bool = False, **overrides) -> ModelArgs:
@@ -73,11 +82,14 @@ def flash_args(layers: int = 40, experts: int = HELD_EXPERTS, dspark: bool = Fal
         n2 = max(1, (layers - n0) // 2)
         n1 = layers - n0 - n2
         r2, r1 = n0, n0 + n2
-        base.update(num_hidden_layers=layers, num_nextn_predict_layers=stages,
-                    compress_ratios=(0,) * n0 + (2,) * n2 + (1,) * n1 + (0,) * stages,
-                    kv_source_layer_ids=(r2, r1),
-                    index_source_layer_ids=(r2, r1) + ((r1 + 2,) if n1 > 2 else ()),
-                    candidate_source_layer_id=r1)
+        base.update(
+            num_hidden_layers=layers,
+            num_nextn_predict_layers=stages,
+            compress_ratios=(0,) * n0 + (2,) * n2 + (1,) * n1 + (0,) * stages,
+            kv_source_layer_ids=(r2, r1),
+            index_source_layer_ids=(r2, r1) + ((r1 + 2,) if n1 > 2 else ()),
+            candidate_source_layer_id=r1,
+        )
     if dspark:
         base.update(dspark_args(layers, experts))
     args = ModelArgs(**{**base, **overrides})
@@ -107,8 +119,9 @@ def exl3_linear(name: str, in_features: int, out_features: int, bits: int, seed:
     return EXL3Linear(trellis, suh, svh, "mul1", in_features=in_features, out_features=out_features)
 
 
-def exl3_experts(name: str, args: ModelArgs, bits: int, seed: int, held=None, codebook: str = "mul1",
-                 n_experts: int | None = None) -> EXL3Experts:
+def exl3_experts(
+    name: str, args: ModelArgs, bits: int, seed: int, held=None, codebook: str = "mul1", n_experts: int | None = None
+) -> EXL3Experts:
     """Experts held[0]..held[1]-1 (default all) of `n_experts` (default the backbone's); expert e's
     tensors come from its own key, so a rank's share equals the same experts of a one-process build."""
     n_experts = args.n_routed_experts if n_experts is None else n_experts
@@ -117,9 +130,16 @@ def exl3_experts(name: str, args: ModelArgs, bits: int, seed: int, held=None, co
     projections = []
     for proj, (d_in, d_out) in (("w1", (D, inter)), ("w3", (D, inter)), ("w2", (inter, D))):
         parts = [random_exl3(f"{name}.{e}.{proj}", d_in, d_out, bits, seed) for e in range(lo, hi)]
-        projections.append(EXL3ExpertProjection.from_stacked(
-            mx.stack([p[0] for p in parts]), mx.stack([p[1] for p in parts]), mx.stack([p[2] for p in parts]),
-            codebook, d_in, d_out))
+        projections.append(
+            EXL3ExpertProjection.from_stacked(
+                mx.stack([p[0] for p in parts]),
+                mx.stack([p[1] for p in parts]),
+                mx.stack([p[2] for p in parts]),
+                codebook,
+                d_in,
+                d_out,
+            )
+        )
     return EXL3Experts(*projections, n_experts, (lo, hi), args.swiglu_limit)
 
 
@@ -150,13 +170,23 @@ def build(args: ModelArgs, seed: int = 0, held=None) -> Model:
             out_f, in_f = module.weight.shape
             swaps.append((name, exl3_linear(name, in_f, out_f, _bits(name, layer), seed)))
         elif name.endswith(".attn.wo_a"):  # one EXL3 linear per group, as exllamav3 stores wo_a
-            trellis, suh, svh = random_exl3(name, module.in_features, module.out_features, _bits(name, layer),
-                                            seed, stack=module.groups)
-            swaps.append((name, EXL3GroupedLinear(EXL3ExpertProjection.from_stacked(
-                trellis, suh, svh, "mul1", module.in_features, module.out_features))))
+            trellis, suh, svh = random_exl3(
+                name, module.in_features, module.out_features, _bits(name, layer), seed, stack=module.groups
+            )
+            swaps.append(
+                (
+                    name,
+                    EXL3GroupedLinear(
+                        EXL3ExpertProjection.from_stacked(
+                            trellis, suh, svh, "mul1", module.in_features, module.out_features
+                        )
+                    ),
+                )
+            )
         elif name.endswith(".ffn.experts") and layer is None:  # a DSpark stage's: K = mtp_bits
-            swaps.append((name, exl3_experts(name, args, MTP_BITS, seed, module.expert_range,
-                                             n_experts=module.n_experts)))
+            swaps.append(
+                (name, exl3_experts(name, args, MTP_BITS, seed, module.expert_range, n_experts=module.n_experts))
+            )
         elif name.endswith(".ffn.experts"):
             bits = 2 if 18 <= layer <= 22 else 3
             swaps.append((name, exl3_experts(name, args, bits, seed, held)))

@@ -45,8 +45,16 @@ import bench_exl3 as bench  # noqa: E402
 from mlx_dsv41.exl3 import ops  # noqa: E402
 from mlx_dsv41.kernels import backend  # noqa: E402
 
-CASES = (("wq_a", 3), ("wkv", 3), ("wo_a group", 3), ("wo_b", 3), ("expert w1/w3", 3), ("expert w2", 3),
-         ("wq_b", 3), ("head", 4))
+CASES = (
+    ("wq_a", 3),
+    ("wkv", 3),
+    ("wo_a group", 3),
+    ("wo_b", 3),
+    ("expert w1/w3", 3),
+    ("expert w2", 3),
+    ("wq_b", 3),
+    ("head", 4),
+)
 SHAPE = {name: (k, n) for name, k, n in bench.SHAPES}
 
 TRIVIAL_SOURCE = "if (threadIdx.x == 0 && blockIdx.x == 0) y[0] = x[0] + 1.0f;"
@@ -56,14 +64,16 @@ def _trivial_kernel(name: str, header: str = ""):
     k = mx.fast.cuda_kernel(name=name, input_names=["x"], output_names=["y"], source=TRIVIAL_SOURCE, header=header)
 
     def call(x):
-        return k(inputs=[x], output_shapes=[(1,)], output_dtypes=[mx.float32], grid=(32, 1, 1),
-                 threadgroup=(32, 1, 1))[0]
+        return k(inputs=[x], output_shapes=[(1,)], output_dtypes=[mx.float32], grid=(32, 1, 1), threadgroup=(32, 1, 1))[
+            0
+        ]
 
     return call
 
 
 def _compiled_chain(fn, links: int):
     """`links` dependent applications of fn as one mx.compile'd function (traced once)."""
+
     def chain(x):
         for _ in range(links):
             x = fn(x)
@@ -86,7 +96,11 @@ def host_part(calls: int, repeats: int):
     cases = {
         "trivial custom kernel": (trivial, mx.zeros((1,)), 1),
         "trivial custom kernel, 33 KB source": (padded, mx.zeros((1,)), 1),
-        f"{links} trivial custom kernels in one mx.compile'd function (per kernel)": (compiled_kernels, mx.zeros((1,)), links),
+        f"{links} trivial custom kernels in one mx.compile'd function (per kernel)": (
+            compiled_kernels,
+            mx.zeros((1,)),
+            links,
+        ),
         "mx add (1 element)": (lambda x: x + 1.0, mx.zeros((1,)), 1),
         f"{links} x (multiply, add) in one mx.compile'd function (per pair)": (compiled_adds, mx.zeros((1,)), links),
         "bf16 GEMV 5120x512 (MLX)": (lambda x: (x @ w.T)[:, :1].astype(mx.bfloat16) * 0 + xb, xb, 1),
@@ -102,7 +116,9 @@ def host_part(calls: int, repeats: int):
                     outs.append(prev)
                 mx.eval(outs)
                 samples.append((time.perf_counter() - t0) / (calls // per_call * per_call) * 1e6)
-            print(f"host | {name} | {'chained' if chained else 'independent'} | {statistics.median(samples[1:]):.2f} µs")
+            print(
+                f"host | {name} | {'chained' if chained else 'independent'} | {statistics.median(samples[1:]):.2f} µs"
+            )
 
 
 def kernels_part(launches: int, rotate_mib: int, only: str):
@@ -141,8 +157,10 @@ def summary_part(path: Path):
         us = value / 1e3 if unit in ("ns", "nsecond") else value if unit in ("us", "usecond") else value * 1e3
         per[(r[col["Kernel Name"]].split("(")[0][:60], r[col["Grid Size"]], r[col["Block Size"]])].append(us)
     for key, v in sorted(per.items()):
-        print(f"| {key[0]} | grid {key[1]} | block {key[2]} | n {len(v)} | median {statistics.median(v):.2f} µs "
-              f"| min {min(v):.2f} |")
+        print(
+            f"| {key[0]} | grid {key[1]} | block {key[2]} | n {len(v)} | median {statistics.median(v):.2f} µs "
+            f"| min {min(v):.2f} |"
+        )
 
 
 def hotspots_part(path: Path, top: int = 25):
@@ -150,7 +168,7 @@ def hotspots_part(path: Path, top: int = 25):
     header = next((r for r in rows if "Source" in r and "Address" in r), None)
     if header is None or "Warp Stall Sampling (All Samples)" not in header:
         raise ValueError(f"{path} is not an `ncu --page source --print-source sass --csv` export")
-    body = [r for r in rows[rows.index(header) + 1:] if len(r) == len(header)]
+    body = [r for r in rows[rows.index(header) + 1 :] if len(r) == len(header)]
     col = {h: i for i, h in enumerate(header)}
 
     def num(r, name):
@@ -160,9 +178,13 @@ def hotspots_part(path: Path, top: int = 25):
     reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
     samples = "Warp Stall Sampling (All Samples)"
     total = sum(num(r, samples) for r in body) or 1.0
-    print("stall reasons (share of samples):", ", ".join(
-        f"{h[6:]} {100 * s / total:.1f}%" for h, s in sorted(((h, sum(num(r, h) for r in body)) for h in reasons),
-                                                            key=lambda t: -t[1])[:8]))
+    print(
+        "stall reasons (share of samples):",
+        ", ".join(
+            f"{h[6:]} {100 * s / total:.1f}%"
+            for h, s in sorted(((h, sum(num(r, h) for r in body)) for h in reasons), key=lambda t: -t[1])[:8]
+        ),
+    )
     print(f"\ntop {top} sampled instructions (index, share, instruction, main reasons):")
     for i in sorted(sorted(range(len(body)), key=lambda i: -num(body[i], samples))[:top]):
         r = body[i]
@@ -174,9 +196,11 @@ def hotspots_part(path: Path, top: int = 25):
         op = op[1] if op and op[0].startswith("@") and len(op) > 1 else (op[0] if op else "?")
         executed[op.split(".")[0]] += num(r, "Instructions Executed")
     all_ops = sum(executed.values()) or 1.0
-    print("\nexecuted warp instructions by opcode:", ", ".join(
-        f"{op} {100 * n / all_ops:.1f}%" for op, n in sorted(executed.items(), key=lambda t: -t[1])[:14]),
-        f"(total {all_ops:.0f})")
+    print(
+        "\nexecuted warp instructions by opcode:",
+        ", ".join(f"{op} {100 * n / all_ops:.1f}%" for op, n in sorted(executed.items(), key=lambda t: -t[1])[:14]),
+        f"(total {all_ops:.0f})",
+    )
 
 
 def main() -> int:
@@ -199,8 +223,10 @@ def main() -> int:
             return 1
         return 0
     if backend() != "cuda":
-        print(f"profile_exl3: --part {args.part} needs MLX's CUDA backend (found {backend()}); nothing measured",
-              file=sys.stderr)
+        print(
+            f"profile_exl3: --part {args.part} needs MLX's CUDA backend (found {backend()}); nothing measured",
+            file=sys.stderr,
+        )
         return 2
     if args.part == "host":
         host_part(args.calls, args.repeats)

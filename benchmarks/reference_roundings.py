@@ -26,8 +26,9 @@ from attention_stack import ReferenceStack, build_stack, f64, random_input, rb, 
 
 CONFIGS = {
     "tiny (2 index heads x 32, top-4)": {},
-    "wider (8 index heads x 64, top-16)": dict(index_n_heads=8, index_head_dim=64, index_topk=16,
-                                               candidate_topk_blocks=12),
+    "wider (8 index heads x 64, top-16)": dict(
+        index_n_heads=8, index_head_dim=64, index_topk=16, candidate_topk_blocks=12
+    ),
 }
 
 
@@ -78,9 +79,11 @@ def measure(name: str, overrides: dict, seeds: int, length: int) -> str:
         diff_scores += d_s
         diff_probs += d_p
     g = f"{min(gaps):.1e} .. {max(gaps):.1e}" if gaps else "—"
-    return (f"| {name} | {changed} / {total} ({changed / total:.1%}) | {ties} | {g} | "
-            f"{np.median(diff_scores):.1e} (max {max(diff_scores):.1e}) | "
-            f"{np.median(diff_probs):.1e} (max {max(diff_probs):.1e}) |")
+    return (
+        f"| {name} | {changed} / {total} ({changed / total:.1%}) | {ties} | {g} | "
+        f"{np.median(diff_scores):.1e} (max {max(diff_scores):.1e}) | "
+        f"{np.median(diff_probs):.1e} (max {max(diff_probs):.1e}) |"
+    )
 
 
 def main() -> int:
@@ -91,9 +94,11 @@ def main() -> int:
     if a.seeds < 1 or a.length < 2:
         ap.error("--seeds must be >= 1 and --length >= 2")
     print(f"{a.seeds} seeds, {a.length}-token prefill, 7 attention layers (every role), teacher-forced\n")
-    print("| indexer shape | top-k selections that differ (bf16 scores) | of them, exact ties at k | "
-          "margins of the others | layer output, bf16 scores vs fp32: median (max) | "
-          "layer output, bf16 probabilities vs fp32: median (max) |")
+    print(
+        "| indexer shape | top-k selections that differ (bf16 scores) | of them, exact ties at k | "
+        "margins of the others | layer output, bf16 scores vs fp32: median (max) | "
+        "layer output, bf16 probabilities vs fp32: median (max) |"
+    )
     print("|---|---|---|---|---|---|")
     for name, overrides in CONFIGS.items():
         print(measure(name, overrides, a.seeds, a.length))

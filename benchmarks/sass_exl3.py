@@ -40,8 +40,26 @@ from mlx_dsv41.kernels import exl3 as launch  # noqa: E402
 
 # SASS opcode (first dotted part) -> Hopper pipe, as Nsight Compute names them.
 PIPES = {
-    "alu": {"SHF", "LOP3", "PRMT", "IADD3", "ISETP", "LEA", "SEL", "MOV", "VIADD", "VIADDMNMX", "PLOP3", "FSEL",
-            "IABS", "IMNMX", "FMNMX", "FSETP", "POPC", "FLO"},
+    "alu": {
+        "SHF",
+        "LOP3",
+        "PRMT",
+        "IADD3",
+        "ISETP",
+        "LEA",
+        "SEL",
+        "MOV",
+        "VIADD",
+        "VIADDMNMX",
+        "PLOP3",
+        "FSEL",
+        "IABS",
+        "IMNMX",
+        "FMNMX",
+        "FSETP",
+        "POPC",
+        "FLO",
+    },
     "fma": {"IMAD", "IDP", "FFMA", "FMUL", "FADD", "HADD2", "HMUL2", "HFMA2"},
     "lsu": {"LDS", "STS", "LDG", "STG", "LDGSTS", "SHFL", "LDC", "LD", "ST", "ATOMS", "ATOMG", "RED"},
     "tensor": {"HMMA"},
@@ -62,9 +80,14 @@ def nvdisasm() -> str:
 
 def flash_call(kernel: str, bits: int):
     """(registered kernel, call kwargs) for one Flash-shaped launch (4 experts: only shapes matter)."""
+
     def proj(k, n, e=4):
-        return EXL3ExpertProjection.from_stacked(random_trellis((e, k // 16, n // 16), bits),
-                                                 mx.zeros((e, k), mx.float16), mx.ones((e, n), mx.float16), "mul1")
+        return EXL3ExpertProjection.from_stacked(
+            random_trellis((e, k // 16, n // 16), bits),
+            mx.zeros((e, k), mx.float16),
+            mx.ones((e, n), mx.float16),
+            "mul1",
+        )
 
     ex = EXL3Experts(proj(HIDDEN, INTER), proj(HIDDEN, INTER), proj(INTER, HIDDEN), 4)
     x = mx.zeros((1, HIDDEN), mx.bfloat16)
@@ -92,9 +115,23 @@ def disassemble(kernel, call) -> tuple[list[str], dict[str, int], str]:
     src = source_check.cuda_source(kernel, call)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "k.cu").write_text(src)
-        r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-I",
-                            str(source_check.STUBS), "-o", f"{tmp}/k.cubin", f"{tmp}/k.cu"],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                "nvcc",
+                "-std=c++17",
+                "-arch=sm_90",
+                "-cubin",
+                "-Xptxas",
+                "-v",
+                "-I",
+                str(source_check.STUBS),
+                "-o",
+                f"{tmp}/k.cubin",
+                f"{tmp}/k.cu",
+            ],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode:
             sys.exit(f"sass_exl3: nvcc failed:\n{r.stderr[:3000]}")
         sass = subprocess.run([nvdisasm(), "-c", f"{tmp}/k.cubin"], capture_output=True, text=True, check=True).stdout
@@ -153,8 +190,10 @@ def mix(body: list[str], per: float) -> tuple[dict, dict]:
     pipes = collections.Counter()
     for op, n in ops_.items():
         pipes[next((p for p, names in PIPES.items() if op.split(".")[0] in names), "other")] += n
-    return ({k: round(v / per, 2) for k, v in ops_.most_common()},
-            {k: round(v / per, 2) for k, v in pipes.most_common()})
+    return (
+        {k: round(v / per, 2) for k, v in ops_.most_common()},
+        {k: round(v / per, 2) for k, v in pipes.most_common()},
+    )
 
 
 def main(argv=None):
@@ -176,8 +215,10 @@ def main(argv=None):
         cold = conditional_regions(ins, labels, *loop)
         body = [ins[i] for i in range(loop[0], loop[1] + 1) if i not in cold]
         per = float(sum(opcode(s).startswith("HMMA") for s in body))
-        what = (f"block loop: {loop[1] - loop[0] + 1} instructions, {int(per)} tiles (MMAs), {len(cold)} in "
-                f"branches it may skip (staging, copy issue); the rest per tile")
+        what = (
+            f"block loop: {loop[1] - loop[0] + 1} instructions, {int(per)} tiles (MMAs), {len(cold)} in "
+            f"branches it may skip (staging, copy issue); the rest per tile"
+        )
     by_op, by_pipe = mix(body, per)
     print(f"{what}: {round(len(body) / per, 2)}")
     print("  by pipe:", by_pipe)

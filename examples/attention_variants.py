@@ -71,13 +71,17 @@ def main():
     ref = results["serial"]
     same = all(np.array_equal(r[3].view(np.uint32), ref[3].view(np.uint32)) for r in results.values())
     tokens = all(r[2] == ref[2] for r in results.values())
-    print(f"logits byte-identical across variants: {'yes' if same else 'NO'}; "
-          f"greedy tokens identical: {'yes' if tokens else 'NO'}")
+    print(
+        f"logits byte-identical across variants: {'yes' if same else 'NO'}; "
+        f"greedy tokens identical: {'yes' if tokens else 'NO'}"
+    )
     if sparse_attention.auto_choices():
         print("auto picked: " + "; ".join(f"{k} -> {v}" for k, v in sparse_attention.auto_choices().items()))
     if backend() == "cpu":
-        print("note: no MLX GPU here, so every variant ran the plain-MLX reference; run this on a Mac "
-              "(Metal) or an NVIDIA GPU (CUDA) to time and compare the two kernels")
+        print(
+            "note: no MLX GPU here, so every variant ran the plain-MLX reference; run this on a Mac "
+            "(Metal) or an NVIDIA GPU (CUDA) to time and compare the two kernels"
+        )
     if not same:
         raise SystemExit(1)
 

@@ -10,15 +10,19 @@ from pathlib import Path
 
 import mlx.nn as nn
 
-NO_MATPLOTLIB = ("error: --png needs matplotlib: pip install matplotlib (or, in the mlx_dsv41 "
-                 "checkout, pip install -e '.[plot]')")
+NO_MATPLOTLIB = (
+    "error: --png needs matplotlib: pip install matplotlib (or, in the mlx_dsv41 checkout, pip install -e '.[plot]')"
+)
 
 
 def parser(description: str, picture: str | None = None) -> argparse.ArgumentParser:
     """The examples' options; `picture` says what --png draws (no --png without it)."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--model", help="a converted checkpoint directory (default: the demo checkpoint, "
-                                   "built on first use; its weights are synthetic)")
+    p.add_argument(
+        "--model",
+        help="a converted checkpoint directory (default: the demo checkpoint, "
+        "built on first use; its weights are synthetic)",
+    )
     if picture:
         p.add_argument("--png", type=Path, help=f"also draw {picture} into this PNG file (needs matplotlib)")
     return p
@@ -42,8 +46,11 @@ def load(model_dir: str | None):
     try:
         if model_dir is None:
             path = ensure_demo()
-            print(f"note: using the demo checkpoint {path}: SYNTHETIC weights, so the numbers below show "
-                  f"the machinery, not a trained model", file=sys.stderr)
+            print(
+                f"note: using the demo checkpoint {path}: SYNTHETIC weights, so the numbers below show "
+                f"the machinery, not a trained model",
+                file=sys.stderr,
+            )
         else:
             path = Path(model_dir)
         return mlx_dsv41.load(path)

@@ -25,8 +25,13 @@ def engram_gates(model, ids: list[int]) -> dict[int, np.ndarray]:
     """Engram layer -> its gates [positions, streams] in one forward pass over `ids`."""
     gates: dict[int, np.ndarray] = {}
     for layer in model.args.engram_layer_ids:
-        record_calls(model.layers[layer], "engram", lambda inner, args_, out, layer=layer: gates.__setitem__(
-            layer, np.array(inner.gate_and_value(*args_)[0][0])))
+        record_calls(
+            model.layers[layer],
+            "engram",
+            lambda inner, args_, out, layer=layer: gates.__setitem__(
+                layer, np.array(inner.gate_and_value(*args_)[0][0])
+            ),
+        )
     mx.eval(model(mx.array([ids]), model.make_cache()))
     return gates
 
@@ -40,8 +45,13 @@ def tick_label(piece: str) -> str:
 def gates_figure(gates: dict[int, np.ndarray], pieces: list[str]):
     """One heatmap per Engram layer: a row per residual stream, a column per token, 0..1."""
     plt = pyplot()
-    fig, axes = plt.subplots(len(gates), 1, squeeze=False, layout="constrained",
-                             figsize=(max(6.0, 0.3 * len(pieces) + 2), 0.5 + 2.6 * len(gates)))
+    fig, axes = plt.subplots(
+        len(gates),
+        1,
+        squeeze=False,
+        layout="constrained",
+        figsize=(max(6.0, 0.3 * len(pieces) + 2), 0.5 + 2.6 * len(gates)),
+    )
     for ax, (layer, g) in zip(axes[:, 0], gates.items()):
         image = ax.imshow(g.T, aspect="auto", interpolation="nearest", cmap="magma", vmin=0, vmax=1)
         ax.set(ylabel="stream", title=f"Engram layer {layer}: gate per stream and token")
@@ -53,18 +63,29 @@ def gates_figure(gates: dict[int, np.ndarray], pieces: list[str]):
 
 def print_layer(a, li: int, layer: int, pieces: list[str], rows: np.ndarray, gates: np.ndarray) -> None:
     heads, sizes = a.engram_n_heads, a.engram_ngram_sizes
-    print(f"\n== Engram layer {layer}: {a.engram_num_embeddings[li]} rows, {a.engram_columns} rows "
-          f"per position ({len(sizes)} n-gram sizes x {heads} heads)")
-    cells = [[",".join(str(int(r)) for r in rows[t, li, k * heads : (k + 1) * heads]) for k in range(len(sizes))]
-             for t in range(len(pieces))]
+    print(
+        f"\n== Engram layer {layer}: {a.engram_num_embeddings[li]} rows, {a.engram_columns} rows "
+        f"per position ({len(sizes)} n-gram sizes x {heads} heads)"
+    )
+    cells = [
+        [",".join(str(int(r)) for r in rows[t, li, k * heads : (k + 1) * heads]) for k in range(len(sizes))]
+        for t in range(len(pieces))
+    ]
     names = [repr(p) for p in pieces]
     token_w = max(5, *map(width, names))
     cell_w = [max(len(f"{n}-gram rows"), *(len(c[k]) for c in cells)) for k, n in enumerate(sizes)]
-    print(f"{'pos':>4}  {pad('token', token_w)}  " + "  ".join(f"{n}-gram rows".ljust(w) for n, w in zip(sizes, cell_w))
-          + "  gate per stream")
+    print(
+        f"{'pos':>4}  {pad('token', token_w)}  "
+        + "  ".join(f"{n}-gram rows".ljust(w) for n, w in zip(sizes, cell_w))
+        + "  gate per stream"
+    )
     for t, name in enumerate(names):
-        print(f"{t:4d}  {pad(name, token_w)}  " + "  ".join(c.ljust(w) for c, w in zip(cells[t], cell_w))
-              + "  " + " ".join(f"{g:.3f}" for g in gates[t]))
+        print(
+            f"{t:4d}  {pad(name, token_w)}  "
+            + "  ".join(c.ljust(w) for c, w in zip(cells[t], cell_w))
+            + "  "
+            + " ".join(f"{g:.3f}" for g in gates[t])
+        )
     print("n-grams per position (tokens t-n+1 .. t; '∅' = before the start):")
     for t in range(len(pieces)):
         grams = ["|".join(pieces[s] if s >= 0 else "∅" for s in range(t - n + 1, t + 1)) for n in sizes]

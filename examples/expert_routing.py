@@ -23,8 +23,9 @@ from common import load, parse, parser, pyplot, record_calls, save_png
 def routing_figure(counts: np.ndarray, title: str):
     """counts [layers, experts] as a heatmap, one row per layer."""
     plt = pyplot()
-    fig, ax = plt.subplots(layout="constrained",
-                           figsize=(min(12.0, 5 + 0.02 * counts.shape[1]), 1.5 + 0.3 * counts.shape[0]))
+    fig, ax = plt.subplots(
+        layout="constrained", figsize=(min(12.0, 5 + 0.02 * counts.shape[1]), 1.5 + 0.3 * counts.shape[0])
+    )
     image = ax.imshow(counts, aspect="auto", interpolation="nearest", cmap="viridis")
     ax.set(xlabel="routed expert", ylabel="layer", title=title)
     fig.colorbar(image, ax=ax, label="(token, slot) picks")
@@ -37,8 +38,9 @@ def main():
     p.add_argument("--max-tokens", type=int, default=2048, help="route at most this many tokens")
     p.add_argument("--json", help="also write the counts to this JSON file")
     p.add_argument("--width", type=int, default=40, help="bar width")
-    p.add_argument("--show", type=int, default=32, help="bars for at most this many experts per layer "
-                                                         "(the most used ones)")
+    p.add_argument(
+        "--show", type=int, default=32, help="bars for at most this many experts per layer (the most used ones)"
+    )
     args = parse(p)
 
     model, tokenizer = load(args.model)
@@ -46,8 +48,9 @@ def main():
     ids = tokenizer.encode(Path(args.file).read_text(encoding="utf-8"))[: args.max_tokens]
     counts = np.zeros((a.num_hidden_layers, a.n_routed_experts), np.int64)
     for i, block in enumerate(model.layers):
-        record_calls(block.ffn, "gate", lambda inner, args_, out, i=i: np.add.at(
-            counts[i], np.array(out[0]).reshape(-1), 1))
+        record_calls(
+            block.ffn, "gate", lambda inner, args_, out, i=i: np.add.at(counts[i], np.array(out[0]).reshape(-1), 1)
+        )
     mx.eval(model(mx.array([ids]), model.make_cache()))
 
     print(f"{len(ids)} tokens, top-{a.num_experts_per_tok} of {a.n_routed_experts} experts per token")
@@ -61,8 +64,9 @@ def main():
         for e in sorted(shown):
             print(f"  expert {e:3d} {row[e]:6d} " + "#" * round(args.width * row[e] / top))
         if len(row) > args.show:
-            print(f"  ({len(row) - args.show} less used experts not shown; {int((row == 0).sum())} "
-                  f"experts got no pick)")
+            print(
+                f"  ({len(row) - args.show} less used experts not shown; {int((row == 0).sum())} experts got no pick)"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({"tokens": len(ids), "counts": counts.tolist()}))
     if args.png:

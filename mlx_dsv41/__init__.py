@@ -18,8 +18,12 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 __version__ = "0.1.0"
 
-_LAZY = {"ModelArgs": "mlx_dsv41.config", "Model": "mlx_dsv41.model.deepseek_v41",
-         "load_model": "mlx_dsv41.loading", "load": "mlx_dsv41.loading"}
+_LAZY = {
+    "ModelArgs": "mlx_dsv41.config",
+    "Model": "mlx_dsv41.model.deepseek_v41",
+    "load_model": "mlx_dsv41.loading",
+    "load": "mlx_dsv41.loading",
+}
 
 
 # mlx-lm's tokenizer loader imports `mlx_lm.chat_templates.<chat_template_type>`; a converted

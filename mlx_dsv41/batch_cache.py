@@ -32,8 +32,10 @@ class BatchCache:
         rows = list(caches)
         kinds = {type(c) for c in rows}
         if not rows or len(kinds) != 1 or not issubclass(kinds.pop(), _PositionalCache):
-            raise ValueError(f"BatchCache.merge: needs one or more caches of one kind (LayerCache or "
-                             f"EngramHistory), got {[type(c).__name__ for c in rows]}")
+            raise ValueError(
+                f"BatchCache.merge: needs one or more caches of one kind (LayerCache or "
+                f"EngramHistory), got {[type(c).__name__ for c in rows]}"
+            )
         return cls(rows)
 
     def extend(self, other: BatchCache) -> None:
@@ -52,8 +54,10 @@ class BatchCache:
 
     def prepare(self, *, lengths=None, right_padding=None, left_padding=None) -> None:
         if left_padding is not None and any(left_padding):
-            raise ValueError("BatchCache: left-padded prompts would shift every position; "
-                             "pass prompts right-padded with their lengths")
+            raise ValueError(
+                "BatchCache: left-padded prompts would shift every position; "
+                "pass prompts right-padded with their lengths"
+            )
         if right_padding is not None and any(right_padding):
             if lengths is None or len(lengths) != len(self.rows):
                 raise ValueError(f"BatchCache.prepare: need one length per row ({len(self.rows)})")
@@ -89,8 +93,7 @@ def _layout(cache) -> tuple:
 def _stack(caches: list):
     """Same-layout caches of single sequences -> one cache over their batch."""
     states = [c.state for c in caches]
-    joined = [mx.concatenate([s[k] for s in states]) if isinstance(v, mx.array) else v
-              for k, v in enumerate(states[0])]
+    joined = [mx.concatenate([s[k] for s in states]) if isinstance(v, mx.array) else v for k, v in enumerate(states[0])]
     return type(caches[0]).from_state(tuple(joined))
 
 
@@ -99,15 +102,17 @@ def _row(cache, b: int):
     return type(cache).from_state(tuple(v[b : b + 1] if isinstance(v, mx.array) else v for v in cache.state))
 
 
-def batched_forward(forward, inputs: mx.array, caches: list[BatchCache],
-                    input_embeddings: mx.array | None = None) -> mx.array:
+def batched_forward(
+    forward, inputs: mx.array, caches: list[BatchCache], input_embeddings: mx.array | None = None
+) -> mx.array:
     """`forward(inputs, caches, input_embeddings) -> logits` over a BatchCache list (one per layer
     entry of the model's cache): rows grouped by real length and cache layout, each group run as
     one batch. Logits at right-padding positions are 0 (mlx-lm never reads them)."""
     B, S = inputs.shape[:2]
     if any(len(c.rows) != B for c in caches):
-        raise ValueError(f"batched_forward: inputs have {B} rows, the caches hold "
-                         f"{sorted({len(c.rows) for c in caches})}")
+        raise ValueError(
+            f"batched_forward: inputs have {B} rows, the caches hold {sorted({len(c.rows) for c in caches})}"
+        )
     remaining = caches[0].remaining
     real = [S] * B if remaining is None else [min(S, r) for r in remaining]
     groups: dict[tuple, list[int]] = {}
@@ -138,5 +143,11 @@ def batched_forward(forward, inputs: mx.array, caches: list[BatchCache],
         raise ValueError("batched_forward: no row has tokens to run")
     first = next(iter(per_row.values()))
     tail = [(0, 0)] * (first.ndim - 1)
-    return mx.stack([mx.pad(per_row[b], [(0, S - per_row[b].shape[0])] + tail) if b in per_row
-                     else mx.zeros((S, *first.shape[1:]), first.dtype) for b in range(B)])
+    return mx.stack(
+        [
+            mx.pad(per_row[b], [(0, S - per_row[b].shape[0])] + tail)
+            if b in per_row
+            else mx.zeros((S, *first.shape[1:]), first.dtype)
+            for b in range(B)
+        ]
+    )

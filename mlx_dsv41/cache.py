@@ -120,8 +120,7 @@ class LayerCache(_PositionalCache):
 
     step = 256  # compressed-entry capacity grows to a multiple of this
 
-    def __init__(self, window: int, ratio: int = 0, owns_kv: bool = False,
-                 trim_slack: int = DEFAULT_TRIM_SLACK):
+    def __init__(self, window: int, ratio: int = 0, owns_kv: bool = False, trim_slack: int = DEFAULT_TRIM_SLACK):
         if window < 1:
             raise ValueError(f"LayerCache: window must be >= 1, got {window}")
         if trim_slack < 0:
@@ -173,8 +172,10 @@ class LayerCache(_PositionalCache):
         if self.ring is None:
             self.ring = mx.zeros((batch, self.ring_size, dim), dtype)
         elif self.ring.shape[0] != batch or self.ring.shape[2] != dim:
-            raise ValueError(f"LayerCache: got rows of batch {batch} and width {dim}; this cache holds batch "
-                             f"{self.ring.shape[0]} and width {self.ring.shape[2]}")
+            raise ValueError(
+                f"LayerCache: got rows of batch {batch} and width {dim}; this cache holds batch "
+                f"{self.ring.shape[0]} and width {self.ring.shape[2]}"
+            )
 
     def _ensure_raw(self, batch: int, dim: int) -> None:
         if self.raw_capacity and self.raw_kv is None:
@@ -188,8 +189,9 @@ class LayerCache(_PositionalCache):
             self.index_keys = mx.zeros((batch, self.kv.shape[1], index_dim), dtype)
         elif need > self.capacity:
             cap = self._grown(self.capacity, need)
-            self.kv, self.index_keys = (mx.pad(a, [(0, 0), (0, cap - a.shape[1]), (0, 0)])
-                                        for a in (self.kv, self.index_keys))
+            self.kv, self.index_keys = (
+                mx.pad(a, [(0, 0), (0, cap - a.shape[1]), (0, 0)]) for a in (self.kv, self.index_keys)
+            )
 
     def _grown(self, capacity: int, need: int) -> int:
         """Capacity for `need` entries: doubled, in steps (a compiled step re-traces on growth)."""
@@ -219,8 +221,10 @@ class LayerCache(_PositionalCache):
         Q, pending = self.raw_capacity, self.offset % self.ratio
         self._ensure_raw(B, D)
         if pending > self.offset - self.raw_from:
-            raise ValueError(f"LayerCache: the open group needs {pending} raw rows before offset "
-                             f"{self.offset}, but only {self.offset - self.raw_from} are held")
+            raise ValueError(
+                f"LayerCache: the open group needs {pending} raw rows before offset "
+                f"{self.offset}, but only {self.offset - self.raw_from} are held"
+            )
         all_kv, all_gate = kv, gate
         if pending:
             held = ring_slots(self.position, -pending, pending, Q)
@@ -232,8 +236,7 @@ class LayerCache(_PositionalCache):
         self.raw_gate[:, slots] = gate[:, S - keep :]
         return all_kv, all_gate
 
-    def append_compressed(self, kv: mx.array | None, index_keys: mx.array | None
-                          ) -> tuple[mx.array, mx.array]:
+    def append_compressed(self, kv: mx.array | None, index_keys: mx.array | None) -> tuple[mx.array, mx.array]:
         """Owners: store the entries completed by this call (None: none); return the whole buffers
         (compressed KV [B, capacity, D], index keys [B, capacity, Di]). Entry j is valid once
         j < (offset + S) // ratio; callers read entries only through visibility
@@ -305,15 +308,33 @@ class LayerCache(_PositionalCache):
         count = self.offset // self.ratio if self.owns_kv else 0
         kv = self.kv[:, :count] if self.kv is not None and count else None
         keys = self.index_keys[:, :count] if self.index_keys is not None and count else None
-        return LayerCacheState(self.ring, kv, keys, self.raw_kv, self.raw_gate, self.offset, self.ring_from,
-                               self.raw_from, self.window_size, self.ratio, self.owns_kv, self.trim_slack)
+        return LayerCacheState(
+            self.ring,
+            kv,
+            keys,
+            self.raw_kv,
+            self.raw_gate,
+            self.offset,
+            self.ring_from,
+            self.raw_from,
+            self.window_size,
+            self.ratio,
+            self.owns_kv,
+            self.trim_slack,
+        )
 
     @state.setter
     def state(self, v):
         if len(v) != len(LayerCacheState._fields):
             raise ValueError(f"LayerCache.state: expected {len(LayerCacheState._fields)} entries, got {len(v)}")
         v = LayerCacheState(*v)
-        self.ring, self.kv, self.index_keys, self.raw_kv, self.raw_gate = v.ring, v.kv, v.index_keys, v.raw_kv, v.raw_gate
+        self.ring, self.kv, self.index_keys, self.raw_kv, self.raw_gate = (
+            v.ring,
+            v.kv,
+            v.index_keys,
+            v.raw_kv,
+            v.raw_gate,
+        )
         self.offset, self.ring_from, self.raw_from = int(v.offset), int(v.ring_from), int(v.raw_from)
         self.window_size, self.ratio, self.trim_slack = int(v.window), int(v.ratio), int(v.trim_slack)
         self.owns_kv = bool(v.owns_kv)
@@ -321,11 +342,14 @@ class LayerCache(_PositionalCache):
         count = self.offset // self.ratio if self.owns_kv else 0
         held = 0 if self.kv is None else self.kv.shape[1]
         if held != count:
-            raise ValueError(f"LayerCache.state: {held} compressed entries for offset {self.offset} "
-                             f"and ratio {self.ratio} (expected {count})")
+            raise ValueError(
+                f"LayerCache.state: {held} compressed entries for offset {self.offset} "
+                f"and ratio {self.ratio} (expected {count})"
+            )
         if self.raw_capacity and self.raw_kv is not None and self.raw_kv.shape[1] != self.raw_capacity:
-            raise ValueError(f"LayerCache.state: a raw ring of {self.raw_kv.shape[1]} rows; this cache "
-                             f"keeps {self.raw_capacity}")
+            raise ValueError(
+                f"LayerCache.state: a raw ring of {self.raw_kv.shape[1]} rows; this cache keeps {self.raw_capacity}"
+            )
 
     @property
     def nbytes(self) -> int:
@@ -339,7 +363,9 @@ def ring_slots(position: mx.array, start: int, count: int, size: int) -> mx.arra
 
 def window_rows(position: mx.array, length: int, window: int, ring: int) -> mx.array:
     """rows [length, window] int32 of LayerCache.update_window for queries at position + s."""
-    p = position + (mx.arange(length, dtype=mx.int32)[:, None] - window + 1 + mx.arange(window, dtype=mx.int32)[None, :])
+    p = position + (
+        mx.arange(length, dtype=mx.int32)[:, None] - window + 1 + mx.arange(window, dtype=mx.int32)[None, :]
+    )
     return mx.where(p < 0, -1, mx.where(p >= position, ring + p - position, p % ring)).astype(mx.int32)
 
 
@@ -370,8 +396,7 @@ class EngramHistory(_PositionalCache):
 
     def __init__(self, length: int, trim_slack: int = DEFAULT_TRIM_SLACK):
         if length < 1 or trim_slack < 0:
-            raise ValueError(f"EngramHistory: need length >= 1 and trim_slack >= 0, "
-                             f"got {length} and {trim_slack}")
+            raise ValueError(f"EngramHistory: need length >= 1 and trim_slack >= 0, got {length} and {trim_slack}")
         self.length, self.trim_slack = length, trim_slack
         self.offset = 0
         self.ids: np.ndarray | None = None  # [B, m] int64: positions offset - m .. offset - 1
@@ -390,15 +415,18 @@ class EngramHistory(_PositionalCache):
         """Append ids [B, S] of the next S positions; return the history before them [B, length]."""
         new_ids = np.asarray(new_ids)
         if new_ids.ndim != 2 or not np.issubdtype(new_ids.dtype, np.integer):
-            raise ValueError(f"EngramHistory.update: ids must be an integer array [B, S], got "
-                             f"{new_ids.dtype} {new_ids.shape}")
+            raise ValueError(
+                f"EngramHistory.update: ids must be an integer array [B, S], got {new_ids.dtype} {new_ids.shape}"
+            )
         B, S = new_ids.shape
         if self.ids is not None and self.ids.shape[0] != B:
-            raise ValueError(f"EngramHistory.update: batch {B}, but this history holds batch "
-                             f"{self.ids.shape[0]}")
+            raise ValueError(f"EngramHistory.update: batch {B}, but this history holds batch {self.ids.shape[0]}")
         previous = self.last(B)
-        held = new_ids.astype(np.int64) if self.ids is None else np.concatenate(
-            [self.ids, new_ids.astype(np.int64)], axis=1)
+        held = (
+            new_ids.astype(np.int64)
+            if self.ids is None
+            else np.concatenate([self.ids, new_ids.astype(np.int64)], axis=1)
+        )
         keep = min(held.shape[1], self.length + self.trim_slack)
         self.ids = held[:, held.shape[1] - keep :].copy()
         self.offset += S
@@ -507,8 +535,15 @@ class DraftCache(_PositionalCache):
     @property
     def state(self):
         """The held rows and positions; the rings are not saved (they are rewritten from the rows)."""
-        return (self.hidden, self.offset, self.kept_from, self.window, self.trim_slack, len(self.rings),
-                self.rings[0].window_size if self.rings else self.window)
+        return (
+            self.hidden,
+            self.offset,
+            self.kept_from,
+            self.window,
+            self.trim_slack,
+            len(self.rings),
+            self.rings[0].window_size if self.rings else self.window,
+        )
 
     @state.setter
     def state(self, v):
@@ -544,10 +579,16 @@ def register_with_mlx_lm() -> bool:
         return False
     for cls in (LayerCache, EngramHistory, DraftCache):
         existing = getattr(mlx_lm_cache, cls.__name__, None)
-        if existing is not None and existing is not cls and existing.__module__ != cls.__module__ \
-                and not getattr(existing, "mlx_dsv41_stand_in", False):  # mlx_dsv41_cache_hook's
-            raise RuntimeError(f"mlx_lm.models.cache already defines a different {cls.__name__} "
-                               f"({existing.__module__}); refusing to replace it")
+        if (
+            existing is not None
+            and existing is not cls
+            and existing.__module__ != cls.__module__
+            and not getattr(existing, "mlx_dsv41_stand_in", False)
+        ):  # mlx_dsv41_cache_hook's
+            raise RuntimeError(
+                f"mlx_lm.models.cache already defines a different {cls.__name__} "
+                f"({existing.__module__}); refusing to replace it"
+            )
         setattr(mlx_lm_cache, cls.__name__, cls)
     return True
 

@@ -16,10 +16,10 @@ class ConfigError(ValueError):
     """A config that cannot describe a DeepSeek-V4.1 model; the message says which key is wrong."""
 
 
-
 def _need(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
 
 @dataclass(frozen=True)
 class LayerRole:
@@ -140,8 +140,14 @@ class ModelArgs:
             merged["model_type"] = params.get("model_type", "deepseek_v41")
         names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in merged.items() if k in names}
-        for k in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids",
-                  "engram_layer_ids", "engram_num_embeddings", "dspark_target_layer_ids"):
+        for k in (
+            "compress_ratios",
+            "kv_source_layer_ids",
+            "index_source_layer_ids",
+            "engram_layer_ids",
+            "engram_num_embeddings",
+            "dspark_target_layer_ids",
+        ):
             if k in kwargs and kwargs[k] is not None:
                 if not isinstance(kwargs[k], (list, tuple)):
                     raise ConfigError(f"{k} must be a list, got {kwargs[k]!r}")
@@ -218,8 +224,10 @@ class ModelArgs:
         """The args a stage's modules are built from: the backbone's, with the stage's own expert
         count and top-k (docs/dspark.md#stage-moe; 0 falls back to the backbone's)."""
         return dataclasses.replace(
-            self, n_routed_experts=self.dspark_n_routed_experts or self.n_routed_experts,
-            num_experts_per_tok=self.dspark_num_experts_per_tok or self.num_experts_per_tok)
+            self,
+            n_routed_experts=self.dspark_n_routed_experts or self.n_routed_experts,
+            num_experts_per_tok=self.dspark_num_experts_per_tok or self.num_experts_per_tok,
+        )
 
     # ---------------------------------------------------------------- checks
 
@@ -236,10 +244,22 @@ class ModelArgs:
 
     def _validate_sizes(self) -> None:
         _need(self.num_hidden_layers > 0, "num_hidden_layers must be positive")
-        for name in ("vocab_size", "hidden_size", "num_attention_heads", "q_lora_rank", "o_lora_rank",
-                     "moe_intermediate_size", "n_routed_experts", "hc_mult", "hc_sinkhorn_iters",
-                     "sliding_window", "index_n_heads", "index_topk", "candidate_block_size",
-                     "candidate_topk_blocks"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_attention_heads",
+            "q_lora_rank",
+            "o_lora_rank",
+            "moe_intermediate_size",
+            "n_routed_experts",
+            "hc_mult",
+            "hc_sinkhorn_iters",
+            "sliding_window",
+            "index_n_heads",
+            "index_topk",
+            "candidate_block_size",
+            "candidate_topk_blocks",
+        ):
             _need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
 
     def _validate_supported(self) -> None:
@@ -250,49 +270,74 @@ class ModelArgs:
         _need(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
         _need(self.gate_temp > 0, f"gate_temp must be positive, got {self.gate_temp}")
         _need(not self.tie_word_embeddings, "tie_word_embeddings must be false (embed and head are separate)")
-        _need(self.num_key_value_heads == 1,
-             f"num_key_value_heads must be 1 (one shared K=V latent), got {self.num_key_value_heads}")
+        _need(
+            self.num_key_value_heads == 1,
+            f"num_key_value_heads must be 1 (one shared K=V latent), got {self.num_key_value_heads}",
+        )
         _need(self.n_shared_experts == 1, f"n_shared_experts must be 1, got {self.n_shared_experts}")
-        _need(self.scoring_func == "sqrtsoftplus",
-             f"scoring_func {self.scoring_func!r} is not supported (only 'sqrtsoftplus')")
+        _need(
+            self.scoring_func == "sqrtsoftplus",
+            f"scoring_func {self.scoring_func!r} is not supported (only 'sqrtsoftplus')",
+        )
 
     def _validate_dims(self) -> None:
-        _need(0 < self.qk_rope_head_dim <= self.head_dim and self.qk_rope_head_dim % 2 == 0,
-             f"qk_rope_head_dim {self.qk_rope_head_dim} must be even and <= head_dim {self.head_dim}")
-        _need(self.num_attention_heads % self.o_groups == 0,
-             f"num_attention_heads {self.num_attention_heads} is not a multiple of o_groups {self.o_groups}")
-        _need(0 < self.num_experts_per_tok <= self.n_routed_experts,
-             "num_experts_per_tok must be in 1..n_routed_experts")
+        _need(
+            0 < self.qk_rope_head_dim <= self.head_dim and self.qk_rope_head_dim % 2 == 0,
+            f"qk_rope_head_dim {self.qk_rope_head_dim} must be even and <= head_dim {self.head_dim}",
+        )
+        _need(
+            self.num_attention_heads % self.o_groups == 0,
+            f"num_attention_heads {self.num_attention_heads} is not a multiple of o_groups {self.o_groups}",
+        )
+        _need(
+            0 < self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok must be in 1..n_routed_experts"
+        )
         _need(self.head_dim % 32 == 0, f"head_dim {self.head_dim} must be a multiple of 32 (fake-quant blocks)")
-        _need(self.index_head_dim % 32 == 0 and self.index_head_dim >= self.qk_rope_head_dim,
-             f"index_head_dim {self.index_head_dim} must be a multiple of 32 and >= qk_rope_head_dim")
+        _need(
+            self.index_head_dim % 32 == 0 and self.index_head_dim >= self.qk_rope_head_dim,
+            f"index_head_dim {self.index_head_dim} must be a multiple of 32 and >= qk_rope_head_dim",
+        )
 
     def _validate_compress_ratios(self) -> None:
         expected = self.num_hidden_layers + self.num_nextn_predict_layers
-        _need(len(self.compress_ratios) == expected,
-             f"compress_ratios has {len(self.compress_ratios)} entries; expected num_hidden_layers + "
-             f"num_nextn_predict_layers = {self.num_hidden_layers} + {self.num_nextn_predict_layers} = {expected}")
-        _need(all(r in (0, 1, 2) for r in self.compress_ratios),
-             f"compress_ratios may only hold 0, 1 or 2, got {sorted(set(self.compress_ratios))}")
+        _need(
+            len(self.compress_ratios) == expected,
+            f"compress_ratios has {len(self.compress_ratios)} entries; expected num_hidden_layers + "
+            f"num_nextn_predict_layers = {self.num_hidden_layers} + {self.num_nextn_predict_layers} = {expected}",
+        )
+        _need(
+            all(r in (0, 1, 2) for r in self.compress_ratios),
+            f"compress_ratios may only hold 0, 1 or 2, got {sorted(set(self.compress_ratios))}",
+        )
 
     def _validate_engram(self) -> None:
-        _need(len(self.engram_num_embeddings) == len(self.engram_layer_ids),
-             f"engram_num_embeddings has {len(self.engram_num_embeddings)} entries for "
-             f"{len(self.engram_layer_ids)} engram layers")
+        _need(
+            len(self.engram_num_embeddings) == len(self.engram_layer_ids),
+            f"engram_num_embeddings has {len(self.engram_num_embeddings)} entries for "
+            f"{len(self.engram_layer_ids)} engram layers",
+        )
         for i in self.engram_layer_ids:
             _need(0 <= i < self.num_hidden_layers, f"engram layer {i} is not a backbone layer")
-        _need(len(set(self.engram_layer_ids)) == len(self.engram_layer_ids),
-             f"engram_layer_ids has duplicates: {list(self.engram_layer_ids)}")
+        _need(
+            len(set(self.engram_layer_ids)) == len(self.engram_layer_ids),
+            f"engram_layer_ids has duplicates: {list(self.engram_layer_ids)}",
+        )
         if self.engram_layer_ids:
             _need(self.engram_max_ngram_size >= 2, "engram_max_ngram_size must be >= 2")
             _need(self.engram_n_heads > 0, f"engram_n_heads must be positive, got {self.engram_n_heads}")
-            _need(0 < self.engram_compressed_vocab_size <= self.vocab_size,
-                 f"engram_compressed_vocab_size {self.engram_compressed_vocab_size} must be in "
-                 f"1..vocab_size ({self.vocab_size})")
-            _need(0 <= self.engram_pad_token_id < self.vocab_size,
-                 f"engram_pad_token_id {self.engram_pad_token_id} is not a token id (0..{self.vocab_size - 1})")
-            _need(self.engram_head_dim % 32 == 0,
-                 "engram_head_dim must be a multiple of 32 (one e8m0 scale per 32 values)")
+            _need(
+                0 < self.engram_compressed_vocab_size <= self.vocab_size,
+                f"engram_compressed_vocab_size {self.engram_compressed_vocab_size} must be in "
+                f"1..vocab_size ({self.vocab_size})",
+            )
+            _need(
+                0 <= self.engram_pad_token_id < self.vocab_size,
+                f"engram_pad_token_id {self.engram_pad_token_id} is not a token id (0..{self.vocab_size - 1})",
+            )
+            _need(
+                self.engram_head_dim % 32 == 0,
+                "engram_head_dim must be a multiple of 32 (one e8m0 scale per 32 values)",
+            )
 
     def _validate_dspark(self) -> None:
         """Values that are present must make sense; missing ones only turn drafting off."""
@@ -304,17 +349,23 @@ class ModelArgs:
             _need(i not in self.engram_layer_ids, f"dspark_target_layer_ids: {i} is an Engram layer")
         _need(len(set(targets)) == len(targets), f"dspark_target_layer_ids has duplicates: {list(targets)}")
         if self.dspark_noise_token_id is not None:
-            _need(0 <= self.dspark_noise_token_id < self.vocab_size,
-                 f"dspark_noise_token_id {self.dspark_noise_token_id} is not a token id")
+            _need(
+                0 <= self.dspark_noise_token_id < self.vocab_size,
+                f"dspark_noise_token_id {self.dspark_noise_token_id} is not a token id",
+            )
         _need(self.dspark_markov_rank > 0, f"dspark_markov_rank must be positive, got {self.dspark_markov_rank}")
         _need(self.dspark_n_routed_experts >= 0, "dspark_n_routed_experts must be >= 0")
         stage = self.dspark_stage_args()
-        _need(0 < stage.num_experts_per_tok <= stage.n_routed_experts,
-             "dspark_num_experts_per_tok must be in 1..dspark_n_routed_experts")
+        _need(
+            0 < stage.num_experts_per_tok <= stage.n_routed_experts,
+            "dspark_num_experts_per_tok must be in 1..dspark_n_routed_experts",
+        )
         if self.dspark_stages:
-            stage_ratios = self.compress_ratios[self.num_hidden_layers:]
-            _need(not any(stage_ratios), "compress_ratios of the DSpark stages must be 0 "
-                                        f"(docs/dspark.md#config), got {list(stage_ratios)}")
+            stage_ratios = self.compress_ratios[self.num_hidden_layers :]
+            _need(
+                not any(stage_ratios),
+                f"compress_ratios of the DSpark stages must be 0 (docs/dspark.md#config), got {list(stage_ratios)}",
+            )
 
 
 def _check_source_ids(args: ModelArgs) -> None:
@@ -386,8 +437,9 @@ def _derive_roles(args: ModelArgs) -> tuple[LayerRole, ...]:
     return tuple(roles)
 
 
-def _selection_mode(i: int, last_kv: int, last_index: int | None, kv_sources: set[int],
-                    index_sources: set[int], roles: list[LayerRole]) -> str:
+def _selection_mode(
+    i: int, last_kv: int, last_index: int | None, kv_sources: set[int], index_sources: set[int], roles: list[LayerRole]
+) -> str:
     """How compressed layer i selects its top-k entries: "full" (an index source over its own KV),
     "reindex" (an index source over the keys of an earlier KV source, which must index too) or
     "reuse" (the last index source's selection, which must read the same KV)."""
@@ -401,7 +453,6 @@ def _selection_mode(i: int, last_kv: int, last_index: int | None, kv_sources: se
         return mode
     if last_index is None or roles[last_index].kv_source != last_kv:
         raise ConfigError(
-            f"layer {i} reuses a top-k selection, but no index source at or before it reads "
-            f"its KV source {last_kv}"
+            f"layer {i} reuses a top-k selection, but no index source at or before it reads its KV source {last_kv}"
         )
     return "reuse"

@@ -53,17 +53,26 @@ CACHE_ENV = "MLX_DSV41_CACHE"
 # demo_args), at the widths below: head_dim 512 as in the release, wider layers and Engram.
 DEMO_CONFIG = {
     **{k: v for k, v in TINY_DSPARK.items() if k != "dspark_noise_token_id"},
-    "hidden_size": 256, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 128, "o_lora_rank": 128,
-    "moe_intermediate_size": 128, "sliding_window": 16, "candidate_block_size": 4, "index_head_dim": 128,
-    "index_topk": 8, "engram_vocab_size": 512, "engram_head_dim": 64, "dspark_markov_rank": 32,
+    "hidden_size": 256,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 128,
+    "o_lora_rank": 128,
+    "moe_intermediate_size": 128,
+    "sliding_window": 16,
+    "candidate_block_size": 4,
+    "index_head_dim": 128,
+    "index_topk": 8,
+    "engram_vocab_size": 512,
+    "engram_head_dim": 64,
+    "dspark_markov_rank": 32,
 }
 
 _BPE_VOCAB = 1016  # BPE part of the vocabulary; the control tokens come after it
 
 PAD = "<｜▁pad▁｜>"
 IMAGE = "<｜deepseek_image｜>"
-_ADDED = (chat.USER, chat.ASSISTANT, chat.SYSTEM, chat.THINK, chat.END_THINK, chat.DSML,
-          "<｜latest_reminder｜>", IMAGE)
+_ADDED = (chat.USER, chat.ASSISTANT, chat.SYSTEM, chat.THINK, chat.END_THINK, chat.DSML, "<｜latest_reminder｜>", IMAGE)
 
 # docs/chat.md#chat-encoding: three isolating splits in sequence, then bytes.
 _SPLITS = (
@@ -120,15 +129,19 @@ def build_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in _SPLITS]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=_BPE_VOCAB, special_tokens=[chat.BOS, chat.EOS, PAD],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False, min_frequency=1)
+    trainer = trainers.BpeTrainer(
+        vocab_size=_BPE_VOCAB,
+        special_tokens=[chat.BOS, chat.EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+        min_frequency=1,
+    )
     tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _ADDED])
-    tok.post_processor = processors.TemplateProcessing(single=f"{chat.BOS} $A",
-                                                       special_tokens=[(chat.BOS, 0)])
+    tok.post_processor = processors.TemplateProcessing(single=f"{chat.BOS} $A", special_tokens=[(chat.BOS, 0)])
     for tid, name in enumerate((chat.BOS, chat.EOS, PAD)):
         if tok.token_to_id(name) != tid:
             raise DemoError(f"demo tokenizer: {name} is id {tok.token_to_id(name)}, expected {tid}")
@@ -136,10 +149,17 @@ def build_tokenizer():
 
 
 def tokenizer_config() -> dict:
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": chat.BOS, "eos_token": chat.EOS,
-            "pad_token": PAD, "add_bos_token": True, "add_eos_token": False,
-            "clean_up_tokenization_spaces": False, "model_max_length": 1048576,
-            "chat_template_type": chat.TEMPLATE_TYPE}
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": chat.BOS,
+        "eos_token": chat.EOS,
+        "pad_token": PAD,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1048576,
+        "chat_template_type": chat.TEMPLATE_TYPE,
+    }
 
 
 def demo_args(tokenizer):
@@ -148,10 +168,13 @@ def demo_args(tokenizer):
     from mlx_dsv41.model.engram_hash import compressed_keys
     from mlx_dsv41.synthetic import tiny_args
 
-    return tiny_args(**DEMO_CONFIG, vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
-                     image_token_id=tokenizer.token_to_id(IMAGE),
-                     dspark_noise_token_id=tokenizer.token_to_id(chat.END_THINK),
-                     engram_compressed_vocab_size=len(set(compressed_keys(tokenizer))))
+    return tiny_args(
+        **DEMO_CONFIG,
+        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        image_token_id=tokenizer.token_to_id(IMAGE),
+        dspark_noise_token_id=tokenizer.token_to_id(chat.END_THINK),
+        engram_compressed_vocab_size=len(set(compressed_keys(tokenizer))),
+    )
 
 
 # ------------------------------------------------------------------------------ EXL3 details
@@ -169,8 +192,11 @@ def tensor_storage(stored: dict[str, tuple[str, np.ndarray]]) -> dict:
         if f"{prefix}.trellis" not in stored:
             continue
         entry = storage.setdefault(prefix, {"stored_tensors": {}, "quant_format": "exl3"})
-        entry["stored_tensors"][leaf] = {"shape": list(arr.shape), "n_bytes": int(arr.nbytes),
-                                         "dtype": f"torch.{arr.dtype}"}
+        entry["stored_tensors"][leaf] = {
+            "shape": list(arr.shape),
+            "n_bytes": int(arr.nbytes),
+            "dtype": f"torch.{arr.dtype}",
+        }
         if leaf == "trellis":
             entry["bits_per_weight"] = arr.shape[-1] / 16
         elif leaf in MARKER_VALUES:
@@ -194,8 +220,9 @@ def _write_weights(directory: Path, tensors: dict[str, tuple[str, np.ndarray]]) 
     layers = sorted({int(k.split(".")[1]) for k in tensors if k.startswith("layers.")})
     half = layers[len(layers) // 2]
     names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    shard_of = {k: names[k.startswith("head") or (k.startswith("layers.") and int(k.split(".")[1]) >= half)]
-                for k in tensors}
+    shard_of = {
+        k: names[k.startswith("head") or (k.startswith("layers.") and int(k.split(".")[1]) >= half)] for k in tensors
+    }
     for name in names:
         write_safetensors(directory / name, {k: v for k, v in tensors.items() if shard_of[k] == name})
     index = {"metadata": {"total_size": int(sum(v[1].nbytes for v in tensors.values()))}, "weight_map": shard_of}
@@ -221,8 +248,9 @@ def write_sources(root: Path, seed: int = 0):
     tok.save(str(src / "tokenizer.json"))
     (src / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=1, ensure_ascii=False))
     (src / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
-    (src / "README.md").write_text("mlx_dsv41 demo checkpoint: SYNTHETIC random weights in the EXL3 "
-                                   "format; not a trained model.\n")
+    (src / "README.md").write_text(
+        "mlx_dsv41 demo checkpoint: SYNTHETIC random weights in the EXL3 format; not a trained model.\n"
+    )
     _write_weights(src, tensors)
     write_engram_shards(engram, args, random_engram_tables(args, seed))
     return src, engram
@@ -254,8 +282,7 @@ def ensure_demo(root: str | os.PathLike | None = None, progress: bool = True) ->
         from mlx_dsv41.convert import ConvertError, convert_checkpoint
 
         if progress:
-            print(f"Building the demo checkpoint (synthetic weights) in {root} ...", flush=True,
-                  file=sys.stderr)
+            print(f"Building the demo checkpoint (synthetic weights) in {root} ...", flush=True, file=sys.stderr)
         try:
             src, engram = write_sources(root)
             convert_checkpoint(src, out, engram_from=engram, progress=progress)

@@ -110,8 +110,9 @@ def init(partition: str = "experts", timeout_s: float = 120.0) -> Cluster | None
 
     if len(set(rows[:, 0])) > 1:
         told = ", ".join(f"rank {r} {PARTITIONS[p]!r}" for r, p in enumerate(rows[:, 0]))
-        raise DistributedError(f"ranks disagree on the moe partition ({told}): launch every rank "
-                               "with the same --moe-partition")
+        raise DistributedError(
+            f"ranks disagree on the moe partition ({told}): launch every rank with the same --moe-partition"
+        )
     timeout_s = float(rows[:, 1].max()) / 1000
     port = int(rows[0, 2])
     host = bytes(rows[0, 3:].astype(np.uint8)).rstrip(b"\0").decode()
@@ -119,8 +120,11 @@ def init(partition: str = "experts", timeout_s: float = 120.0) -> Cluster | None
     if port:
         watchdog = Watchdog.start(rank, size, timeout_s, (host, port), hub)
     elif rank == 0:
-        print("mlx_dsv41.distributed: watchdog off (MLX_DSV41_WATCHDOG=0, or rank 0's address is "
-              "unknown: set MLX_DSV41_WATCHDOG_HOST): a lost peer can hang the others", file=sys.stderr)
+        print(
+            "mlx_dsv41.distributed: watchdog off (MLX_DSV41_WATCHDOG=0, or rank 0's address is "
+            "unknown: set MLX_DSV41_WATCHDOG_HOST): a lost peer can hang the others",
+            file=sys.stderr,
+        )
     return Cluster(group, rank, size, partition, watchdog)
 
 
@@ -129,8 +133,10 @@ def held_experts(rank: int, size: int, partition: str, n_experts: int) -> tuple[
     if partition == "slots":
         return 0, n_experts
     if n_experts % size:
-        raise ValueError(f"the 'experts' partition needs a rank count that divides the {n_experts} "
-                         f"routed experts; got {size} ranks (or use --moe-partition slots)")
+        raise ValueError(
+            f"the 'experts' partition needs a rank count that divides the {n_experts} "
+            f"routed experts; got {size} ranks (or use --moe-partition slots)"
+        )
     share = n_experts // size
     return rank * share, (rank + 1) * share
 
@@ -160,7 +166,7 @@ class Exchange:
 
 
 class ExpertsExchange(Exchange):
-    """"experts" mode: this rank's slots, -0.0 elsewhere, summed over the ranks."""
+    """ "experts" mode: this rank's slots, -0.0 elsewhere, summed over the ranks."""
 
     def __call__(self, experts, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
         lo, hi = experts.expert_range
@@ -172,7 +178,7 @@ class ExpertsExchange(Exchange):
 
 
 class SlotsExchange(Exchange):
-    """"slots" mode: rank r computes slots r, r+n, ...; all_gather puts every slot back in place."""
+    """ "slots" mode: rank r computes slots r, r+n, ...; all_gather puts every slot back in place."""
 
     def __init__(self, cluster: Cluster, wire: mx.Dtype | None = None):
         super().__init__(cluster, wire)
@@ -253,12 +259,11 @@ def _first_wrong_layout(moes, wants) -> list[int]:
 def _check_rows(model, moes, rows: np.ndarray, digest_names: list[str], size: int, partition: str) -> None:
     """Every rank's gathered row (its layout, rounding flag and digests) agrees, or every rank
     raises the same DistributedError for the first disagreement."""
-    parts = {what: rows[:, 4 + 4 * i: 8 + 4 * i] for i, what in enumerate(digest_names)}
+    parts = {what: rows[:, 4 + 4 * i : 8 + 4 * i] for i, what in enumerate(digest_names)}
 
     def check(what: str) -> None:
         if (parts[what] != parts[what][0]).any():
-            told = ", ".join(f"rank {r} {parts[what][r].astype(np.int32).tobytes()[:4].hex()}"
-                             for r in range(size))
+            told = ", ".join(f"rank {r} {parts[what][r].astype(np.int32).tobytes()[:4].hex()}" for r in range(size))
             raise DistributedError(f"ranks disagree on {what} ({told}): {_HINTS[what]}")
 
     check("the software (mlx, mlx_dsv41 versions)")
@@ -272,7 +277,8 @@ def _check_rows(model, moes, rows: np.ndarray, digest_names: list[str], size: in
             raise DistributedError(
                 f"rank {r} of {size} ({partition!r} partition) must hold experts {w[0]}..{w[1] - 1} "
                 f"but its {name}.experts holds {lo}..{hi - 1}: load with "
-                f"expert_range=distributed.expert_range(cluster, {model.args.n_routed_experts})")
+                f"expert_range=distributed.expert_range(cluster, {model.args.n_routed_experts})"
+            )
     check("the loaded tensors (names, shapes, dtypes)")
     check("the routed-expert formats")
 
@@ -283,8 +289,10 @@ def apply(model, cluster: Cluster | None) -> None:
     model; any problem is the same DistributedError on every rank. A no-op for cluster None."""
     if cluster is None:
         return
-    moes = sorted(((name, m) for name, m in model.named_modules() if isinstance(m, MoE)),
-                  key=lambda item: [int(t) if t.isdigit() else t for t in item[0].split(".")])
+    moes = sorted(
+        ((name, m) for name, m in model.named_modules() if isinstance(m, MoE)),
+        key=lambda item: [int(t) if t.isdigit() else t for t in item[0].split(".")],
+    )
     if not moes:
         raise ValueError("apply: the model has no MoE layers")
     size, partition = cluster.size, cluster.partition
@@ -292,9 +300,17 @@ def apply(model, cluster: Cluster | None) -> None:
     wants = [held_experts(cluster.rank, size, partition, moe.gate.weight.shape[0]) for _, moe in moes]
     layout = _first_wrong_layout(moes, wants)
     act = model.embed(mx.array([[0]])).dtype  # the activation dtype the MoE hands its experts
-    rounded = layout[0] >= 0 or mx.all(mx.stack([
-        rounds_to(moe.experts, want, model.args.hidden_size, moe.gate.top_k, act)
-        for want, (_, moe) in zip(wants, moes)])).item()
+    rounded = (
+        layout[0] >= 0
+        or mx.all(
+            mx.stack(
+                [
+                    rounds_to(moe.experts, want, model.args.hidden_size, moe.gate.top_k, act)
+                    for want, (_, moe) in zip(wants, moes)
+                ]
+            )
+        ).item()
+    )
     digests = model_digests(model)
     row = [*layout, int(rounded), *(int(v) for d in digests.values() for v in np.frombuffer(d, np.int32))]
     rows = _gather_rows(cluster.group, row)
@@ -305,9 +321,12 @@ def apply(model, cluster: Cluster | None) -> None:
         wire = mx.float32
         if cluster.rank == 0:
             kind, dtype = type(moes[0][1].experts).__name__, str(act).rsplit(".", 1)[-1]
-            print(f"mlx_dsv41.distributed: the routed experts ({kind}) return per-slot outputs that "
-                  f"are not {dtype}-valued (experts contract, docs/design.md): exchanging float32 "
-                  "(twice the bytes) to stay bit-identical", file=sys.stderr)
+            print(
+                f"mlx_dsv41.distributed: the routed experts ({kind}) return per-slot outputs that "
+                f"are not {dtype}-valued (experts contract, docs/design.md): exchanging float32 "
+                "(twice the bytes) to stay bit-identical",
+                file=sys.stderr,
+            )
     exchange = (ExpertsExchange if partition == "experts" else SlotsExchange)(cluster, wire)
     for _, moe in moes:
         moe.exchange = exchange

@@ -170,8 +170,19 @@ class RowFileHeader:
     def pack(self) -> bytes:
         """The whole header region, zero-padded to the data offset."""
         data_digest = hashlib.sha256(self.chunk_digests).digest()
-        fields = (MAGIC, FORMAT_VERSION, self.layer_id, self.rows, self.head_dim, self.row_bytes,
-                  self.data_offset, self.chunk_rows, self.n_chunks, self.chunks_done, data_digest)
+        fields = (
+            MAGIC,
+            FORMAT_VERSION,
+            self.layer_id,
+            self.rows,
+            self.head_dim,
+            self.row_bytes,
+            self.data_offset,
+            self.chunk_rows,
+            self.n_chunks,
+            self.chunks_done,
+            data_digest,
+        )
         prefix = _FIXED.pack(*fields, bytes(DIGEST_BYTES))[:_HASHED_PREFIX]
         header_digest = hashlib.sha256(prefix + self.chunk_digests).digest()
         out = prefix + header_digest + self.chunk_digests
@@ -188,8 +199,20 @@ class RowFileHeader:
         raw = os.pread(fd, _FIXED.size, 0)
         if len(raw) < _FIXED.size:
             fail(f"{size} bytes is too short to be an Engram row file")
-        (magic, version, layer_id, rows, head_dim, row_bytes, data_offset, chunk_rows, n_chunks,
-         chunks_done, data_digest, header_digest) = _FIXED.unpack(raw)
+        (
+            magic,
+            version,
+            layer_id,
+            rows,
+            head_dim,
+            row_bytes,
+            data_offset,
+            chunk_rows,
+            n_chunks,
+            chunks_done,
+            data_digest,
+            header_digest,
+        ) = _FIXED.unpack(raw)
         if magic != MAGIC:
             fail(f"not an Engram row file (magic {magic!r}, expected {MAGIC!r})")
         if version != FORMAT_VERSION:
@@ -197,8 +220,9 @@ class RowFileHeader:
         if head_dim <= 0 or head_dim % SCALE_GROUP or row_bytes != head_dim + head_dim // SCALE_GROUP:
             fail(f"row bytes {row_bytes} do not fit head_dim {head_dim} (expected head_dim + head_dim/32)")
         if rows <= 0 or chunk_rows <= 0 or n_chunks != -(-rows // chunk_rows) or chunks_done > n_chunks:
-            fail(f"inconsistent header: {rows} rows, {chunk_rows} rows per chunk, "
-                 f"{n_chunks} chunks, {chunks_done} done")
+            fail(
+                f"inconsistent header: {rows} rows, {chunk_rows} rows per chunk, {n_chunks} chunks, {chunks_done} done"
+            )
         table = os.pread(fd, DIGEST_BYTES * n_chunks, _FIXED.size)
         if len(table) < DIGEST_BYTES * n_chunks:
             fail(f"truncated inside the header ({size} bytes)")
@@ -212,8 +236,9 @@ class RowFileHeader:
         return header
 
 
-def open_row_file(path: Path, *, expected_rows: int | None = None, layer_id: int | None = None,
-                  head_dim: int | None = None) -> tuple[int, RowFileHeader]:
+def open_row_file(
+    path: Path, *, expected_rows: int | None = None, layer_id: int | None = None, head_dim: int | None = None
+) -> tuple[int, RowFileHeader]:
     """Open a finished row file read-only and check it against what the config expects.
 
     Returns ``(fd, header)``; the caller owns ``fd``.
@@ -289,10 +314,20 @@ class EngramStore:
 
     MODES = ("pread", "mmap", "ram", "auto")
 
-    def __init__(self, path: str | os.PathLike, *, mode: str = "auto",
-                 expected_rows: int | None = None, layer_id: int | None = None,
-                 head_dim: int | None = None, threads: int = 8, rows_per_task: int = 8,
-                 prefetch_depth: int = 4, nocache: bool = False, verify: bool = False):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        mode: str = "auto",
+        expected_rows: int | None = None,
+        layer_id: int | None = None,
+        head_dim: int | None = None,
+        threads: int = 8,
+        rows_per_task: int = 8,
+        prefetch_depth: int = 4,
+        nocache: bool = False,
+        verify: bool = False,
+    ):
         if mode not in self.MODES:
             raise EngramStoreError(f"mode {mode!r} is not one of {self.MODES}")
         if threads < 1 or rows_per_task < 1 or prefetch_depth < 1:
@@ -374,9 +409,13 @@ class EngramStore:
         out = rows[inverse.reshape(-1)]
         with self._lock:
             s = self._stats
-            self._stats = replace(s, reads=s.reads + 1, rows_requested=s.rows_requested + len(ids),
-                                  prefetch_hits=s.prefetch_hits + hits,
-                                  seconds=s.seconds + time.perf_counter() - t0)
+            self._stats = replace(
+                s,
+                reads=s.reads + 1,
+                rows_requested=s.rows_requested + len(ids),
+                prefetch_hits=s.prefetch_hits + hits,
+                seconds=s.seconds + time.perf_counter() - t0,
+            )
         return out
 
     def prefetch(self, row_ids: np.ndarray) -> None:
@@ -460,16 +499,20 @@ class EngramStore:
             # split into up to `threads` runs of >= rows_per_task rows; this thread takes the first
             tasks = min(self._threads, -(-len(ids) // self._rows_per_task))
             bounds = [len(ids) * t // tasks for t in range(tasks + 1)]
-            futures = [self._io_pool.submit(self._pread_rows, ids, out, bounds[t], bounds[t + 1])
-                       for t in range(1, tasks)]
+            futures = [
+                self._io_pool.submit(self._pread_rows, ids, out, bounds[t], bounds[t + 1]) for t in range(1, tasks)
+            ]
             self._pread_rows(ids, out, bounds[0], bounds[1])
             for f in futures:
                 f.result()
         with self._lock:
             s = self._stats
-            self._stats = replace(s, rows=s.rows + len(ids),
-                                  bytes=s.bytes + out.nbytes,
-                                  fetch_seconds=s.fetch_seconds + time.perf_counter() - t0)
+            self._stats = replace(
+                s,
+                rows=s.rows + len(ids),
+                bytes=s.bytes + out.nbytes,
+                fetch_seconds=s.fetch_seconds + time.perf_counter() - t0,
+            )
 
     def _pread_rows(self, ids: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
         """Rows ``ids[lo:hi]`` into ``out[lo:hi]``, one positioned read each."""
@@ -479,4 +522,3 @@ class EngramStore:
         for i, offset in enumerate(offsets, lo):
             if os.preadv(fd, [view[i * rb : (i + 1) * rb]], offset) != rb:
                 raise EngramStoreError(f"{self.path}: short read at row {int(ids[i])} (file truncated?)")
-

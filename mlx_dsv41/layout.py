@@ -62,8 +62,14 @@ STATE = "convert_state.json"  # present only in an unfinished OUT.partial
 PARTIAL_SUFFIX = ".partial"
 
 # Copied from the source when present (tokenizer.json is required: the Engram token map needs it).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja", "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+)
 
 
 def shard_name(index: int, count: int) -> str:

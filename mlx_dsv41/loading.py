@@ -77,9 +77,11 @@ def check_stored(tensors: dict[str, mx.array]) -> None:
     an fp32 tensor would silently lose bits, so it is refused rather than cast."""
     for name, value in tensors.items():
         if FP32_STORED.search(name) and value.dtype != mx.float32:
-            raise LoadError(f"{name}: stored as {value.dtype}, expected float32 "
-                            "(mHC parameters, attention sinks and the router bias are fp32, "
-                            "docs/numerics.md#dtypes)")
+            raise LoadError(
+                f"{name}: stored as {value.dtype}, expected float32 "
+                "(mHC parameters, attention sinks and the router bias are fp32, "
+                "docs/numerics.md#dtypes)"
+            )
 
 
 def check_parameters(model: Model, weights: dict[str, mx.array]) -> None:
@@ -98,12 +100,13 @@ def check_parameters(model: Model, weights: dict[str, mx.array]) -> None:
         if value.shape != want.shape:
             raise LoadError(f"{name}: expected shape {list(want.shape)}, got {list(value.shape)}")
         if mx.issubdtype(want.dtype, mx.floating) != mx.issubdtype(value.dtype, mx.floating):
-            raise LoadError(f"{name}: expected a {'float' if mx.issubdtype(want.dtype, mx.floating) else want}"
-                            f" tensor, got {value.dtype}")
+            raise LoadError(
+                f"{name}: expected a {'float' if mx.issubdtype(want.dtype, mx.floating) else want}"
+                f" tensor, got {value.dtype}"
+            )
 
 
-def load_model(path: str | Path, *, lazy: bool = True,
-               expert_range: tuple[int, int] | None = None) -> Model:
+def load_model(path: str | Path, *, lazy: bool = True, expert_range: tuple[int, int] | None = None) -> Model:
     """The Model stored in `path` (config.json + safetensors in official names).
 
     lazy=False reads every parameter now; otherwise on first use. `expert_range` keeps only those
@@ -159,7 +162,7 @@ def source_quantization(config: dict) -> dict | None:
 
 
 def checkpoint_kind(path: str | Path) -> str:
-    """"converted" (ours, complete), "exl3" (an exllamav3 checkpoint) or "official" (the FP8/FP4
+    """ "converted" (ours, complete), "exl3" (an exllamav3 checkpoint) or "official" (the FP8/FP4
     release, or plain tensors in official names); LoadError for anything else."""
     path = Path(path)
     if not path.is_dir():
@@ -170,9 +173,12 @@ def checkpoint_kind(path: str | Path) -> str:
         if (path / layout.STATE).exists():
             raise LoadError(f"{path}: unfinished conversion; rerun `python -m mlx_dsv41.convert` to complete it")
         return "converted"
-    if config.get("model_type") != "deepseek_v41" and "DeepseekV41ForCausalLM" not in (config.get("architectures") or ()):
-        raise LoadError(f"{path}: model_type {config.get('model_type')!r} is not DeepSeek-V4.1 "
-                        f"(expected 'deepseek_v41')")
+    if config.get("model_type") != "deepseek_v41" and "DeepseekV41ForCausalLM" not in (
+        config.get("architectures") or ()
+    ):
+        raise LoadError(
+            f"{path}: model_type {config.get('model_type')!r} is not DeepSeek-V4.1 (expected 'deepseek_v41')"
+        )
     quant = source_quantization(config)
     if quant is None:
         return "official"
@@ -182,11 +188,15 @@ def checkpoint_kind(path: str | Path) -> str:
     if method == "fp8":
         block_size, fmt = list(quant.get("weight_block_size") or ()), quant.get("scale_fmt")
         if block_size != [32, 32] or fmt != "ue8m0":
-            raise LoadError(f"{path}: fp8 with weight_block_size {block_size} and scale_fmt {fmt!r} is "
-                            f"not the DeepSeek-V4.1 release format ([32, 32], 'ue8m0')")
+            raise LoadError(
+                f"{path}: fp8 with weight_block_size {block_size} and scale_fmt {fmt!r} is "
+                f"not the DeepSeek-V4.1 release format ([32, 32], 'ue8m0')"
+            )
         return "official"
-    raise LoadError(f"{path}: quantization_config.quant_method {method!r} is not supported "
-                    f"(expected 'exl3' or the official release's 'fp8')")
+    raise LoadError(
+        f"{path}: quantization_config.quant_method {method!r} is not supported "
+        f"(expected 'exl3' or the official release's 'fp8')"
+    )
 
 
 def is_converted(path: str | Path) -> bool:
@@ -201,12 +211,16 @@ def _converted_block(path: Path) -> dict:
     kind = checkpoint_kind(path)
     if kind != "converted":
         extra = " --engram-from DIR_WITH_THE_OFFICIAL_ENGRAM_SHARDS" if kind == "exl3" else ""
-        raise LoadError(f"{path} is an {kind} checkpoint, not a converted one; convert it first: "
-                        f"python -m mlx_dsv41.convert {path} OUT{extra}")
+        raise LoadError(
+            f"{path} is an {kind} checkpoint, not a converted one; convert it first: "
+            f"python -m mlx_dsv41.convert {path} OUT{extra}"
+        )
     block = read_config(path)[layout.BLOCK]
     if block.get("format_version") != layout.FORMAT_VERSION:
-        raise LoadError(f"{path}: converted layout version {block.get('format_version')}, this mlx_dsv41 "
-                        f"reads version {layout.FORMAT_VERSION}; convert the source again")
+        raise LoadError(
+            f"{path}: converted layout version {block.get('format_version')}, this mlx_dsv41 "
+            f"reads version {layout.FORMAT_VERSION}; convert the source again"
+        )
     return block
 
 
@@ -215,25 +229,31 @@ def read_token_map(path: Path, args: ModelArgs, tokenizer_sha256: str) -> Compre
     file = path / layout.TOKEN_MAP
     data = _read_json(file, f"{file}: missing (the Engram token map); convert the source again")
     if not isinstance(data, dict) or data.get("format") != layout.TOKEN_MAP_FORMAT:
-        raise LoadError(f"{file}: not a token map of format {layout.TOKEN_MAP_FORMAT} (what this mlx_dsv41 reads); "
-                        f"convert the source again")
+        raise LoadError(
+            f"{file}: not a token map of format {layout.TOKEN_MAP_FORMAT} (what this mlx_dsv41 reads); "
+            f"convert the source again"
+        )
     tokenizer = path / "tokenizer.json"
     if not tokenizer.is_file():
         raise LoadError(f"{tokenizer}: missing (the tokenizer the Engram token map was built from)")
-    if data.get("tokenizer_sha256") != tokenizer_sha256 or \
-            hashlib.sha256(tokenizer.read_bytes()).hexdigest() != tokenizer_sha256:
+    if (
+        data.get("tokenizer_sha256") != tokenizer_sha256
+        or hashlib.sha256(tokenizer.read_bytes()).hexdigest() != tokenizer_sha256
+    ):
         raise LoadError(f"{file}: was not built from this directory's tokenizer.json; convert the source again")
     ids = np.asarray(data.get("ids", []), dtype=np.int64)
     size = data.get("size")
-    if size != args.engram_compressed_vocab_size or ids.ndim != 1 or not len(ids) or \
-            ids.min() < 0 or ids.max() >= size:
-        raise LoadError(f"{file}: {size} compressed ids over {len(ids)} tokens does not fit the config "
-                        f"(engram_compressed_vocab_size {args.engram_compressed_vocab_size})")
+    if size != args.engram_compressed_vocab_size or ids.ndim != 1 or not len(ids) or ids.min() < 0 or ids.max() >= size:
+        raise LoadError(
+            f"{file}: {size} compressed ids over {len(ids)} tokens does not fit the config "
+            f"(engram_compressed_vocab_size {args.engram_compressed_vocab_size})"
+        )
     return CompressedTokenMap(ids=ids, size=size)
 
 
-def attach_engram(model: Model, path: str | Path, mode: str | None = None,
-                  block: dict | None = None) -> dict[int, EngramStore]:
+def attach_engram(
+    model: Model, path: str | Path, mode: str | None = None, block: dict | None = None
+) -> dict[int, EngramStore]:
     """Open the converted directory's Engram row files (`mode`: EngramStore's, default
     $MLX_DSV41_ENGRAM_MODE or "auto") and its token map, and set them on `model`.
 
@@ -251,14 +271,20 @@ def attach_engram(model: Model, path: str | Path, mode: str | None = None,
     try:
         token_map = read_token_map(path, args, engram.get("tokenizer_sha256"))
         for i, layer in enumerate(args.engram_layer_ids):
-            store = EngramStore(path / layout.engram_rows_file(layer), mode=mode,
-                                expected_rows=args.engram_num_embeddings[i], layer_id=layer,
-                                head_dim=args.engram_head_dim)
+            store = EngramStore(
+                path / layout.engram_rows_file(layer),
+                mode=mode,
+                expected_rows=args.engram_num_embeddings[i],
+                layer_id=layer,
+                head_dim=args.engram_head_dim,
+            )
             stores[layer] = store
             recorded = (tables.get(str(layer)) or {}).get("data_sha256")
             if hashlib.sha256(store.header.chunk_digests).hexdigest() != recorded:
-                raise LoadError(f"{store.path}: its checksum differs from the one recorded in "
-                                f"{layout.CONFIG} (a row file of another conversion?)")
+                raise LoadError(
+                    f"{store.path}: its checksum differs from the one recorded in "
+                    f"{layout.CONFIG} (a row file of another conversion?)"
+                )
         model.set_engram(token_map, stores)
     except (EngramStoreError, ConfigError, ValueError) as e:
         for store in stores.values():
@@ -267,8 +293,9 @@ def attach_engram(model: Model, path: str | Path, mode: str | None = None,
     return stores
 
 
-def load_converted(path: str | Path, *, lazy: bool = True, engram_mode: str | None = None,
-                   expert_range: tuple[int, int] | None = None) -> Model:
+def load_converted(
+    path: str | Path, *, lazy: bool = True, engram_mode: str | None = None, expert_range: tuple[int, int] | None = None
+) -> Model:
     """The Model of a converted directory with its Engram stores attached (no tokenizer)."""
     path = Path(path)
     _converted_block(path)
@@ -313,8 +340,9 @@ def _no_model_type_warning():
         logger.removeFilter(drop)
 
 
-def load(path: str | Path, *, lazy: bool = False, engram_mode: str | None = None,
-         expert_range: tuple[int, int] | None = None):
+def load(
+    path: str | Path, *, lazy: bool = False, engram_mode: str | None = None, expert_range: tuple[int, int] | None = None
+):
     """(model, tokenizer) of a converted directory.
 
     lazy=False reads every parameter now; otherwise on first use. `engram_mode` is the Engram

@@ -45,7 +45,7 @@ class PromptCacheFile:
 
     def pending(self) -> list[int]:
         """Tokens the file stands for that the caches do not hold yet (fed first by the next run)."""
-        return self.tokens[self.cached:] if self.tokens else []
+        return self.tokens[self.cached :] if self.tokens else []
 
 
 def draft_file(path: Path) -> Path:
@@ -53,14 +53,17 @@ def draft_file(path: Path) -> Path:
     return path.with_name(path.name.removesuffix(".safetensors") + ".dspark.safetensors")
 
 
-def save(path: Path, cache: list, tokens: list[int], model_path: Path, chat: dict | None,
-         draft_cache=None) -> None:
+def save(path: Path, cache: list, tokens: list[int], model_path: Path, chat: dict | None, draft_cache=None) -> None:
     """Write `cache` (which holds a prefix of `tokens`) to `path`, and `draft_cache` (at the same
     position) to `draft_file(path)`; a sibling left from an earlier file is removed."""
     from mlx_lm.models.cache import save_prompt_cache
 
-    metadata = {"model": str(model_path), "tokenizer_config": "{}",
-                "mlx_dsv41_tokens": json.dumps(tokens), "mlx_dsv41_chat": json.dumps(chat)}
+    metadata = {
+        "model": str(model_path),
+        "tokenizer_config": "{}",
+        "mlx_dsv41_tokens": json.dumps(tokens),
+        "mlx_dsv41_chat": json.dumps(chat),
+    }
     sibling = draft_file(path)
     try:
         save_prompt_cache(str(path), cache, metadata)
@@ -84,8 +87,9 @@ def read(path: Path, model_path: Path) -> PromptCacheFile:
         tokens = json.loads(metadata["mlx_dsv41_tokens"]) if "mlx_dsv41_tokens" in metadata else None
         chat = json.loads(metadata.get("mlx_dsv41_chat", "null"))
     except Exception as e:  # noqa: BLE001 (mx.load, a missing class, a bad state or metadata: one line each)
-        raise PromptCacheError(f"{path}: not a prompt-cache file of this model "
-                               f"({type(e).__name__}: {' '.join(str(e).split())})") from None
+        raise PromptCacheError(
+            f"{path}: not a prompt-cache file of this model ({type(e).__name__}: {' '.join(str(e).split())})"
+        ) from None
     made_for = metadata.get("model")
     if made_for and Path(made_for).expanduser().resolve() != Path(model_path).resolve():
         raise PromptCacheError(f"{path} was made for the model {made_for}, not {model_path}")
@@ -93,8 +97,10 @@ def read(path: Path, model_path: Path) -> PromptCacheFile:
     if tokens is not None and len(tokens) < saved.cached:
         raise PromptCacheError(f"{path}: its caches hold {saved.cached} tokens but it records {len(tokens)}")
     if saved.draft_cache is not None and saved.draft_cache.offset != saved.cached:
-        raise PromptCacheError(f"{draft_file(path)}: the DSpark state is at position {saved.draft_cache.offset}, "
-                               f"{path}'s caches at {saved.cached}; delete it (or both files)")
+        raise PromptCacheError(
+            f"{draft_file(path)}: the DSpark state is at position {saved.draft_cache.offset}, "
+            f"{path}'s caches at {saved.cached}; delete it (or both files)"
+        )
     return saved
 
 
@@ -110,8 +116,9 @@ def read_draft_state(path: Path, model_path: Path):
     try:
         caches, metadata = load_prompt_cache(str(sibling), return_metadata=True)
     except Exception as e:  # noqa: BLE001 (as in read: one line)
-        raise PromptCacheError(f"{sibling}: not a DSpark state file ({type(e).__name__}: "
-                               f"{' '.join(str(e).split())})") from None
+        raise PromptCacheError(
+            f"{sibling}: not a DSpark state file ({type(e).__name__}: {' '.join(str(e).split())})"
+        ) from None
     if len(caches) != 1 or not isinstance(caches[0], DraftCache):
         raise PromptCacheError(f"{sibling}: not a DSpark state file (it holds {len(caches)} caches)")
     made_for = metadata.get("model")
@@ -124,5 +131,7 @@ def check_fits(saved: PromptCacheFile, path: Path, model) -> None:
     """The file's caches are this model's: same classes, one per layer (and Engram history)."""
     want = [type(c).__name__ for c in model.make_cache()]
     if [type(c).__name__ for c in saved.cache] != want:
-        raise PromptCacheError(f"{path}: its caches ({len(saved.cache)}) do not fit this model's "
-                               f"({len(want)} {', '.join(sorted(set(want)))})")
+        raise PromptCacheError(
+            f"{path}: its caches ({len(saved.cache)}) do not fit this model's "
+            f"({len(want)} {', '.join(sorted(set(want)))})"
+        )

@@ -50,8 +50,12 @@ from mlx_dsv41.generate import (
     resolve_model,
 )
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
-                  help="Serve DeepSeek-V4.1 over mlx-lm's OpenAI-compatible HTTP API.")
+app = typer.Typer(
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    help="Serve DeepSeek-V4.1 over mlx-lm's OpenAI-compatible HTTP API.",
+)
 
 PREFILL_SLICE_S = 0.5  # seconds (server_generation.SlicedBatchGenerator)
 DEFAULT_MAX_TOKENS = 512
@@ -60,11 +64,29 @@ DEFAULT_MAX_TOKENS = 512
 def server_args(**overrides) -> argparse.Namespace:
     """The settings mlx-lm's server classes read (their defaults), with ours on top."""
     args = dict(
-        model=None, adapter_path=None, draft_model=None, num_draft_tokens=3, trust_remote_code=False,
-        chat_template="", use_default_chat_template=False, chat_template_args={}, allowed_origins=["*"],
-        temp=0.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=512, decode_concurrency=32,
-        prompt_concurrency=8, prefill_step_size=2048, prompt_cache_size=10, prompt_cache_bytes=None,
-        kv_bits=None, kv_group_size=64, quantized_kv_start=5000, pipeline=False,
+        model=None,
+        adapter_path=None,
+        draft_model=None,
+        num_draft_tokens=3,
+        trust_remote_code=False,
+        chat_template="",
+        use_default_chat_template=False,
+        chat_template_args={},
+        allowed_origins=["*"],
+        temp=0.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        max_tokens=512,
+        decode_concurrency=32,
+        prompt_concurrency=8,
+        prefill_step_size=2048,
+        prompt_cache_size=10,
+        prompt_cache_bytes=None,
+        kv_bits=None,
+        kv_group_size=64,
+        quantized_kv_start=5000,
+        pipeline=False,
         dspark_draft=None,  # ours: --draft for requests that do not set num_draft_tokens
     )
     unknown = set(overrides) - set(args)
@@ -73,9 +95,18 @@ def server_args(**overrides) -> argparse.Namespace:
     return argparse.Namespace(**{**args, **overrides})
 
 
-def serve(model, tokenizer, name: str, cli_args: argparse.Namespace, host: str, port: int,
-          thinking: bool = False, effort: int = chat.EFFORT_NAMES[chat.DEFAULT_EFFORT],
-          prefill_slice: float = PREFILL_SLICE_S, also_named: tuple = ()) -> None:
+def serve(
+    model,
+    tokenizer,
+    name: str,
+    cli_args: argparse.Namespace,
+    host: str,
+    port: int,
+    thinking: bool = False,
+    effort: int = chat.EFFORT_NAMES[chat.DEFAULT_EFFORT],
+    prefill_slice: float = PREFILL_SLICE_S,
+    also_named: tuple = (),
+) -> None:
     """Serve until interrupted (blocks). Requests may name the model `name`, its path
     (cli_args.model) or any of `also_named`."""
     from mlx_lm import server
@@ -105,49 +136,72 @@ def main_command(
     demo: bool = typer.Option(False, "--demo", help="Serve the built-in demo checkpoint (synthetic weights)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (default: local only)."),
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port (0: any free port)."),
-    max_tokens: int = typer.Option(None, "--max-tokens", min=1, help=f"Default max tokens per request "
-                                   f"({DEFAULT_MAX_TOKENS}; with --demo {DEMO_MAX_TOKENS})."),
+    max_tokens: int = typer.Option(
+        None,
+        "--max-tokens",
+        min=1,
+        help=f"Default max tokens per request ({DEFAULT_MAX_TOKENS}; with --demo {DEMO_MAX_TOKENS}).",
+    ),
     temp: float = typer.Option(0.0, "--temp", min=0.0, help="Default sampling temperature."),
     top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Default nucleus sampling."),
     top_k: int = typer.Option(0, "--top-k", min=0, help="Default top-k sampling."),
     min_p: float = typer.Option(0.0, "--min-p", min=0.0, max=1.0, help="Default min-p sampling."),
-    thinking: bool = typer.Option(False, "--thinking/--no-thinking", help="Thinking mode for requests "
-                                  "that do not choose (default: chat mode; reasoning_effort asks for thinking)."),
-    effort: str = typer.Option(chat.DEFAULT_EFFORT, "--effort", help="Reasoning effort for thinking-mode "
-                               "requests that do not give one: 1..100 or minimal, low, medium, high, max."),
+    thinking: bool = typer.Option(
+        False,
+        "--thinking/--no-thinking",
+        help="Thinking mode for requests that do not choose (default: chat mode; reasoning_effort asks for thinking).",
+    ),
+    effort: str = typer.Option(
+        chat.DEFAULT_EFFORT,
+        "--effort",
+        help="Reasoning effort for thinking-mode "
+        "requests that do not give one: 1..100 or minimal, low, medium, high, max.",
+    ),
     decode_concurrency: int = typer.Option(32, "--decode-concurrency", min=1, help="Requests decoded together."),
     prompt_concurrency: int = typer.Option(8, "--prompt-concurrency", min=1, help="Prompts prefilled together."),
-    prefill_step_size: int = typer.Option(2048, "--prefill-step-size", min=1, help="Most prompt tokens "
-                                          "per prefill chunk."),
-    prefill_slice: float = typer.Option(PREFILL_SLICE_S, "--prefill-slice", min=0.0, help="Prefill chunks "
-                                        "also take at most about this many seconds (0: tokens only)."),
+    prefill_step_size: int = typer.Option(
+        2048, "--prefill-step-size", min=1, help="Most prompt tokens per prefill chunk."
+    ),
+    prefill_slice: float = typer.Option(
+        PREFILL_SLICE_S,
+        "--prefill-slice",
+        min=0.0,
+        help="Prefill chunks also take at most about this many seconds (0: tokens only).",
+    ),
     prompt_cache_size: int = typer.Option(10, "--prompt-cache-size", min=0, help="Cached conversations."),
     attention: Attention = typer.Option(Attention.auto, "--attention", help="Sparse-attention variant (GPU)."),
     engram_mode: str = typer.Option(None, "--engram-mode", help="Engram row reads: pread, mmap, ram, auto."),
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING or ERROR."),
-    draft: str = typer.Option(None, "--draft", help="DSpark drafts per main forward for requests "
-                              "without num_draft_tokens: default the whole block, 'auto', or 0 (off)."),
+    draft: str = typer.Option(
+        None,
+        "--draft",
+        help="DSpark drafts per main forward for requests "
+        "without num_draft_tokens: default the whole block, 'auto', or 0 (off).",
+    ),
 ):
     from mlx_dsv41.demo import DemoError
     from mlx_dsv41.kernels import sparse_attention
 
-    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
-                        format="%(asctime)s - %(levelname)s - %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper(), logging.INFO), format="%(asctime)s - %(levelname)s - %(message)s"
+    )
     try:
         sparse_attention.set_default_variant(attention.value)
         effort_value = chat.parse_effort(effort)
         draft_value = parse_draft(draft)
         path = resolve_model(model, demo)
         if demo:
-            print(f"NOTE: serving the demo checkpoint ({path}): SYNTHETIC RANDOM WEIGHTS, meaningless text.",
-                  file=sys.stderr, flush=True)
+            print(
+                f"NOTE: serving the demo checkpoint ({path}): SYNTHETIC RANDOM WEIGHTS, meaningless text.",
+                file=sys.stderr,
+                flush=True,
+            )
         loaded, tokenizer, cluster = load_for_generation(path, engram_mode=engram_mode, draft=draft_value)
         if cluster is not None:
             raise CLIError("the server runs as one process; use mlx_dsv41.generate under mlx.launch")
         check_draft(loaded, draft_value)
         if not loaded.mtp and draft_value != 0:
-            print(f"NOTE: no DSpark speculative decoding: {loaded.dspark_unavailable}", file=sys.stderr,
-                  flush=True)
+            print(f"NOTE: no DSpark speculative decoding: {loaded.dspark_unavailable}", file=sys.stderr, flush=True)
     except (CLIError, DemoError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(1) from None
@@ -155,13 +209,32 @@ def main_command(
     # A request without num_draft_tokens gets this default, which stands for --draft (auto included).
     block = loaded.args.dspark_block_size if loaded.mtp else 0
     default_draft = block if draft_value in (None, "auto") else draft_value
-    cli_args = server_args(model=str(path), temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                           max_tokens=max_tokens or (DEMO_MAX_TOKENS if demo else DEFAULT_MAX_TOKENS),
-                           decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
-                           prefill_step_size=prefill_step_size, prompt_cache_size=prompt_cache_size,
-                           num_draft_tokens=default_draft, dspark_draft=draft_value)
-    serve(loaded, tokenizer, name, cli_args, host, port, thinking=thinking, effort=effort_value,
-          prefill_slice=prefill_slice, also_named=(model,) if model else ())
+    cli_args = server_args(
+        model=str(path),
+        temp=temp,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        max_tokens=max_tokens or (DEMO_MAX_TOKENS if demo else DEFAULT_MAX_TOKENS),
+        decode_concurrency=decode_concurrency,
+        prompt_concurrency=prompt_concurrency,
+        prefill_step_size=prefill_step_size,
+        prompt_cache_size=prompt_cache_size,
+        num_draft_tokens=default_draft,
+        dspark_draft=draft_value,
+    )
+    serve(
+        loaded,
+        tokenizer,
+        name,
+        cli_args,
+        host,
+        port,
+        thinking=thinking,
+        effort=effort_value,
+        prefill_slice=prefill_slice,
+        also_named=(model,) if model else (),
+    )
 
 
 def main() -> None:

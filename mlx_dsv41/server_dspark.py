@@ -56,12 +56,22 @@ class DraftingSequence:
     token produced but the last, which is chosen and not yet run): the key of the caches when they
     go to the prompt cache. A round may accept tokens past a stop; they are held, not sent."""
 
-    def __init__(self, uid: int, model, segments: list[list[int]], cache: list, held: list[int],
-                 dspark: DraftRequest, max_tokens: int, stop_sequences):
+    def __init__(
+        self,
+        uid: int,
+        model,
+        segments: list[list[int]],
+        cache: list,
+        held: list[int],
+        dspark: DraftRequest,
+        max_tokens: int,
+        stop_sequences,
+    ):
         *main, draft_cache = cache
         self.uid, self.max_tokens = uid, max_tokens
-        self.decoder = SpeculativeDecoder(model, draft=dspark.draft, sampling=dspark.sampling, cache=main,
-                                          draft_cache=draft_cache)
+        self.decoder = SpeculativeDecoder(
+            model, draft=dspark.draft, sampling=dspark.sampling, cache=main, draft_cache=draft_cache
+        )
         self.decoder.stats = dspark.stats
         self.segments = [list(s) for s in segments if s]
         if len(self.segments[-1]) > 1:  # the last token alone, as BatchGenerator.insert_segments does
@@ -106,8 +116,10 @@ class DraftingSequence:
         token, logprobs = self.decoder.start(last)
         self.held.append(last)
         self.done = self.total
-        return (PromptProcessingBatch.Response(self.uid, (self.total, self.total), True, True),
-                self._send([(token, logprobs)]))
+        return (
+            PromptProcessingBatch.Response(self.uid, (self.total, self.total), True, True),
+            self._send([(token, logprobs)]),
+        )
 
     def round(self) -> list[GenerationBatch.Response]:
         """One DSpark round: its accepted tokens and the next one, up to a stop."""
@@ -124,9 +136,16 @@ class DraftingSequence:
             if self.matcher.advance(token):
                 finish = "stop"
             done = finish is not None
-            responses.append(GenerationBatch.Response(self.uid, token, logprobs, finish,
-                                                      self.caches() if done else None,
-                                                      list(self.held) if done else None))
+            responses.append(
+                GenerationBatch.Response(
+                    self.uid,
+                    token,
+                    logprobs,
+                    finish,
+                    self.caches() if done else None,
+                    list(self.held) if done else None,
+                )
+            )
             if done:
                 break
         return responses
@@ -177,8 +196,11 @@ class DraftLane:
 
     def extract_cache(self, uids) -> dict:
         """{uid: (a copy of its caches, the tokens they hold)}, as BatchGenerator.extract_cache."""
-        return {uid: (copy.deepcopy(self.sequences[uid].caches()), list(self.sequences[uid].held))
-                for uid in uids if uid in self.sequences}
+        return {
+            uid: (copy.deepcopy(self.sequences[uid].caches()), list(self.sequences[uid].held))
+            for uid in uids
+            if uid in self.sequences
+        }
 
     @property
     def nbytes(self) -> int:

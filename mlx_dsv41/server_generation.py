@@ -124,12 +124,26 @@ class SlicedBatchGenerator(BatchGenerator):
 
     # ---------------------------------------------------------------- the drafting lane
 
-    def insert_segments(self, segments, max_tokens=None, caches=None, all_tokens=None, samplers=None,
-                        logits_processors=None, stop_sequences=None):
+    def insert_segments(
+        self,
+        segments,
+        max_tokens=None,
+        caches=None,
+        all_tokens=None,
+        samplers=None,
+        logits_processors=None,
+        stop_sequences=None,
+    ):
         """Sequences whose sampler drafts go to the lane, the others to the batch (less the
         DraftCache their cache may end with: the batch runs the main model only)."""
-        options = {"max_tokens": max_tokens, "caches": caches, "all_tokens": all_tokens, "samplers": samplers,
-                   "logits_processors": logits_processors, "stop_sequences": stop_sequences}
+        options = {
+            "max_tokens": max_tokens,
+            "caches": caches,
+            "all_tokens": all_tokens,
+            "samplers": samplers,
+            "logits_processors": logits_processors,
+            "stop_sequences": stop_sequences,
+        }
         uids = []
         for i, segs in enumerate(segments):
             row = {name: None if values is None else values[i] for name, values in options.items()}
@@ -138,8 +152,9 @@ class SlicedBatchGenerator(BatchGenerator):
                 continue
             if row["caches"] and isinstance(row["caches"][-1], DraftCache):
                 row["caches"] = row["caches"][:-1]
-            uids += super().insert_segments([segs], **{name: None if value is None else [value]
-                                                       for name, value in row.items()})
+            uids += super().insert_segments(
+                [segs], **{name: None if value is None else [value] for name, value in row.items()}
+            )
         return uids
 
     def _add_drafting(self, segments, *, max_tokens, caches, all_tokens, samplers, stop_sequences, **_) -> int:
@@ -148,8 +163,18 @@ class SlicedBatchGenerator(BatchGenerator):
         elif not isinstance(caches[-1], DraftCache):  # PromptCache.drafting sees that it never is
             raise ValueError("a drafting request's cached prompt has no DSpark state")
         uid, self._uid_count = self._uid_count, self._uid_count + 1
-        self.lane.add(DraftingSequence(uid, self.model, segments, caches, all_tokens or [], samplers.dspark,
-                                       max_tokens or self.max_tokens, stop_sequences or self._default_stop_sequences))
+        self.lane.add(
+            DraftingSequence(
+                uid,
+                self.model,
+                segments,
+                caches,
+                all_tokens or [],
+                samplers.dspark,
+                max_tokens or self.max_tokens,
+                stop_sequences or self._default_stop_sequences,
+            )
+        )
         return uid
 
     def remove(self, uids, return_prompt_caches=False):
@@ -226,12 +251,19 @@ class ResponseGenerator(server.ResponseGenerator):
         """How this request drafts, or None: the model drafts, the request did not turn it off, and
         nothing in it changes the logits (those stay on mlx-lm's path)."""
         model = self.model_provider.model
-        if not getattr(model, "mtp", None) or args.num_draft_tokens == 0 \
-                or server._make_logits_processors(args) or args.sampling.xtc_probability > 0:
+        if (
+            not getattr(model, "mtp", None)
+            or args.num_draft_tokens == 0
+            or server._make_logits_processors(args)
+            or args.sampling.xtc_probability > 0
+        ):
             return None
         # a request without num_draft_tokens gets the server's, which stands for --draft (auto included)
-        draft = self.cli_args.dspark_draft if args.num_draft_tokens == self.cli_args.num_draft_tokens \
+        draft = (
+            self.cli_args.dspark_draft
+            if args.num_draft_tokens == self.cli_args.num_draft_tokens
             else min(args.num_draft_tokens, model.args.dspark_block_size)
+        )
         sampling = Sampling(args.sampling.temperature, args.sampling.top_p, args.sampling.top_k, args.sampling.min_p)
         return DraftRequest(draft, sampling, self.dspark)
 
@@ -258,8 +290,13 @@ class ResponseGenerator(server.ResponseGenerator):
         prompt, _, _, initial_state, _ = self._tokenize(tokenizer, request, args)
         stop_sequences, text_sm = self._make_state_machine(provider.model_key, tokenizer, args.stop_words)
         ctx = server.GenerationContext(
-            has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
-            tool_parser=tokenizer.tool_parser, text_sm=text_sm, initial_state=initial_state, prompt=prompt)
+            has_thinking=tokenizer.has_thinking,
+            has_tool_calling=tokenizer.has_tool_calling,
+            tool_parser=tokenizer.tool_parser,
+            text_sm=text_sm,
+            initial_state=initial_state,
+            prompt=prompt,
+        )
         rqueue.put(ctx)
         if args.seed is not None:
             mx.random.seed(args.seed)
@@ -269,10 +306,19 @@ class ResponseGenerator(server.ResponseGenerator):
             cache = model.make_cache() + [model.make_draft_cache()]
         dspark = self.draft_request(args)
         seen, matcher = list(prompt), stop_sequences.matcher()
-        for gen in stream_generate(model, tokenizer, rest, args.max_tokens, draft=dspark.draft, sampling=dspark.sampling,
-                                   prompt_cache=cache[:-1], draft_cache=cache[-1], stats=dspark.stats,
-                                   prefill_step_size=self.cli_args.prefill_step_size,
-                                   prompt_progress_callback=lambda done, total: rqueue.put((done, total))):
+        for gen in stream_generate(
+            model,
+            tokenizer,
+            rest,
+            args.max_tokens,
+            draft=dspark.draft,
+            sampling=dspark.sampling,
+            prompt_cache=cache[:-1],
+            draft_cache=cache[-1],
+            stats=dspark.stats,
+            prefill_step_size=self.cli_args.prefill_step_size,
+            prompt_progress_callback=lambda done, total: rqueue.put((done, total)),
+        ):
             finish = "stop" if matcher.advance(gen.token) else gen.finish_reason
             top = server._format_top_logprobs(gen.logprobs, args.top_logprobs, tokenizer)
             rqueue.put(server.Response(gen.text, gen.token, gen.logprobs[gen.token].item(), finish, top))
@@ -325,8 +371,7 @@ class ResponseGenerator(server.ResponseGenerator):
         lead = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
         start = 0
         if 0 < lead < len(messages):
-            system = chat.encode(tokenizer, messages[:lead], tools=tools, add_generation_prompt=False,
-                                 **options)
+            system = chat.encode(tokenizer, messages[:lead], tools=tools, add_generation_prompt=False, **options)
             if prompt[: len(system)] == system and len(system) < len(prompt):
                 segments.append(system)
                 kinds.append("system")

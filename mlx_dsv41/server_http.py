@@ -116,23 +116,33 @@ class APIHandler(server.APIHandler):
             raise RequestError(str(e), param=PARAM_OF_ATTRIBUTE.get(name, name)) from None
         body, provider = self.body, self.response_generator.model_provider
         if self.requested_model not in ("default_model", provider.served_name, *self.model_names):
-            raise RequestError(f"model {self.requested_model!r} is not served here; this server serves "
-                               f"{provider.served_name!r} (GET /v1/models)", param="model", code="model_not_found")
+            raise RequestError(
+                f"model {self.requested_model!r} is not served here; this server serves "
+                f"{provider.served_name!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
         if body.get("n") not in (None, 1):
-            raise RequestError(f"n must be 1: this server returns one choice per request (got {body['n']!r}); "
-                               f"send n requests instead", param="n")
+            raise RequestError(
+                f"n must be 1: this server returns one choice per request (got {body['n']!r}); send n requests instead",
+                param="n",
+            )
         fmt = body.get("response_format")
         if fmt is not None and fmt != {"type": "text"}:
             kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-            raise RequestError(f"response_format {kind!r} is not supported: the server cannot constrain "
-                               f"the output (only {{'type': 'text'}})", param="response_format")
+            raise RequestError(
+                f"response_format {kind!r} is not supported: the server cannot constrain "
+                f"the output (only {{'type': 'text'}})",
+                param="response_format",
+            )
         if self.adapter is not None:
             raise RequestError("adapters are not supported by this server", param="adapters")
         vocab = len(provider.tokenizer)
         for token in self.logit_bias or {}:
             if not 0 <= token < vocab:
-                raise RequestError(f"logit_bias token id {token} is outside the vocabulary (0..{vocab - 1})",
-                                   param="logit_bias")
+                raise RequestError(
+                    f"logit_bias token id {token} is outside the vocabulary (0..{vocab - 1})", param="logit_bias"
+                )
         self._check_context(self._prompt_length())
 
     def _prompt_length(self) -> int:
@@ -146,17 +156,24 @@ class APIHandler(server.APIHandler):
             raise RequestError("Request did not contain messages", param="messages")
         self.chat_template_kwargs = self._chat_options(self.body)
         try:
-            return len(chat.encode(tokenizer, self.body["messages"], tools=self.body.get("tools") or None,
-                                   **self.chat_template_kwargs))
+            return len(
+                chat.encode(
+                    tokenizer, self.body["messages"], tools=self.body.get("tools") or None, **self.chat_template_kwargs
+                )
+            )
         except chat.ChatError as e:
             raise RequestError(str(e), param="messages") from None
 
     def _check_context(self, prompt: int) -> None:
         context = self.response_generator.model_provider.model.args.max_position_embeddings
         if prompt + self.max_tokens > context:
-            raise RequestError(f"this model's context is {context} tokens; the request asks for "
-                               f"{prompt + self.max_tokens} ({prompt} in the prompt, max_tokens "
-                               f"{self.max_tokens})", param="max_tokens", code="context_length_exceeded")
+            raise RequestError(
+                f"this model's context is {context} tokens; the request asks for "
+                f"{prompt + self.max_tokens} ({prompt} in the prompt, max_tokens "
+                f"{self.max_tokens})",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
 
     def _chat_options(self, body) -> dict:
         kwargs = body.get("chat_template_kwargs") or {}
@@ -168,17 +185,22 @@ class APIHandler(server.APIHandler):
         effort = body.get("reasoning_effort", kwargs.get("reasoning_effort"))
         if effort == "none":  # OpenAI's "no reasoning"
             if thinking:
-                raise RequestError("reasoning_effort none asks for no reasoning, but thinking is true",
-                                   param="reasoning_effort")
+                raise RequestError(
+                    "reasoning_effort none asks for no reasoning, but thinking is true", param="reasoning_effort"
+                )
             return {"thinking": False, "effort": self.defaults["effort"]}
         if thinking is None:
             thinking = effort is not None or self.defaults["thinking"]
         if not thinking and effort is not None:
-            raise RequestError("reasoning_effort needs thinking mode, and chat_template_kwargs says "
-                               "thinking: false", param="reasoning_effort")
+            raise RequestError(
+                "reasoning_effort needs thinking mode, and chat_template_kwargs says thinking: false",
+                param="reasoning_effort",
+            )
         try:
-            return {"thinking": thinking, "effort": chat.parse_effort(self.defaults["effort"] if effort is None
-                                                                      else effort)}
+            return {
+                "thinking": thinking,
+                "effort": chat.parse_effort(self.defaults["effort"] if effort is None else effort),
+            }
         except chat.ChatError as e:
             raise RequestError(str(e), param="reasoning_effort") from None
 
@@ -223,9 +245,20 @@ class APIHandler(server.APIHandler):
         if self.path == "/v1/stats":
             return self._json(200, self._stats())
         if self.path.startswith("/v1/models"):
-            return self._json(200, {"object": "list", "data": [
-                {"id": self.response_generator.model_provider.served_name, "object": "model",
-                 "created": self.created, "owned_by": "mlx_dsv41"}]})
+            return self._json(
+                200,
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": self.response_generator.model_provider.served_name,
+                            "object": "model",
+                            "created": self.created,
+                            "owned_by": "mlx_dsv41",
+                        }
+                    ],
+                },
+            )
         if self.path == "/health":
             return super().do_GET()
         self._send_error(RequestError(f"no such endpoint: GET {self.path}", 404))
@@ -235,12 +268,18 @@ class APIHandler(server.APIHandler):
 
         rows, nbytes = engram_totals(self.response_generator.model_provider.model)
         dspark = self.response_generator.dspark
-        return {"engram_rows_read": rows, "engram_bytes_read": nbytes,
-                "attention_calls": sparse_attention.variant_counts(),
-                "dspark": {"main_forwards": dspark.forwards, "tokens": dspark.emitted,
-                           "acceptance_by_position": dspark.rates()},
-                "stopped_by_disconnect": self.response_generator.stopped_by_disconnect,
-                "generation_restarts": self.response_generator.restarts}
+        return {
+            "engram_rows_read": rows,
+            "engram_bytes_read": nbytes,
+            "attention_calls": sparse_attention.variant_counts(),
+            "dspark": {
+                "main_forwards": dspark.forwards,
+                "tokens": dspark.emitted,
+                "acceptance_by_position": dspark.rates(),
+            },
+            "stopped_by_disconnect": self.response_generator.stopped_by_disconnect,
+            "generation_restarts": self.response_generator.restarts,
+        }
 
     def log_message(self, format, *args):
         logging.debug(format % args)

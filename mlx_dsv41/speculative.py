@@ -83,8 +83,9 @@ class Sampling:
         return mx.random.categorical(self.scaled(logits)).astype(mx.int32)
 
 
-def accept(drafted: mx.array, draft_logits: mx.array, target_logits: mx.array,
-           sampling: Sampling) -> tuple[mx.array, mx.array]:
+def accept(
+    drafted: mx.array, draft_logits: mx.array, target_logits: mx.array, sampling: Sampling
+) -> tuple[mx.array, mx.array]:
     """The acceptance step for a batch of rounds (lazy).
 
     drafted [B, k] the drafts d_1..d_k; draft_logits [B, k, V] the logits each was chosen from
@@ -112,8 +113,9 @@ def accept(drafted: mx.array, draft_logits: mx.array, target_logits: mx.array,
     return n, mx.take_along_axis(candidates, n[:, None], axis=1)[:, 0]
 
 
-def feed(model, cache: list, tokens, *, draft_cache=None, step: int = 2048,
-         progress: Callable[[int], None] | None = None) -> None:
+def feed(
+    model, cache: list, tokens, *, draft_cache=None, step: int = 2048, progress: Callable[[int], None] | None = None
+) -> None:
     """Run `tokens` (a prompt's first part: nothing is chosen) into the main caches, `step` at a
     time as mlx-lm prefills; with a `draft_cache`, the captured rows of every position too, so
     drafting can start after them. `progress(done)` after every chunk."""
@@ -166,8 +168,10 @@ class DraftStats:
 
     def line(self) -> str:
         rates = ", ".join(f"{j + 1}: {100 * r:.0f}%" for j, r in enumerate(self.rates())) or "none"
-        return (f"DSpark: {self.tokens_per_forward:.2f} tokens per main forward ({self.forwards} forwards), "
-                f"acceptance by position {rates}")
+        return (
+            f"DSpark: {self.tokens_per_forward:.2f} tokens per main forward ({self.forwards} forwards), "
+            f"acceptance by position {rates}"
+        )
 
 
 class SpeculativeDecoder:
@@ -180,8 +184,16 @@ class SpeculativeDecoder:
     one main forward of 1 + k tokens; `rewind(k)` takes that forward back.
     """
 
-    def __init__(self, model, *, draft: int | str | None = None, sampling: Sampling = Sampling(),
-                 confidence: float = DEFAULT_CONFIDENCE, cache: list | None = None, draft_cache=None):
+    def __init__(
+        self,
+        model,
+        *,
+        draft: int | str | None = None,
+        sampling: Sampling = Sampling(),
+        confidence: float = DEFAULT_CONFIDENCE,
+        cache: list | None = None,
+        draft_cache=None,
+    ):
         if not model.mtp:
             raise ValueError(f"this model cannot draft: {model.dspark_unavailable}")
         block = model.args.dspark_block_size
@@ -193,12 +205,15 @@ class SpeculativeDecoder:
         self.cache = model.make_cache() if cache is None else cache
         self.draft_cache = model.make_draft_cache() if draft_cache is None else draft_cache
         if self.draft_cache.offset != self.cache[0].offset:
-            raise ValueError(f"the draft cache is at position {self.draft_cache.offset}, the main "
-                             f"cache at {self.cache[0].offset}")
+            raise ValueError(
+                f"the draft cache is at position {self.draft_cache.offset}, the main cache at {self.cache[0].offset}"
+            )
         slack = min(c.trim_slack for c in [*self.cache, self.draft_cache])
         if slack < block + 1:  # a verify of 1 + k tokens is taken back whole by `rewind`
-            raise ValueError(f"caches with trim_slack {slack} cannot take back a verify of 1 + {block} "
-                             f"tokens; build them with trim_slack >= {block + 1}")
+            raise ValueError(
+                f"caches with trim_slack {slack} cannot take back a verify of 1 + {block} "
+                f"tokens; build them with trim_slack >= {block + 1}"
+            )
         self.token: int | None = None  # x_{p+1}: chosen, emitted, not yet run
         self.stats = DraftStats()
         # Test hook: drafted [1, k] int32 -> the tokens to verify instead (greedy only: under
@@ -213,8 +228,9 @@ class SpeculativeDecoder:
         self.draft_cache.append(hidden)
         return logits
 
-    def prefill(self, prompt, step: int = 2048,
-                progress: Callable[[int, int], None] | None = None) -> tuple[int, mx.array]:
+    def prefill(
+        self, prompt, step: int = 2048, progress: Callable[[int, int], None] | None = None
+    ) -> tuple[int, mx.array]:
         """Run the prompt (all but its last token in chunks, then the last alone, as mlx-lm's
         generate_step does); returns (x_{p+1}, its log-probabilities). `progress(done, total)` is
         mlx-lm's prompt-progress callback: 0 first, after every chunk, and total once x_{p+1} is
@@ -225,8 +241,14 @@ class SpeculativeDecoder:
             raise ValueError("the prompt is empty")
         report = progress or (lambda done, total: None)
         report(0, total)
-        feed(self.model, self.cache, ids[0, :-1], draft_cache=self.draft_cache, step=step,
-             progress=lambda done: report(done, total))
+        feed(
+            self.model,
+            self.cache,
+            ids[0, :-1],
+            draft_cache=self.draft_cache,
+            step=step,
+            progress=lambda done: report(done, total),
+        )
         first = self.start(ids[0, -1].item())
         report(total, total)
         return first
@@ -296,8 +318,9 @@ class SpeculativeDecoder:
         tokens = [int(t) for t in np.array(drafted[0, :n])] + [self.token]
         return [(t, logprobs[i], i < n) for i, t in enumerate(tokens)]
 
-    def generate(self, prompt, max_tokens: int, step: int = 2048,
-                 progress: Callable[[int, int], None] | None = None) -> Iterator[tuple[int, mx.array, bool]]:
+    def generate(
+        self, prompt, max_tokens: int, step: int = 2048, progress: Callable[[int, int], None] | None = None
+    ) -> Iterator[tuple[int, mx.array, bool]]:
         """(token, log-probabilities, from_draft) for up to max_tokens tokens (-1: no limit)."""
         token, logprobs = self.prefill(prompt, step, progress)
         yield token, logprobs, False
@@ -309,11 +332,21 @@ class SpeculativeDecoder:
                 yield item
 
 
-def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, draft: int | str | None = None,
-                    sampling: Sampling = Sampling(), confidence: float = DEFAULT_CONFIDENCE,
-                    prompt_cache: list | None = None, draft_cache=None, prefill_step_size: int = 2048,
-                    stats: DraftStats | None = None,
-                    prompt_progress_callback: Callable[[int, int], None] | None = None):
+def stream_generate(
+    model,
+    tokenizer,
+    prompt,
+    max_tokens: int = 256,
+    *,
+    draft: int | str | None = None,
+    sampling: Sampling = Sampling(),
+    confidence: float = DEFAULT_CONFIDENCE,
+    prompt_cache: list | None = None,
+    draft_cache=None,
+    prefill_step_size: int = 2048,
+    stats: DraftStats | None = None,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
+):
     """mlx-lm's `stream_generate` contract (a generator of `GenerationResponse`s, stopping at EOS or
     after max_tokens, the last one with its finish_reason) with DSpark speculative decoding.
 
@@ -329,16 +362,25 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, draft: i
         raise ValueError("max_tokens must be non-zero (-1: no limit)")
     if draft == 0 or not model.mtp:
         sampler = make_sampler(sampling.temp, top_p=sampling.top_p, min_p=sampling.min_p, top_k=sampling.top_k)
-        yield from plain_stream_generate(model, tokenizer, prompt, max_tokens, sampler=sampler,
-                                         prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
-                                         prompt_progress_callback=prompt_progress_callback)
+        yield from plain_stream_generate(
+            model,
+            tokenizer,
+            prompt,
+            max_tokens,
+            sampler=sampler,
+            prompt_cache=prompt_cache,
+            prefill_step_size=prefill_step_size,
+            prompt_progress_callback=prompt_progress_callback,
+        )
         return
-    decoder = SpeculativeDecoder(model, draft=draft, sampling=sampling, confidence=confidence,
-                                 cache=prompt_cache, draft_cache=draft_cache)
+    decoder = SpeculativeDecoder(
+        model, draft=draft, sampling=sampling, confidence=confidence, cache=prompt_cache, draft_cache=draft_cache
+    )
     if stats is not None:
         decoder.stats = stats
-    yield from _drafted_responses(decoder, tokenizer, _prompt_ids(tokenizer, prompt), max_tokens, prefill_step_size,
-                                  prompt_progress_callback)
+    yield from _drafted_responses(
+        decoder, tokenizer, _prompt_ids(tokenizer, prompt), max_tokens, prefill_step_size, prompt_progress_callback
+    )
 
 
 def _prompt_ids(tokenizer, prompt) -> list[int]:
@@ -350,8 +392,9 @@ def _prompt_ids(tokenizer, prompt) -> list[int]:
     return list(np.array(prompt).reshape(-1).tolist()) if isinstance(prompt, mx.array) else list(prompt)
 
 
-def _drafted_responses(decoder, tokenizer, prompt: list[int], max_tokens: int, prefill_step_size: int,
-                       prompt_progress_callback):
+def _drafted_responses(
+    decoder, tokenizer, prompt: list[int], max_tokens: int, prefill_step_size: int, prompt_progress_callback
+):
     """stream_generate's responses from a SpeculativeDecoder's tokens."""
     from mlx_lm.generate import GenerationResponse
 
@@ -362,10 +405,17 @@ def _drafted_responses(decoder, tokenizer, prompt: list[int], max_tokens: int, p
 
     def response(finish_reason):
         return GenerationResponse(
-            text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=from_draft,
-            prompt_tokens=len(prompt), prompt_tps=prompt_tps, generation_tokens=n + 1,
-            generation_tps=(n + 1) / (time.perf_counter() - tic), peak_memory=mx.get_peak_memory() / 1e9,
-            finish_reason=finish_reason)
+            text=detokenizer.last_segment,
+            token=token,
+            logprobs=logprobs,
+            from_draft=from_draft,
+            prompt_tokens=len(prompt),
+            prompt_tps=prompt_tps,
+            generation_tokens=n + 1,
+            generation_tps=(n + 1) / (time.perf_counter() - tic),
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish_reason,
+        )
 
     steps = decoder.generate(prompt, max_tokens, prefill_step_size, prompt_progress_callback)
     for n, (token, logprobs, from_draft) in enumerate(steps):  # noqa: B007 (response() reads them)

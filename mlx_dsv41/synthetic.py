@@ -31,23 +31,51 @@ from mlx_dsv41.convert.safetensors_writer import write_safetensors
 from mlx_dsv41.model.engram_hash import CompressedTokenMap, bucket_primes
 
 TINY = dict(
-    vocab_size=160, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, head_dim=64,
-    qk_rope_head_dim=16, q_lora_rank=32, o_lora_rank=32, o_groups=2, moe_intermediate_size=32,
-    n_routed_experts=8, num_experts_per_tok=2, sliding_window=8,
-    num_nextn_predict_layers=1, compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1, 0),
-    kv_source_layer_ids=(2, 4), index_source_layer_ids=(2, 4, 6), candidate_source_layer_id=4,
-    candidate_topk_blocks=2, candidate_block_size=2, index_n_heads=2, index_head_dim=32,
-    index_topk=4, hc_mult=4, engram_layer_ids=(1, 2), engram_max_ngram_size=4,
-    engram_vocab_size=64, engram_n_heads=2, engram_head_dim=32, engram_pad_token_id=2,
-    engram_compressed_vocab_size=120, image_token_id=159,
+    vocab_size=160,
+    hidden_size=64,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    head_dim=64,
+    qk_rope_head_dim=16,
+    q_lora_rank=32,
+    o_lora_rank=32,
+    o_groups=2,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    num_nextn_predict_layers=1,
+    compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1, 0),
+    kv_source_layer_ids=(2, 4),
+    index_source_layer_ids=(2, 4, 6),
+    candidate_source_layer_id=4,
+    candidate_topk_blocks=2,
+    candidate_block_size=2,
+    index_n_heads=2,
+    index_head_dim=32,
+    index_topk=4,
+    hc_mult=4,
+    engram_layer_ids=(1, 2),
+    engram_max_ngram_size=4,
+    engram_vocab_size=64,
+    engram_n_heads=2,
+    engram_head_dim=32,
+    engram_pad_token_id=2,
+    engram_compressed_vocab_size=120,
+    image_token_id=159,
 )
 
 # The tiny config with a DSpark head (docs/dspark.md#tensors): three stages of 4 experts top-2, a
 # block of 5 drafting from the inputs of the last three layers.
 TINY_DSPARK = dict(
-    num_nextn_predict_layers=3, compress_ratios=TINY["compress_ratios"][:8] + (0, 0, 0),
-    dspark_block_size=5, dspark_noise_token_id=157, dspark_target_layer_ids=(5, 6, 7),
-    dspark_markov_rank=16, dspark_n_routed_experts=4, dspark_num_experts_per_tok=2,
+    num_nextn_predict_layers=3,
+    compress_ratios=TINY["compress_ratios"][:8] + (0, 0, 0),
+    dspark_block_size=5,
+    dspark_noise_token_id=157,
+    dspark_target_layer_ids=(5, 6, 7),
+    dspark_markov_rank=16,
+    dspark_n_routed_experts=4,
+    dspark_num_experts_per_tok=2,
 )
 
 
@@ -56,8 +84,9 @@ def tiny_args(**overrides) -> ModelArgs:
     params = {**TINY, **overrides}
     if "engram_num_embeddings" not in overrides:
         probe = ModelArgs(**{**params, "engram_num_embeddings": (0,) * len(params["engram_layer_ids"])})
-        params["engram_num_embeddings"] = tuple(int(s) for s in bucket_primes(probe).reshape(
-            len(probe.engram_layer_ids), -1).sum(axis=1))
+        params["engram_num_embeddings"] = tuple(
+            int(s) for s in bucket_primes(probe).reshape(len(probe.engram_layer_ids), -1).sum(axis=1)
+        )
     args = ModelArgs(**params)
     args.validate()
     return args
@@ -65,12 +94,19 @@ def tiny_args(**overrides) -> ModelArgs:
 
 def hf_config(args: ModelArgs) -> dict:
     """The HF nested config.json for `args` (text_config + root keys, as released)."""
-    text = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
-            if f.name not in ("model_type", "quantization_config", "mlx_dsv41")}
+    text = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(args)
+        if f.name not in ("model_type", "quantization_config", "mlx_dsv41")
+    }
     text = {k: list(v) if isinstance(v, tuple) else v for k, v in text.items()}
     text["model_type"] = "deepseek_v41_text"
-    config = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
-              "dtype": "bfloat16", "text_config": text}
+    config = {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "dtype": "bfloat16",
+        "text_config": text,
+    }
     if args.quantization_config is not None:
         config["quantization_config"] = args.quantization_config
     return config
@@ -84,8 +120,11 @@ def official_shapes(args: ModelArgs) -> dict[str, tuple[tuple[int, ...], mx.Dtyp
     (docs/checkpoint.md#tensor-names, in bf16/fp32 where the release has FP8/FP4; `wo_a` is the
     dequantized bf16 the official converter makes)."""
     D, bf = args.hidden_size, mx.bfloat16
-    out = {"embed.weight": ((args.vocab_size, D), bf), "head.weight": ((args.vocab_size, D), bf),
-           "norm.weight": ((D,), bf)}
+    out = {
+        "embed.weight": ((args.vocab_size, D), bf),
+        "head.weight": ((args.vocab_size, D), bf),
+        "norm.weight": ((D,), bf),
+    }
     for role in args.roles:
         out.update({f"layers.{role.layer}.{k}": v for k, v in _block_shapes(args, role).items()})
     stages, rank = args.dspark_stages, args.dspark_markov_rank
@@ -109,12 +148,16 @@ def _block_shapes(args: ModelArgs, role) -> dict[str, tuple[tuple[int, ...], mx.
     bf, f32 = mx.bfloat16, mx.float32
     mix = (2 + hc) * hc
     t = {
-        "attn.attn_sink": ((H,), f32), "attn.q_norm.weight": ((args.q_lora_rank,), bf),
-        "attn.kv_norm.weight": ((Dh,), bf), "attn.wq_a.weight": ((args.q_lora_rank, D), bf),
-        "attn.wq_b.weight": ((H * Dh, args.q_lora_rank), bf), "attn.wkv.weight": ((Dh, D), bf),
+        "attn.attn_sink": ((H,), f32),
+        "attn.q_norm.weight": ((args.q_lora_rank,), bf),
+        "attn.kv_norm.weight": ((Dh,), bf),
+        "attn.wq_a.weight": ((args.q_lora_rank, D), bf),
+        "attn.wq_b.weight": ((H * Dh, args.q_lora_rank), bf),
+        "attn.wkv.weight": ((Dh, D), bf),
         "attn.wo_a.weight": ((args.o_groups * args.o_lora_rank, H * Dh // args.o_groups), bf),
         "attn.wo_b.weight": ((D, args.o_groups * args.o_lora_rank), bf),
-        "attn_norm.weight": ((D,), bf), "ffn_norm.weight": ((D,), bf),
+        "attn_norm.weight": ((D,), bf),
+        "ffn_norm.weight": ((D,), bf),
         "ffn.gate.weight": ((args.n_routed_experts, D), bf),
         "ffn.gate.bias": ((args.n_routed_experts,), f32),
         "ffn.shared_experts.w1.weight": ((args.moe_intermediate_size, D), bf),
@@ -198,13 +241,18 @@ def engram_table_tensors(args: ModelArgs, tables: dict[int, np.ndarray]) -> list
     [rows, hd] and `.scale` F8_E8M0 [rows, hd/32], as {name: (safetensors dtype, raw bytes)}
     (mx.save_safetensors cannot label F8_E4M3 / F8_E8M0)."""
     hd = args.engram_head_dim
-    return [{f"layers.{layer}.engram.embed.weight": ("F8_E4M3", rows[:, :hd]),
-             f"layers.{layer}.engram.embed.scale": ("F8_E8M0", rows[:, hd:])}
-            for layer, rows in tables.items()]
+    return [
+        {
+            f"layers.{layer}.engram.embed.weight": ("F8_E4M3", rows[:, :hd]),
+            f"layers.{layer}.engram.embed.scale": ("F8_E8M0", rows[:, hd:]),
+        }
+        for layer, rows in tables.items()
+    ]
 
 
-def write_checkpoint(path: str | Path, args: ModelArgs, weights: dict[str, mx.array],
-                     engram_tables: dict[int, np.ndarray] | None = None) -> Path:
+def write_checkpoint(
+    path: str | Path, args: ModelArgs, weights: dict[str, mx.array], engram_tables: dict[int, np.ndarray] | None = None
+) -> Path:
     """config.json + model weights in official names; Engram tables, if given, go to their own
     shard (`engram_table_tensors`), with a model.safetensors.index.json mapping every tensor to its
     shard (as released)."""

@@ -43,15 +43,37 @@ from mlx_dsv41.model.engram_hash import CompressedTokenMap
 from mlx_dsv41.quant.official import E2M1_VALUES, GROUP, e4m3_values
 from mlx_dsv41.synthetic import engram_table_tensors, hf_config, random_engram_tables, random_weights, tiny_args
 
-OFFICIAL_QUANTIZATION = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
-                         "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
-EXL3_QUANTIZATION = {"quant_method": "exl3", "version": "1.4.2", "bits": 3.9, "head_bits": 6,
-                     "calibration": {"rows": 250, "cols": 2048}, "out_scales": "always", "codebook": "mul1"}
+OFFICIAL_QUANTIZATION = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [32, 32],
+    "scale_fmt": "ue8m0",
+    "expert_dtype": "fp4",
+}
+EXL3_QUANTIZATION = {
+    "quant_method": "exl3",
+    "version": "1.4.2",
+    "bits": 3.9,
+    "head_bits": 6,
+    "calibration": {"rows": 250, "cols": 2048},
+    "out_scales": "always",
+    "codebook": "mul1",
+}
 
 # docs/numerics.md#dtypes: the FP8 linears of the release (wo_a too: the converter dequantizes it)
-_FP8_SITES = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.indexer.wq_b",
-              "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3", "engram.wkv",
-              "main_proj")  # main_proj: DSpark stage 0 (docs/dspark.md#tensors)
+_FP8_SITES = (
+    "attn.wq_a",
+    "attn.wq_b",
+    "attn.wkv",
+    "attn.wo_a",
+    "attn.wo_b",
+    "attn.indexer.wq_b",
+    "ffn.shared_experts.w1",
+    "ffn.shared_experts.w2",
+    "ffn.shared_experts.w3",
+    "engram.wkv",
+    "main_proj",
+)  # main_proj: DSpark stage 0 (docs/dspark.md#tensors)
 _FP8_MAX, _FP4_MAX = 448.0, 6.0
 
 
@@ -66,8 +88,9 @@ class TinyCheckpoint:
     def token_map(self) -> CompressedTokenMap:
         from tokenizers import Tokenizer
 
-        return CompressedTokenMap.from_tokenizer(Tokenizer.from_file(str(self.path / "tokenizer.json")),
-                                                 self.args.engram_compressed_vocab_size)
+        return CompressedTokenMap.from_tokenizer(
+            Tokenizer.from_file(str(self.path / "tokenizer.json")), self.args.engram_compressed_vocab_size
+        )
 
     def _with_engram(self, model):
         from mlx_dsv41.model.engram import MemoryRowSource
@@ -113,9 +136,18 @@ def write_tokenizer(path: str | Path, args: ModelArgs) -> Path:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens([AddedToken(t, special=True) for t in ("<bos>", "<eos>", "<pad>")])
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
-        "pad_token": "<pad>", "model_max_length": 1 << 20}, indent=1))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<bos>",
+                "eos_token": "<eos>",
+                "pad_token": "<pad>",
+                "model_max_length": 1 << 20,
+            },
+            indent=1,
+        )
+    )
     return path / "tokenizer.json"
 
 
@@ -217,21 +249,33 @@ def _dropped_extras(args: ModelArgs, seed: int) -> dict[str, tuple[str, np.ndarr
     pieces when the config cannot draft (with a DSpark head, its stages' bias_vl)."""
     rng = np.random.default_rng(seed + 7)
     d, n = args.hidden_size, args.n_routed_experts
-    out = {f"layers.{i}.ffn.gate.bias_vl": ("F32", rng.standard_normal(n).astype(np.float32))
-           for i in range(args.num_hidden_layers)}
+    out = {
+        f"layers.{i}.ffn.gate.bias_vl": ("F32", rng.standard_normal(n).astype(np.float32))
+        for i in range(args.num_hidden_layers)
+    }
     stage_experts = args.dspark_stage_args().n_routed_experts
-    out.update({f"mtp.{s}.ffn.gate.bias_vl": ("F32", rng.standard_normal(stage_experts).astype(np.float32))
-                for s in range(args.dspark_stages)})
+    out.update(
+        {
+            f"mtp.{s}.ffn.gate.bias_vl": ("F32", rng.standard_normal(stage_experts).astype(np.float32))
+            for s in range(args.dspark_stages)
+        }
+    )
     if not args.dspark_stages:
         packed, scale = quantize_fp4(rng.standard_normal((args.moe_intermediate_size, d)) / np.sqrt(d))
-        out.update({"mtp.0.attn_norm.weight": _raw(mx.ones((d,), mx.bfloat16)),
-                    "mtp.0.ffn.experts.0.w1.weight": ("I8", packed),
-                    "mtp.0.ffn.experts.0.w1.scale": ("F8_E8M0", scale)})
-    out.update({
-        "vision.blocks.0.norm1.weight": _raw(mx.ones((16,), mx.bfloat16)),
-        "aligner.w1.weight": _raw(mx.ones((8, 16), mx.bfloat16)),
-        "image_newline": _raw(mx.ones((d,), mx.bfloat16)),
-    })
+        out.update(
+            {
+                "mtp.0.attn_norm.weight": _raw(mx.ones((d,), mx.bfloat16)),
+                "mtp.0.ffn.experts.0.w1.weight": ("I8", packed),
+                "mtp.0.ffn.experts.0.w1.scale": ("F8_E8M0", scale),
+            }
+        )
+    out.update(
+        {
+            "vision.blocks.0.norm1.weight": _raw(mx.ones((16,), mx.bfloat16)),
+            "aligner.w1.weight": _raw(mx.ones((8, 16), mx.bfloat16)),
+            "image_newline": _raw(mx.ones((d,), mx.bfloat16)),
+        }
+    )
     return out
 
 
@@ -249,8 +293,14 @@ def _write_shards(path: Path, shards: list[dict[str, tuple[str, np.ndarray]]], t
 
 def write_config(path: Path, args: ModelArgs, quantization: dict) -> None:
     config = hf_config(args)
-    config.update({"bos_token_id": args.bos_token_id, "eos_token_id": args.eos_token_id,
-                   "pad_token_id": args.pad_token_id, "quantization_config": quantization})
+    config.update(
+        {
+            "bos_token_id": args.bos_token_id,
+            "eos_token_id": args.eos_token_id,
+            "pad_token_id": args.pad_token_id,
+            "quantization_config": quantization,
+        }
+    )
     (path / "config.json").write_text(json.dumps(config, indent=1))
 
 
@@ -274,8 +324,11 @@ def write_official_checkpoint(path: str | Path, args: ModelArgs | None = None, s
     stored.update(_dropped_extras(args, seed))
     tables = random_engram_tables(args, seed)
     half = args.num_hidden_layers // 2
-    first = {k: v for k, v in stored.items()
-             if k == "embed.weight" or (k.startswith("layers.") and int(k.split(".")[1]) < half)}
+    first = {
+        k: v
+        for k, v in stored.items()
+        if k == "embed.weight" or (k.startswith("layers.") and int(k.split(".")[1]) < half)
+    }
     draft = {k: v for k, v in stored.items() if k.startswith("mtp.") and args.dspark_stages}
     second = {k: v for k, v in stored.items() if k not in first and k not in draft}
     # A companion in another shard than its weight (the index allows it; the converter must cope).
@@ -291,21 +344,22 @@ def write_official_checkpoint(path: str | Path, args: ModelArgs | None = None, s
 # ------------------------------------------------------------------------------ EXL3 format
 
 
-def _exl3_linear(prefix: str, in_features: int, out_features: int, bits, codebook: str, seed: int,
-                 tensors: dict) -> mx.array:
+def _exl3_linear(
+    prefix: str, in_features: int, out_features: int, bits, codebook: str, seed: int, tensors: dict
+) -> mx.array:
     """Add one EXL3 linear's tensors (suh rescaled to W std ~ 1/sqrt(in)); return W [out, in] bf16."""
     t = random_linear_tensors(in_features, out_features, bits, codebook, seed=seed, prefix=prefix)
     return _rescaled(prefix, in_features, out_features, codebook, t, tensors)
 
 
-def _rescaled(prefix: str, in_features: int, out_features: int, codebook: str, t: dict,
-              tensors: dict) -> mx.array:
+def _rescaled(prefix: str, in_features: int, out_features: int, codebook: str, t: dict, tensors: dict) -> mx.array:
     """Scale `t`'s suh so W has std 1/sqrt(in), add `t` to `tensors`, return W [out, in] bf16."""
     from mlx_dsv41.exl3 import dequantize
 
     def w_of(suh):
-        return np.array(dequantize(mx.array(t[f"{prefix}.trellis"]), mx.array(suh),
-                                   mx.array(t[f"{prefix}.svh"]), codebook))[:in_features, :out_features]
+        return np.array(
+            dequantize(mx.array(t[f"{prefix}.trellis"]), mx.array(suh), mx.array(t[f"{prefix}.svh"]), codebook)
+        )[:in_features, :out_features]
 
     std = w_of(t[f"{prefix}.suh"]).std()
     t[f"{prefix}.suh"] = (t[f"{prefix}.suh"].astype(np.float64) / (std * np.sqrt(in_features))).astype(np.float16)
@@ -317,8 +371,9 @@ def _exl3_dtype(a: np.ndarray) -> str:
     return {np.dtype(np.int16): "I16", np.dtype(np.float16): "F16", np.dtype(np.int32): "I32"}[a.dtype]
 
 
-def exl3_tensors(args: ModelArgs, seed: int = 0, with_dspark: bool = True
-                 ) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, mx.array]]:
+def exl3_tensors(
+    args: ModelArgs, seed: int = 0, with_dspark: bool = True
+) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, mx.array]]:
     """(stored tensors, reference float weights) of an exllamav3-quantized text model; with_dspark
     False leaves the DSpark head (`mtp.*`) out, as a pack quantized without it."""
     native = {k: v for k, v in random_weights(args, seed).items() if with_dspark or not k.startswith("mtp.")}
@@ -330,8 +385,13 @@ def exl3_tensors(args: ModelArgs, seed: int = 0, with_dspark: bool = True
     bits = {"attn.indexer.wk": 8, "attn": 5, "ffn.shared_experts": 4, "engram.wkv": 4, "head": 6}
     # docs/checkpoint.md#exl3-pack: never quantized; the DSpark markov and confidence heads neither
     # (docs/checkpoint.md#exl3-quantized-tensors)
-    native_linears = ("ffn.gate", "attn.indexer.weights_proj", "markov_head.embed", "markov_head.head",
-                      "confidence_head.proj")
+    native_linears = (
+        "ffn.gate",
+        "attn.indexer.weights_proj",
+        "markov_head.embed",
+        "markov_head.head",
+        "confidence_head.proj",
+    )
     for k, (name, w) in enumerate(native.items()):
         prefix = name.removesuffix(".weight")
         parts = prefix.split(".")
@@ -354,9 +414,12 @@ def exl3_tensors(args: ModelArgs, seed: int = 0, with_dspark: bool = True
         # (docs/checkpoint.md#exl3-quantized-tensors)
         if site == "attn.wo_a":
             rows = out_f // args.o_groups
-            reference[name] = mx.concatenate([
-                _exl3_linear(f"{prefix}.slice.{g}", in_f, rows, kbits, codebook, seed * 10000 + k * 10 + g, q)
-                for g in range(args.o_groups)])
+            reference[name] = mx.concatenate(
+                [
+                    _exl3_linear(f"{prefix}.slice.{g}", in_f, rows, kbits, codebook, seed * 10000 + k * 10 + g, q)
+                    for g in range(args.o_groups)
+                ]
+            )
         else:
             reference[name] = _exl3_linear(prefix, in_f, out_f, kbits, codebook, seed * 10000 + k * 10, q)
     _exl3_routed_experts(args, seed, with_dspark, q, reference)
@@ -364,21 +427,26 @@ def exl3_tensors(args: ModelArgs, seed: int = 0, with_dspark: bool = True
     return stored, reference
 
 
-def _exl3_routed_experts(args: ModelArgs, seed: int, with_dspark: bool, q: dict[str, np.ndarray],
-                         reference: dict[str, mx.array]) -> None:
+def _exl3_routed_experts(
+    args: ModelArgs, seed: int, with_dspark: bool, q: dict[str, np.ndarray], reference: dict[str, mx.array]
+) -> None:
     """The routed experts' EXL3 tensors into q, their dequantized weights into reference: w2 ragged
     (2 and 3 bits) in the backbone, the stages' at mtp_bits 4 (docs/checkpoint.md#exl3-bitrates)."""
     d, inter = args.hidden_size, args.moe_intermediate_size
     stage_experts = args.dspark_stage_args().n_routed_experts
-    blocks = [(f"layers.{i}", args.n_routed_experts, {"w1": 3, "w3": 3, "w2": (2, 3)})
-              for i in range(args.num_hidden_layers)]
-    blocks += [(f"mtp.{s}", stage_experts, {"w1": 4, "w3": 4, "w2": 4})
-               for s in range(args.dspark_stages if with_dspark else 0)]
+    blocks = [
+        (f"layers.{i}", args.n_routed_experts, {"w1": 3, "w3": 3, "w2": (2, 3)}) for i in range(args.num_hidden_layers)
+    ]
+    blocks += [
+        (f"mtp.{s}", stage_experts, {"w1": 4, "w3": 4, "w2": 4})
+        for s in range(args.dspark_stages if with_dspark else 0)
+    ]
     for layer, (block, n_experts, expert_bits) in enumerate(blocks):
         prefix = f"{block}.ffn.experts"
         codebook = "3inst" if layer == 5 else "mul1"
-        t = random_experts_tensors(n_experts, d, inter, bits=expert_bits,
-                                   codebook=codebook, seed=seed * 100 + layer, prefix=prefix)
+        t = random_experts_tensors(
+            n_experts, d, inter, bits=expert_bits, codebook=codebook, seed=seed * 100 + layer, prefix=prefix
+        )
         for e in range(n_experts):
             for proj, (d_in, d_out) in {"w1": (d, inter), "w3": (d, inter), "w2": (inter, d)}.items():
                 p = f"{prefix}.{e}.{proj}"
@@ -386,8 +454,9 @@ def _exl3_routed_experts(args: ModelArgs, seed: int, with_dspark: bool, q: dict[
                 reference[f"{p}.weight"] = _rescaled(p, d_in, d_out, codebook, part, q)
 
 
-def write_exl3_checkpoint(path: str | Path, args: ModelArgs | None = None, seed: int = 0,
-                          with_dspark: bool = True) -> TinyCheckpoint:
+def write_exl3_checkpoint(
+    path: str | Path, args: ModelArgs | None = None, seed: int = 0, with_dspark: bool = True
+) -> TinyCheckpoint:
     """An exllamav3-style checkpoint in `path` (no Engram tables: write them with
     `write_engram_shards(dir, ck.args, ck.tables)` for --engram-from; with_dspark False: no `mtp.*`
     either, for --dspark-from)."""

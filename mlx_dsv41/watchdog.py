@@ -114,8 +114,9 @@ class Watchdog:
     # ------------------------------------------------------------------------- setup
 
     @classmethod
-    def start(cls, rank: int, size: int, timeout_s: float, address: tuple[str, int],
-              hub: socket.socket | None = None) -> Watchdog:
+    def start(
+        cls, rank: int, size: int, timeout_s: float, address: tuple[str, int], hub: socket.socket | None = None
+    ) -> Watchdog:
         """Rank 0 accepts every other rank on `hub`; the others connect to `address`. Raises
         RuntimeError if the channel is not up within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
@@ -138,8 +139,10 @@ class Watchdog:
                     links[peer] = _Link(peer, conn, 0.0)
             except (TimeoutError, OSError, ValueError, KeyError) as e:
                 missing = sorted(set(range(1, size)) - set(links))
-                raise RuntimeError(f"{PREFIX}: rank 0: ranks {missing} did not open the watchdog "
-                                   f"channel to {hub.getsockname()} within {timeout_s:g} s ({e})") from None
+                raise RuntimeError(
+                    f"{PREFIX}: rank 0: ranks {missing} did not open the watchdog "
+                    f"channel to {hub.getsockname()} within {timeout_s:g} s ({e})"
+                ) from None
             finally:
                 hub.close()
             return cls(rank, size, timeout_s, [links[r] for r in sorted(links)])
@@ -149,8 +152,10 @@ class Watchdog:
                 break
             except OSError as e:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{PREFIX}: rank {rank}: cannot reach the watchdog of rank 0 at "
-                                       f"{address[0]}:{address[1]} within {timeout_s:g} s ({e})") from None
+                    raise RuntimeError(
+                        f"{PREFIX}: rank {rank}: cannot reach the watchdog of rank 0 at "
+                        f"{address[0]}:{address[1]} within {timeout_s:g} s ({e})"
+                    ) from None
                 time.sleep(0.05)
         conn.sendall(json.dumps({"rank": rank}).encode() + b"\n")
         return cls(rank, size, timeout_s, [_Link(0, conn, 0.0)])
@@ -181,8 +186,9 @@ class Watchdog:
             self._watch()
         except Exception as e:  # a broken watchdog must not pass for a healthy run
             if not self._stopping:
-                os.write(2, f"{PREFIX}: rank {self.rank}: watchdog failed ({e!r}); peers are no "
-                            "longer watched\n".encode())
+                os.write(
+                    2, f"{PREFIX}: rank {self.rank}: watchdog failed ({e!r}); peers are no longer watched\n".encode()
+                )
 
     def _watch(self) -> None:
         next_beat = 0.0
@@ -240,11 +246,15 @@ class Watchdog:
             return f"{who} exited with an error (see its output)"
         if link.finished == "ok":  # a normal exit (or sys.exit: its status is not visible)
             if self.exchanges > link.count:
-                return (f"{who} exited after {link.count} MoE exchanges, but this rank has built "
-                        f"{self.exchanges} and waits for it")
+                return (
+                    f"{who} exited after {link.count} MoE exchanges, but this rank has built "
+                    f"{self.exchanges} and waits for it"
+                )
             if now - link.finished_at > self.timeout_s:
-                return (f"{who} exited {now - link.finished_at:.0f} s ago and this rank is still "
-                        "running (blocked in a collective it will never join?)")
+                return (
+                    f"{who} exited {now - link.finished_at:.0f} s ago and this rank is still "
+                    "running (blocked in a collective it will never join?)"
+                )
             return None
         if now - link.heard > self.timeout_s:
             return f"{who} stopped answering: nothing heard for {now - link.heard:.0f} s"
@@ -267,8 +277,10 @@ class Watchdog:
                 self._progress[r] = (c, now)
             elif now - since > self.timeout_s and r not in silent:  # silence has its own verdict
                 leader = max(counts, key=counts.get)
-                return (f"rank {r} stopped making progress: it has built {c} MoE exchanges, rank "
-                        f"{leader} {top}, and none for {now - since:.0f} s")
+                return (
+                    f"rank {r} stopped making progress: it has built {c} MoE exchanges, rank "
+                    f"{leader} {top}, and none for {now - since:.0f} s"
+                )
         return None
 
     # ------------------------------------------------------------------------- exits

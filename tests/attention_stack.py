@@ -28,9 +28,17 @@ from mlx_dsv41.synthetic import TINY
 # 0 window-only | 1 Full r=2 | 2 Reuse r=2 | 3 Full r=1 + candidate source | 4 Reuse r=1 |
 # 5 Reindex (uses candidates) | 6 Reuse after the Reindex layer.
 ATTENTION_TINY = dict(
-    TINY, num_hidden_layers=7, compress_ratios=(0, 2, 2, 1, 1, 1, 1), kv_source_layer_ids=(1, 3),
-    index_source_layer_ids=(1, 3, 5), candidate_source_layer_id=3, o_lora_rank=16, candidate_topk_blocks=3,
-    num_nextn_predict_layers=0, engram_layer_ids=(), engram_num_embeddings=(),
+    TINY,
+    num_hidden_layers=7,
+    compress_ratios=(0, 2, 2, 1, 1, 1, 1),
+    kv_source_layer_ids=(1, 3),
+    index_source_layer_ids=(1, 3, 5),
+    candidate_source_layer_id=3,
+    o_lora_rank=16,
+    candidate_topk_blocks=3,
+    num_nextn_predict_layers=0,
+    engram_layer_ids=(),
+    engram_num_embeddings=(),
 )
 
 
@@ -96,7 +104,10 @@ def assert_rounding_level(got, want, what: str) -> None:
     of the output scale (growing layer by layer), and a rare flipped FP8/FP4 value or top-k pick
     moves a few rows by up to ~10% (measured: float64 reference vs the model, 7 layers). A broken
     mechanism (window rows, open groups, RoPE positions, stale keys) moves most rows by >= 10%."""
-    g, w = np.asarray(got, np.float64).reshape(-1, got.shape[-1]), np.asarray(want, np.float64).reshape(-1, want.shape[-1])
+    g, w = (
+        np.asarray(got, np.float64).reshape(-1, got.shape[-1]),
+        np.asarray(want, np.float64).reshape(-1, want.shape[-1]),
+    )
     row_err = np.abs(g - w).max(-1) / np.abs(w).max()
     assert np.median(row_err) <= 0.02, f"{what}: median row error {np.median(row_err):.4f} of the output scale"
     assert row_err.max() <= 0.25, f"{what}: worst row error {row_err.max():.4f} of the output scale"
@@ -172,16 +183,25 @@ def ref_rms_norm(x, w, eps):
 
 # Flash's rope_scaling (docs/model.md#attention), written out rather than read from ModelArgs'
 # defaults.
-FLASH_YARN = {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
-              "original_max_position_embeddings": 65536}
+FLASH_YARN = {
+    "rope_type": "yarn",
+    "factor": 16,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "original_max_position_embeddings": 65536,
+}
 
 
 def ref_frequencies(dims, theta, yarn):
     k = np.arange(dims // 2)
     f = theta ** (-2.0 * k / dims)
     if yarn:
+
         def corr(rot):
-            return dims * math.log(yarn["original_max_position_embeddings"] / (rot * 2 * math.pi)) / (2 * math.log(theta))
+            return (
+                dims * math.log(yarn["original_max_position_embeddings"] / (rot * 2 * math.pi)) / (2 * math.log(theta))
+            )
+
         low = max(math.floor(corr(yarn["beta_fast"])), 0)
         high = min(math.ceil(corr(yarn["beta_slow"])), dims - 1)
         ramp = np.clip((k - low) / max(high - low, 1e-3), 0, 1)

@@ -73,7 +73,11 @@ def demo_server(tmp_path_factory):
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mlx_dsv41.server", "--demo", "--port", "0", "--max-tokens", "4"],
-            cwd=demo_helpers.REPO, env=demo_helpers.demo_env(tmp_path_factory), stdout=out, stderr=subprocess.STDOUT)
+            cwd=demo_helpers.REPO,
+            env=demo_helpers.demo_env(tmp_path_factory),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.time() + 120
         while True:

@@ -21,9 +21,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_cli(*args, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m mlx_dsv41.convert ARGS` in a fresh process (no progress bars: --quiet)."""
-    return subprocess.run([sys.executable, "-m", "mlx_dsv41.convert", *map(str, args), "--quiet"],
-                          capture_output=True, text=True, cwd=REPO, env={**os.environ, **(env or {})},
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_dsv41.convert", *map(str, args), "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
 
 
 def convert_tiny_exl3(root: Path):

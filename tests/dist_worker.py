@@ -75,10 +75,18 @@ def cmd_generate(a) -> None:
         steps.append(np.array(logits))
         exchanges_per_step.append((cluster.exchanges if cluster else 0) - before)
     experts = sum(v.nbytes for k, v in tree_flatten(model.parameters()) if ".ffn.experts." in k)
-    np.savez(str(a.out).replace("{rank}", str(rank)), prefill=steps[0], build_seconds=build_seconds,
-             decode=np.concatenate(steps[1:], axis=1), tokens=np.concatenate(tokens, axis=1),
-             expert_bytes=experts, read_bytes=read, exchanges_per_step=np.array(exchanges_per_step),
-             exchange_bytes=cluster.exchange_bytes if cluster else 0, wire_itemsize=wire_itemsize(model))
+    np.savez(
+        str(a.out).replace("{rank}", str(rank)),
+        prefill=steps[0],
+        build_seconds=build_seconds,
+        decode=np.concatenate(steps[1:], axis=1),
+        tokens=np.concatenate(tokens, axis=1),
+        expert_bytes=experts,
+        read_bytes=read,
+        exchanges_per_step=np.array(exchanges_per_step),
+        exchange_bytes=cluster.exchange_bytes if cluster else 0,
+        wire_itemsize=wire_itemsize(model),
+    )
 
 
 def wire_itemsize(model) -> int:

@@ -26,9 +26,17 @@ from mlx_dsv41.kernels import Kernel
 STUBS = Path(__file__).resolve().parent / "kernel_stubs"
 
 _CUDA_TYPES = {
-    mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
-    mx.int32: "int32_t", mx.uint32: "uint32_t", mx.int16: "int16_t", mx.uint16: "uint16_t",
-    mx.int8: "int8_t", mx.uint8: "uint8_t", mx.int64: "int64_t", mx.uint64: "uint64_t",
+    mx.float32: "float",
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.int32: "int32_t",
+    mx.uint32: "uint32_t",
+    mx.int16: "int16_t",
+    mx.uint16: "uint16_t",
+    mx.int8: "int8_t",
+    mx.uint8: "uint8_t",
+    mx.int64: "int64_t",
+    mx.uint64: "uint64_t",
     mx.bool_: "bool",
 }
 
@@ -105,9 +113,20 @@ def compile_metal(source: str) -> tuple[bool, str]:
         f.write(source)
     try:
         r = subprocess.run(
-            [cxx, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Werror=return-type",
-             "-include", str(STUBS / "metal_stub.h"), "-x", "c++", f.name],
-            capture_output=True, text=True,
+            [
+                cxx,
+                "-std=c++17",
+                "-fsyntax-only",
+                "-Wno-attributes",
+                "-Werror=return-type",
+                "-include",
+                str(STUBS / "metal_stub.h"),
+                "-x",
+                "c++",
+                f.name,
+            ],
+            capture_output=True,
+            text=True,
         )
         return r.returncode == 0, r.stderr
     finally:
@@ -122,8 +141,8 @@ def compile_cuda(source: str) -> tuple[bool, str]:
         src = Path(tmp) / "k.cu"
         src.write_text(source)
         r = subprocess.run(
-            [nvcc, "-std=c++17", "-arch=sm_90", "-ptx", "-I", str(STUBS), "-o", str(Path(tmp) / "k.ptx"),
-             str(src)],
-            capture_output=True, text=True,
+            [nvcc, "-std=c++17", "-arch=sm_90", "-ptx", "-I", str(STUBS), "-o", str(Path(tmp) / "k.ptx"), str(src)],
+            capture_output=True,
+            text=True,
         )
         return r.returncode == 0, r.stderr

@@ -145,7 +145,9 @@ def test_index_scores_match_float64():
     want = np.einsum("bsh,bshj->bsj", w.astype(np.float64), np.maximum(np.einsum("bshd,bjd->bshj", q, keys), 0))
     seen = np.arange(9)[None, None, :] < visible[None, :, None]
     assert np.all(got[~np.broadcast_to(seen, got.shape)] == -np.inf)
-    assert np.allclose(got[np.broadcast_to(seen, got.shape)], want[np.broadcast_to(seen, want.shape)], rtol=1e-5, atol=1e-5)
+    assert np.allclose(
+        got[np.broadcast_to(seen, got.shape)], want[np.broadcast_to(seen, want.shape)], rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("T, k", [(13, 4), (13, 13), (5, 5), (1, 1)])
@@ -173,7 +175,9 @@ def test_candidate_blocks_pin_the_newest_block_and_drop_invisible_ones():
     assert got.shape == (2, 8, 6)
     for b in range(2):
         for s in range(8):
-            assert set(np.flatnonzero(got[b, s])) == ref_candidate_blocks(scores[b, s].tolist(), visible[s], block, keep)
+            assert set(np.flatnonzero(got[b, s])) == ref_candidate_blocks(
+                scores[b, s].tolist(), visible[s], block, keep
+            )
     assert got[0, 6, 5] and not got[:, 0].any() and got[:, 1].sum(-1).tolist() == [1, 1]
     masked = np.array(apply_candidate_blocks(mx.array(scores), mx.array(got), block))
     inside = np.repeat(got, block, axis=-1)[..., :T]
@@ -201,8 +205,10 @@ def test_config_exercises_every_selection_stage(args, stack):
     # The candidate source keeps 3 of up to 12 blocks: rows late in the sequence are filtered ...
     assert min(len(b) for b in shared["candidates.3"][-8:]) == args.candidate_topk_blocks
     # ... and the Reindex layer's top-k differs from what it would pick without the mask.
-    unmasked = [ref_select_topk([s if j < t + 1 else -np.inf for j, s in enumerate(row)], args.index_topk, t + 1)
-                for t, row in enumerate(shared["scores.5"])]
+    unmasked = [
+        ref_select_topk([s if j < t + 1 else -np.inf for j, s in enumerate(row)], args.index_topk, t + 1)
+        for t, row in enumerate(shared["scores.5"])
+    ]
     assert unmasked != shared["topk.5"]
     # Ties at zero happen (ReLU + FP4) and are broken by index.
     assert (shared["scores.1"] == 0).sum() > 0
@@ -285,13 +291,23 @@ def test_wrong_inputs_are_clear_errors(args, stack):
 def test_attention_module_names_are_the_checkpoint_names(args, stack):
     names = {k for k, _ in mlx.utils.tree_flatten(stack[3].parameters())}
     assert names == {
-        "wq_a.weight", "q_norm.weight", "wq_b.weight", "wkv.weight", "kv_norm.weight", "wo_a.weight",
-        "wo_b.weight", "attn_sink", "compressor.wkv.weight", "compressor.norm.weight",
-        "indexer.wq_b.weight", "indexer.weights_proj.weight", "indexer.wk.weight", "indexer.k_norm.weight",
+        "wq_a.weight",
+        "q_norm.weight",
+        "wq_b.weight",
+        "wkv.weight",
+        "kv_norm.weight",
+        "wo_a.weight",
+        "wo_b.weight",
+        "attn_sink",
+        "compressor.wkv.weight",
+        "compressor.norm.weight",
+        "indexer.wq_b.weight",
+        "indexer.weights_proj.weight",
+        "indexer.wk.weight",
+        "indexer.k_norm.weight",
     }
     assert "compressor.wgate.weight" in dict(mlx.utils.tree_flatten(stack[1].parameters()))
     reindex = {k for k, _ in mlx.utils.tree_flatten(stack[5].parameters())}
     assert {k for k in reindex if "indexer" in k} == {"indexer.wq_b.weight", "indexer.weights_proj.weight"}
-    assert not any("compressor" in k or "indexer" in k
-                   for k, _ in mlx.utils.tree_flatten(stack[2].parameters()))
+    assert not any("compressor" in k or "indexer" in k for k, _ in mlx.utils.tree_flatten(stack[2].parameters()))
     assert isinstance(Attention(args, 0).rope.frequencies, np.ndarray)

@@ -22,10 +22,24 @@ import bench_model  # noqa: E402
 import flash_model  # noqa: E402
 
 # bench_distributed.py's --smoke dimensions, with a noise id inside its vocabulary
-SMALL = dict(vocab_size=512, hidden_size=256, num_attention_heads=4, head_dim=128, q_lora_rank=64,
-             o_lora_rank=64, o_groups=2, moe_intermediate_size=128, index_n_heads=2, index_head_dim=64,
-             index_topk=8, sliding_window=16, candidate_topk_blocks=2, candidate_block_size=4,
-             num_experts_per_tok=2, dspark_noise_token_id=500)
+SMALL = dict(
+    vocab_size=512,
+    hidden_size=256,
+    num_attention_heads=4,
+    head_dim=128,
+    q_lora_rank=64,
+    o_lora_rank=64,
+    o_groups=2,
+    moe_intermediate_size=128,
+    index_n_heads=2,
+    index_head_dim=64,
+    index_topk=8,
+    sliding_window=16,
+    candidate_topk_blocks=2,
+    candidate_block_size=4,
+    num_experts_per_tok=2,
+    dspark_noise_token_id=500,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -37,8 +51,23 @@ def cpu():
 def test_demo_dspark_costs(tmp_path, tmp_path_factory, monkeypatch, capsys):
     demo_checkpoint(tmp_path_factory)
     monkeypatch.setenv(CACHE_ENV, str(cache_dir(tmp_path_factory)))
-    monkeypatch.setattr(sys, "argv", ["bench_model.py", "--cpu", "--dspark-only", "--steps", "1", "--warmup", "0",
-                                      "--prompt", "12", "--out", str(tmp_path)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "bench_model.py",
+            "--cpu",
+            "--dspark-only",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--prompt",
+            "12",
+            "--out",
+            str(tmp_path),
+        ],
+    )
     assert bench_model.main() == 0
     out = json.loads((tmp_path / "bench_model.json").read_text())
     (run,) = out["runs"]

@@ -149,8 +149,15 @@ def test_state_round_trips_through_from_state():
 def test_make_layer_cache_follows_the_roles():
     args = tiny_args()
     caches = make_caches(args, trim_slack=5)
-    assert [(c.ratio, c.owns_kv) for c in caches] == [(0, False), (2, True), (2, False), (1, True),
-                                                      (1, False), (1, False), (1, False)]
+    assert [(c.ratio, c.owns_kv) for c in caches] == [
+        (0, False),
+        (2, True),
+        (2, False),
+        (1, True),
+        (1, False),
+        (1, False),
+        (1, False),
+    ]
     assert caches[1].raw_capacity == 6 and caches[3].raw_capacity == 0 and caches[0].ring_size == 8 + 5
     with pytest.raises(ValueError, match="layer 7 is not in 0..6"):
         make_layer_cache(args, 7)

@@ -18,9 +18,15 @@ TOKENS = 3
 
 
 def repl(env, *args, stdin: str, stdout=subprocess.PIPE):
-    return subprocess.run([sys.executable, "-m", "mlx_dsv41.chat", "--demo", "--max-tokens", str(TOKENS), *args],
-                          cwd=REPO, env=env, input=stdin.encode(), stdout=stdout, stderr=subprocess.PIPE,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_dsv41.chat", "--demo", "--max-tokens", str(TOKENS), *args],
+        cwd=REPO,
+        env=env,
+        input=stdin.encode(),
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        timeout=600,
+    )
 
 
 class Reference:
@@ -40,7 +46,7 @@ class Reference:
         closed = thinking and self.end_think in tokens
         cut = tokens.index(self.end_think) if closed else (len(tokens) if thinking else -1)
         reasoning = detokenize(self.tokenizer, tokens[:cut]) if thinking else ""
-        answer = detokenize(self.tokenizer, tokens[cut + 1:])
+        answer = detokenize(self.tokenizer, tokens[cut + 1 :])
         self.messages.append({"role": "assistant", "content": answer, "reasoning_content": reasoning})
         if not thinking:
             return answer + "\n"
@@ -62,8 +68,7 @@ def read_terminal(master: int) -> str:
 
 
 def test_a_conversation_reuses_its_cache_and_matches_fresh_greedy_replies(env, loaded):
-    lines = ["Hello there", "What is two plus two?", "/effort max", "Why?", "/reset", "/thinking off", "Hi",
-             "/bogus"]
+    lines = ["Hello there", "What is two plus two?", "/effort max", "Why?", "/reset", "/thinking off", "Hi", "/bogus"]
     r = repl(env, stdin="\n".join(lines) + "\n")
     assert r.returncode == 0, r.stderr.decode()
     ref = Reference(loaded)
@@ -75,7 +80,11 @@ def test_a_conversation_reuses_its_cache_and_matches_fresh_greedy_replies(env, l
     n = ref.lengths
     # turn 2 starts from turn 1's prompt less its header token; /effort and /reset start over
     assert [tuple(map(int, s[:3])) for s in stats] == [
-        (n[0], n[0], 0), (n[1], n[1] - n[0] + 1, n[0] - 1), (n[2], n[2], 0), (n[3], n[3], 0)]
+        (n[0], n[0], 0),
+        (n[1], n[1] - n[0] + 1, n[0] - 1),
+        (n[2], n[2], 0),
+        (n[3], n[3], 0),
+    ]
 
 
 def test_reasoning_is_dimmed_on_a_terminal_and_hidden_on_request(env, loaded):

@@ -51,8 +51,11 @@ def test_compiled_decode_gives_the_eager_bytes_and_traces_once_per_parity(model,
     # group, so two traces; nothing else (the offset is data, the buffers keep their shapes).
     assert len(traces) == 2
     assert [c.offset for c in cache] == [c.offset for c in eager_cache]
-    assert all(mx.array_equal(a, b).item() for c, e in zip(cache[:-1], eager_cache[:-1])
-               for a, b in zip(c.arrays(), e.arrays()))
+    assert all(
+        mx.array_equal(a, b).item()
+        for c, e in zip(cache[:-1], eager_cache[:-1])
+        for a, b in zip(c.arrays(), e.arrays())
+    )
 
 
 def test_trim_then_compiled_decode_equals_never_decoded(model, ids, monkeypatch):

@@ -81,8 +81,9 @@ def _module_errors(model, reference):
             continue
         a, b = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
         errors[name] = float(np.abs(a - b).max() / np.abs(b).max())
-    sites = [n for n, m in ref_modules.items()
-             if isinstance(m, (nn.Linear, GroupedLinear)) or n.endswith(".ffn.experts")]
+    sites = [
+        n for n, m in ref_modules.items() if isinstance(m, (nn.Linear, GroupedLinear)) or n.endswith(".ffn.experts")
+    ]
     assert sorted(errors) == sorted(sites)
     return errors
 
@@ -166,8 +167,10 @@ def test_layout(official, exl3):
         assert checkpoint_kind(out) == "converted" and is_converted(out) and checkpoint_kind(ck.path) == kind
         index = json.loads((out / layout.INDEX).read_text())["weight_map"]
         assert sorted(set(index.values())) == [layout.shard_name(i + 1, 2) for i in range(2)]
-        assert not any(n.startswith(("mtp.", "vision.", "aligner.", "image_")) or "bias_vl" in n
-                       or ".engram.embed." in n for n in index)
+        assert not any(
+            n.startswith(("mtp.", "vision.", "aligner.", "image_")) or "bias_vl" in n or ".engram.embed." in n
+            for n in index
+        )
         assert ModelArgs.from_dict(config).mlx_dsv41 == block
     formats = json.loads((official[1] / "out" / "config.json").read_text())["mlx_dsv41"]["formats"]
     assert formats["attn.wq_a"] == ["mxfp8"] and formats["attn.wo_a"] == ["bf16"]
@@ -199,7 +202,7 @@ def test_engram_rows_and_reads_per_token(exl3):
         # and the bytes are the official shard's, as stored
         with SafetensorsCheckpoint(root / "engram", use_index=False) as src:
             values = src.read(f"layers.{layer}.engram.embed.weight")
-            assert np.array_equal(ck.tables[layer][:, :args.engram_head_dim], values)
+            assert np.array_equal(ck.tables[layer][:, : args.engram_head_dim], values)
     model, _ = mlx_dsv41.load(root / "out", engram_mode="mmap")
     stores = model.engram_sources
     assert all(s.mode == "mmap" for s in stores.values())

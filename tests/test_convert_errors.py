@@ -57,11 +57,11 @@ def test_header_that_lies_about_sizes(official, tmp_path):
     shard = shard_of(official, "norm.weight")
     raw = shard.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     header["norm.weight"]["shape"] = [header["norm.weight"]["shape"][0] * 2]
     text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
     assert len(text) == n
-    shard.write_bytes(raw[:8] + text + raw[8 + n:])
+    shard.write_bytes(raw[:8] + text + raw[8 + n :])
     _fails(official, tmp_path / "out", "tensor 'norm.weight': header lies about its size")
 
 
@@ -72,20 +72,37 @@ def test_wrong_quant_method(official, tmp_path):
     _fails(official, tmp_path / "out", "quantization_config.quant_method 'gptq' is not supported")
 
 
-@pytest.mark.parametrize("name,new,message", [
-    ("layers.1.attn.wkv.weight", ("F8_E4M3", np.ones((64, 96), np.uint8)),
-     "layers.1.attn.wkv.weight: shape [64, 96], expected [64, 64]"),
-    ("layers.1.attn.wkv.scale", ("F8_E8M0", np.full((2, 3), 127, np.uint8)),
-     "layers.1.attn.wkv.scale: shape [2, 3], expected [2, 2]"),
-    ("layers.2.attn.attn_sink", ("BF16", np.ones(4, np.uint16)),
-     "layers.2.attn.attn_sink: dtype BF16, expected F32 "
-     "(fp32 in the release, docs/numerics.md#dtypes)"),
-    ("layers.0.ffn.experts.3.w2.weight", ("F8_E5M2", np.ones((64, 32), np.uint8)),
-     "layers.0.ffn.experts.3.w2.weight: dtype F8_E5M2, expected F8_E4M3"),
-    ("layers.5.ffn_norm.weight", ("I32", np.ones(64, np.int32)),
-     "layers.5.ffn_norm.weight: dtype I32, expected F16 or BF16 or F32"),
-    ("layers.4.ffn.gate.weight", None, "missing tensor layers.4.ffn.gate.weight"),
-])
+@pytest.mark.parametrize(
+    "name,new,message",
+    [
+        (
+            "layers.1.attn.wkv.weight",
+            ("F8_E4M3", np.ones((64, 96), np.uint8)),
+            "layers.1.attn.wkv.weight: shape [64, 96], expected [64, 64]",
+        ),
+        (
+            "layers.1.attn.wkv.scale",
+            ("F8_E8M0", np.full((2, 3), 127, np.uint8)),
+            "layers.1.attn.wkv.scale: shape [2, 3], expected [2, 2]",
+        ),
+        (
+            "layers.2.attn.attn_sink",
+            ("BF16", np.ones(4, np.uint16)),
+            "layers.2.attn.attn_sink: dtype BF16, expected F32 (fp32 in the release, docs/numerics.md#dtypes)",
+        ),
+        (
+            "layers.0.ffn.experts.3.w2.weight",
+            ("F8_E5M2", np.ones((64, 32), np.uint8)),
+            "layers.0.ffn.experts.3.w2.weight: dtype F8_E5M2, expected F8_E4M3",
+        ),
+        (
+            "layers.5.ffn_norm.weight",
+            ("I32", np.ones(64, np.int32)),
+            "layers.5.ffn_norm.weight: dtype I32, expected F16 or BF16 or F32",
+        ),
+        ("layers.4.ffn.gate.weight", None, "missing tensor layers.4.ffn.gate.weight"),
+    ],
+)
 def test_wrong_tensor(official, tmp_path, name, new, message):
     edit_tensors(official, {name: new})
     _fails(official, tmp_path / "out", message)
@@ -99,28 +116,47 @@ def test_unexpected_tensor(official, tmp_path):
 def test_missing_engram_tables(sources, tmp_path):
     err = _fails(sources / "exl3", tmp_path / "out", "no Engram table layers.1.engram.embed.weight")
     assert "model-00047-of-00048" in err and "--engram-from" in err
-    _fails(sources / "exl3", tmp_path / "out", "no Engram table layers.1.engram.embed.weight",
-           "--engram-from", sources / "exl3")
-    _fails(sources / "exl3", tmp_path / "out", "config.json: header length",
-           "--engram-from", sources / "official" / "config.json")
+    _fails(
+        sources / "exl3",
+        tmp_path / "out",
+        "no Engram table layers.1.engram.embed.weight",
+        "--engram-from",
+        sources / "exl3",
+    )
+    _fails(
+        sources / "exl3",
+        tmp_path / "out",
+        "config.json: header length",
+        "--engram-from",
+        sources / "official" / "config.json",
+    )
 
 
 def test_missing_engram_shard_of_the_official_release(official, tmp_path):
     (official / "model-00003-of-00004.safetensors").unlink()
-    err = _fails(official, tmp_path / "out", "shard model-00003-of-00004.safetensors holding "
-                                             "layers.1.engram.embed.weight is missing")
+    err = _fails(
+        official,
+        tmp_path / "out",
+        "shard model-00003-of-00004.safetensors holding layers.1.engram.embed.weight is missing",
+    )
     assert "--engram-from" in err
 
 
 def test_engram_table_with_the_wrong_row_count(sources, tmp_path):
     ck_args = tiny_args()
-    tables = {layer: rows[:-1] if layer == 2 else rows
-              for layer, rows in write_official_checkpoint(tmp_path / "tmp").tables.items()}
+    tables = {
+        layer: rows[:-1] if layer == 2 else rows
+        for layer, rows in write_official_checkpoint(tmp_path / "tmp").tables.items()
+    }
     write_engram_shards(tmp_path / "engram", ck_args, tables)
     rows = ck_args.engram_num_embeddings[1]
-    _fails(sources / "exl3", tmp_path / "out",
-           f"{rows - 1} rows but the config's engram_num_embeddings for layer 2 is {rows}",
-           "--engram-from", tmp_path / "engram")
+    _fails(
+        sources / "exl3",
+        tmp_path / "out",
+        f"{rows - 1} rows but the config's engram_num_embeddings for layer 2 is {rows}",
+        "--engram-from",
+        tmp_path / "engram",
+    )
 
 
 def test_output_that_is_not_ours(sources, tmp_path):
@@ -136,8 +172,15 @@ def test_output_that_is_not_ours(sources, tmp_path):
 
 
 def test_bad_options(sources, tmp_path):
-    _fails(sources / "exl3", tmp_path / "out", "--dtype applies to official FP8/FP4 sources",
-           "--dtype", "bf16", "--engram-from", sources / "engram")
+    _fails(
+        sources / "exl3",
+        tmp_path / "out",
+        "--dtype applies to official FP8/FP4 sources",
+        "--dtype",
+        "bf16",
+        "--engram-from",
+        sources / "engram",
+    )
     _fails(sources / "official", tmp_path / "out", "dtype 'fp16' is not supported", "--dtype", "fp16")
     _fails(tmp_path / "nowhere", tmp_path / "out", "nowhere: no such directory")
 
@@ -151,13 +194,32 @@ def test_not_enough_disk_space_is_refused_before_writing(sources, tmp_path):
     from convert_fixtures import REPO
 
     out = tmp_path / "out"
-    code = ("import shutil, sys; real = shutil.disk_usage; shutil.disk_usage = lambda p: real(p)._replace(free=10**6); "
-            "from mlx_dsv41.convert.cli import main; sys.argv[0] = 'convert'; main()")
-    r = subprocess.run([sys.executable, "-c", code, str(sources / "exl3"), str(out), "--engram-from",
-                        str(sources / "engram"), "--quiet"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    code = (
+        "import shutil, sys; real = shutil.disk_usage; shutil.disk_usage = lambda p: real(p)._replace(free=10**6); "
+        "from mlx_dsv41.convert.cli import main; sys.argv[0] = 'convert'; main()"
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(sources / "exl3"),
+            str(out),
+            "--engram-from",
+            str(sources / "engram"),
+            "--quiet",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
-    assert re.fullmatch(rf"error: not enough free disk space for {out}: the conversion writes \d+\.\d GB, "
-                        rf"{tmp_path} has 0\.0 GB free\n", r.stderr), r.stderr
+    assert re.fullmatch(
+        rf"error: not enough free disk space for {out}: the conversion writes \d+\.\d GB, "
+        rf"{tmp_path} has 0\.0 GB free\n",
+        r.stderr,
+    ), r.stderr
     assert not out.exists() and not layout.partial_dir(out).exists()
 
 

@@ -27,8 +27,10 @@ def test_reference_reader_sees_every_tensor(tmp_path):
         assert bytes(got[name]["data"]) == a.tobytes()
     # mx.load (which has no F64) reads what the converter writes
     mlx_dtypes = ("U8", "I8", "I16", "U32", "I32", "F16", "BF16", "F32", "F8_E4M3", "F8_E8M0")
-    path = write_safetensors(tmp_path / "m.safetensors",
-                             {**{f"t.{dt}": tensors[f"t.{dt}"] for dt in mlx_dtypes}, "scalar": tensors["scalar"]})
+    path = write_safetensors(
+        tmp_path / "m.safetensors",
+        {**{f"t.{dt}": tensors[f"t.{dt}"] for dt in mlx_dtypes}, "scalar": tensors["scalar"]},
+    )
     loaded = mx.load(str(path))
     for dt in mlx_dtypes:
         a, want = loaded[f"t.{dt}"], tensors[f"t.{dt}"][1]
@@ -42,7 +44,7 @@ def test_row_chunks_equal_one_piece(tmp_path):
     b = np.arange(5, dtype=np.uint8)
     with SafetensorsWriter(tmp_path / "c.safetensors", [("a", "F32", a.shape), ("b", "U8", b.shape)]) as w:
         for lo in range(0, 7, 3):
-            w.write("a", a[lo:lo + 3])
+            w.write("a", a[lo : lo + 3])
         w.write("b", b)
     whole = write_safetensors(tmp_path / "w.safetensors", {"a": ("F32", a), "b": ("U8", b)})
     assert (tmp_path / "c.safetensors").read_bytes() == whole.read_bytes()

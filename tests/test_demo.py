@@ -24,8 +24,11 @@ def built(tmp_path_factory):
 
 
 def _digests(directory):
-    return {p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_two_builds_are_byte_identical(built, tmp_path):
@@ -98,9 +101,16 @@ def test_exl3_source_is_the_exllamav3_layout(built):
         trellis = ckpt.info("layers.0.attn.wq_b.trellis")
         assert trellis.shape == (args.q_lora_rank // 16, args.num_attention_heads * args.head_dim // 16, 80)
         assert {m for n in names for m in markers if n.endswith("." + m)} == {"mul1", "mcg"}
-        native = {"embed.weight": "BF16", "layers.0.attn_norm.weight": "BF16", "layers.0.ffn.gate.weight": "BF16",
-                  "layers.0.ffn.gate.bias": "F32", "layers.0.attn.attn_sink": "F32", "layers.0.hc_attn_fn": "F32",
-                  "layers.2.attn.indexer.weights_proj.weight": "BF16", "layers.1.engram.q_weight": "BF16"}
+        native = {
+            "embed.weight": "BF16",
+            "layers.0.attn_norm.weight": "BF16",
+            "layers.0.ffn.gate.weight": "BF16",
+            "layers.0.ffn.gate.bias": "F32",
+            "layers.0.attn.attn_sink": "F32",
+            "layers.0.hc_attn_fn": "F32",
+            "layers.2.attn.indexer.weights_proj.weight": "BF16",
+            "layers.1.engram.q_weight": "BF16",
+        }
         for name, dtype in native.items():
             assert ckpt.info(name).dtype == dtype, name
 
@@ -108,8 +118,10 @@ def test_exl3_source_is_the_exllamav3_layout(built):
 def test_engram_tables_are_in_the_official_format(built):
     args = ModelArgs.from_file(built[0] / "config.json")
     with SafetensorsCheckpoint(built[1], use_index=False) as ckpt:
-        assert sorted(p.name for p in ckpt.shards()) == ["model-00047-of-00048.safetensors",
-                                                         "model-00048-of-00048.safetensors"]
+        assert sorted(p.name for p in ckpt.shards()) == [
+            "model-00047-of-00048.safetensors",
+            "model-00048-of-00048.safetensors",
+        ]
         for layer, rows in zip(args.engram_layer_ids, args.engram_num_embeddings):
             w = ckpt.info(f"layers.{layer}.engram.embed.weight")
             s = ckpt.info(f"layers.{layer}.engram.embed.scale")
@@ -130,8 +142,13 @@ def test_converted_demo_loads_through_the_real_path(built):
     assert all(isinstance(s, EngramStore) for s in sources.values())  # rows come from SSD files
     with SafetensorsCheckpoint(engram, use_index=False) as ckpt:
         for layer, store in sources.items():
-            want = np.concatenate([ckpt.read(f"layers.{layer}.engram.embed.weight")[[0, 7, -1]],
-                                   ckpt.read(f"layers.{layer}.engram.embed.scale")[[0, 7, -1]]], axis=1)
+            want = np.concatenate(
+                [
+                    ckpt.read(f"layers.{layer}.engram.embed.weight")[[0, 7, -1]],
+                    ckpt.read(f"layers.{layer}.engram.embed.scale")[[0, 7, -1]],
+                ],
+                axis=1,
+            )
             rows = store.read(np.array([0, 7, store.header.rows - 1]))
             assert np.array_equal(rows, want)
 

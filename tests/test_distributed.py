@@ -50,9 +50,13 @@ def _free_ports(n: int) -> list[int]:
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "MLX_IBV", "MLX_JACCL", "NCCL_",
-                                "MLX_DSV41_WATCHDOG"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(
+            ("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "MLX_IBV", "MLX_JACCL", "NCCL_", "MLX_DSV41_WATCHDOG")
+        )
+    }
     return {**env, **extra}
 
 
@@ -60,10 +64,17 @@ def start_ranks(tmp: Path, n: int, argv, **popen) -> list[subprocess.Popen]:
     """n ring ranks; argv(rank) is the worker's argument list for that rank."""
     hostfile = tmp / f"hosts_{time.monotonic_ns()}.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(n)]))
-    return [subprocess.Popen([sys.executable, str(WORKER), *map(str, argv(r))],
-                             env=_env({"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)}),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
-            for r in range(n)]
+    return [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), *map(str, argv(r))],
+            env=_env({"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            **popen,
+        )
+        for r in range(n)
+    ]
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[tuple[int, str]]:
@@ -126,9 +137,13 @@ def references(checkpoints, tmp_path_factory) -> dict[str, dict[str, np.ndarray]
     out = {}
     for fmt, path in checkpoints.items():
         file = tmp_path_factory.mktemp("dist_ref") / f"{fmt}.npz"
-        proc = subprocess.run([sys.executable, str(WORKER), "generate", str(path), str(file),
-                               "--decode", str(DECODE)], env=_env({}), capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run(
+            [sys.executable, str(WORKER), "generate", str(path), str(file), "--decode", str(DECODE)],
+            env=_env({}),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stderr
         out[fmt] = dict(np.load(file))
     return out
@@ -136,8 +151,7 @@ def references(checkpoints, tmp_path_factory) -> dict[str, dict[str, np.ndarray]
 
 def _expert_file_bytes(path: Path) -> int:
     """Stored bytes of the routed experts (safetensors headers only: mx.load is lazy)."""
-    return sum(v.nbytes for f in path.glob("*.safetensors") for k, v in mx.load(str(f)).items()
-               if ".ffn.experts." in k)
+    return sum(v.nbytes for f in path.glob("*.safetensors") for k, v in mx.load(str(f)).items() if ".ffn.experts." in k)
 
 
 # ------------------------------------------------------------------------------- one process
@@ -223,16 +237,24 @@ def test_exchange_keeps_every_byte(tmp_path, partition):
 # ------------------------------------------------------------------------------- model runs
 
 
-@pytest.mark.parametrize("fmt, n, partition", [
-    ("dense", 2, "experts"), ("dense", 2, "slots"), ("dense", 4, "experts"), ("dense", 4, "slots"),
-    ("exl3", 2, "experts"), ("exl3", 2, "slots"),
-])
+@pytest.mark.parametrize(
+    "fmt, n, partition",
+    [
+        ("dense", 2, "experts"),
+        ("dense", 2, "slots"),
+        ("dense", 4, "experts"),
+        ("dense", 4, "slots"),
+        ("exl3", 2, "experts"),
+        ("exl3", 2, "slots"),
+    ],
+)
 def test_ranks_match_one_process(tmp_path, checkpoints, references, fmt, n, partition):
     path, reference = checkpoints[fmt], references[fmt]
     out = tmp_path / "run_{rank}.npz"
     lag = ["--lag", n - 1] if (fmt, n) == ("dense", 2) else []
-    results = run_ranks(tmp_path, n, lambda r: ["generate", path, out, "--partition", partition,
-                                               "--decode", DECODE, *lag])
+    results = run_ranks(
+        tmp_path, n, lambda r: ["generate", path, out, "--partition", partition, "--decode", DECODE, *lag]
+    )
     assert all(rc == 0 for rc, _ in results), results
     k, D, L = ARGS.num_experts_per_tok, ARGS.hidden_size, ARGS.num_hidden_layers
     for r in range(n):
@@ -267,8 +289,14 @@ _CLI = ("--demo", "--prompt", "Hello there", "--max-tokens", "8")
 def demo_text(tmp_path_factory) -> tuple[dict[str, str], str]:
     """(environment with a private demo cache, the one-process CLI's greedy text)."""
     env = _env({"MLX_DSV41_CACHE": str(tmp_path_factory.mktemp("demo_cache"))})
-    proc = subprocess.run([sys.executable, "-m", "mlx_dsv41.generate", *_CLI], env=env,
-                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_dsv41.generate", *_CLI],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, proc.stderr
     return env, proc.stdout
 
@@ -278,9 +306,23 @@ def test_cli_under_mlx_launch(demo_text, partition):
     """`mlx.launch --backend ring -n 2 python -m mlx_dsv41.generate ...` prints (on rank 0 only)
     exactly the one-process text."""
     env, single = demo_text
-    cmd = [sys.executable, "-c", _LAUNCH, "--backend", "ring", "-n", "2",
-           "--starting-port", str(_free_ports(1)[0]), sys.executable, "-m", "mlx_dsv41.generate",
-           *_CLI, "--moe-partition", partition]
+    cmd = [
+        sys.executable,
+        "-c",
+        _LAUNCH,
+        "--backend",
+        "ring",
+        "-n",
+        "2",
+        "--starting-port",
+        str(_free_ports(1)[0]),
+        sys.executable,
+        "-m",
+        "mlx_dsv41.generate",
+        *_CLI,
+        "--moe-partition",
+        partition,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert single.strip() and proc.stdout == single
@@ -306,11 +348,15 @@ def _all_fail_with(results, message: str) -> None:
 
 
 def test_partitions_must_agree(tmp_path, ckpt):
-    results = run_ranks(tmp_path, 2, lambda r: ["generate", ckpt, tmp_path / "o{rank}.npz",
-                                               "--partition", ("experts", "slots")[r]])
-    _all_fail_with(results, "DistributedError: ranks disagree on the moe partition "
-                            "(rank 0 'experts', rank 1 'slots'): launch every rank with the same "
-                            "--moe-partition")
+    results = run_ranks(
+        tmp_path, 2, lambda r: ["generate", ckpt, tmp_path / "o{rank}.npz", "--partition", ("experts", "slots")[r]]
+    )
+    _all_fail_with(
+        results,
+        "DistributedError: ranks disagree on the moe partition "
+        "(rank 0 'experts', rank 1 'slots'): launch every rank with the same "
+        "--moe-partition",
+    )
 
 
 def test_configs_must_agree(tmp_path, ckpt, other_ckpt):
@@ -320,11 +366,15 @@ def test_configs_must_agree(tmp_path, ckpt, other_ckpt):
 
 
 def test_each_rank_must_hold_its_share(tmp_path, ckpt):
-    results = run_ranks(tmp_path, 2, lambda r: ["generate", ckpt, tmp_path / "o{rank}.npz",
-                                               *(["--all-experts"] if r == 1 else [])])
-    _all_fail_with(results, "DistributedError: rank 1 of 2 ('experts' partition) must hold experts "
-                            "4..7 but its layers.0.ffn.experts holds 0..7: load with "
-                            "expert_range=distributed.expert_range(cluster, 8)")
+    results = run_ranks(
+        tmp_path, 2, lambda r: ["generate", ckpt, tmp_path / "o{rank}.npz", *(["--all-experts"] if r == 1 else [])]
+    )
+    _all_fail_with(
+        results,
+        "DistributedError: rank 1 of 2 ('experts' partition) must hold experts "
+        "4..7 but its layers.0.ffn.experts holds 0..7: load with "
+        "expert_range=distributed.expert_range(cluster, 8)",
+    )
 
 
 # ------------------------------------------------------------------------------- watchdog
@@ -369,8 +419,9 @@ def test_lost_peer_ends_the_survivor(tmp_path, ckpt, how):
         t0 = time.monotonic()
         os.kill(procs[1].pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         if how == "kill":  # at once: the side channel closes
-            _survivor_exits(procs[0], t0, 5.0, "rank 1 disconnected without finishing: its process "
-                                               "died or was killed", RING_LOST)
+            _survivor_exits(
+                procs[0], t0, 5.0, "rank 1 disconnected without finishing: its process died or was killed", RING_LOST
+            )
         else:  # frozen: silence for TIMEOUT, then one heartbeat interval
             _survivor_exits(procs[0], t0, TIMEOUT + 5.0, "rank 1 stopped answering: nothing heard for 3 s")
     finally:
@@ -380,11 +431,14 @@ def test_lost_peer_ends_the_survivor(tmp_path, ckpt, how):
             p.communicate()
 
 
-@pytest.mark.parametrize("act, message", [
-    ("stall", "rank 1 stopped making progress: it has built"),
-    ("fail", "rank 1 exited with an error (see its output)"),
-    ("exit", "rank 1 exited after"),
-])
+@pytest.mark.parametrize(
+    "act, message",
+    [
+        ("stall", "rank 1 stopped making progress: it has built"),
+        ("fail", "rank 1 exited with an error (see its output)"),
+        ("exit", "rank 1 exited after"),
+    ],
+)
 def test_misbehaving_peer_ends_the_survivor(tmp_path, ckpt, act, message):
     procs = _loop(tmp_path, ckpt, victim=1, at=3, act=act)
     try:

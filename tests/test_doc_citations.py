@@ -30,13 +30,17 @@ def _tree_files() -> list[Path]:
     """Every file of the tree: git's tracked and untracked-but-not-ignored files, or, without
     git, a walk that skips build outputs and environments."""
     try:
-        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                             capture_output=True, check=True).stdout
+        out = subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
+        ).stdout
         files = [ROOT / name for name in out.decode().split("\0") if name]
     except (OSError, subprocess.CalledProcessError):
-        files = [p for p in ROOT.rglob("*")
-                 if not SKIP_PARTS.intersection(p.relative_to(ROOT).parts)
-                 and not any(part.endswith(".egg-info") for part in p.parts)]
+        files = [
+            p
+            for p in ROOT.rglob("*")
+            if not SKIP_PARTS.intersection(p.relative_to(ROOT).parts)
+            and not any(part.endswith(".egg-info") for part in p.parts)
+        ]
     return sorted(p for p in files if p.is_file())
 
 

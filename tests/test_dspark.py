@@ -50,9 +50,17 @@ def model():
 
 
 def test_config_keys_and_when_drafting_is_refused():
-    flash = ModelArgs.from_dict({"text_config": {
-        "dspark_block_size": 5, "dspark_noise_token_id": 128799, "dspark_target_layer_ids": [37, 38, 39],
-        "dspark_n_routed_experts": 128, "dspark_num_experts_per_tok": 3}})
+    flash = ModelArgs.from_dict(
+        {
+            "text_config": {
+                "dspark_block_size": 5,
+                "dspark_noise_token_id": 128799,
+                "dspark_target_layer_ids": [37, 38, 39],
+                "dspark_n_routed_experts": 128,
+                "dspark_num_experts_per_tok": 3,
+            }
+        }
+    )
     assert flash.dspark_stages == 3 and flash.dspark_target_layer_ids == (37, 38, 39)
     stage = flash.dspark_stage_args()
     assert (stage.n_routed_experts, stage.num_experts_per_tok, stage.hidden_size) == (128, 3, 5120)
@@ -63,15 +71,20 @@ def test_config_keys_and_when_drafting_is_refused():
     assert ModelArgs.from_dict(json.loads(json.dumps(hf_config(ARGS)))) == ARGS
 
 
-@pytest.mark.parametrize("change,message", [
-    (dict(dspark_target_layer_ids=(5, 8)), "dspark_target_layer_ids: 8 is not a backbone layer"),
-    (dict(dspark_target_layer_ids=(1, 7)), "dspark_target_layer_ids: 1 is an Engram layer"),
-    (dict(dspark_target_layer_ids=(6, 6)), "dspark_target_layer_ids has duplicates"),
-    (dict(dspark_noise_token_id=160), "dspark_noise_token_id 160 is not a token id"),
-    (dict(dspark_num_experts_per_tok=5), "dspark_num_experts_per_tok must be in 1..dspark_n_routed_experts"),
-    (dict(compress_ratios=TINY["compress_ratios"][:8] + (0, 1, 0)),
-     "compress_ratios of the DSpark stages must be 0"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(dspark_target_layer_ids=(5, 8)), "dspark_target_layer_ids: 8 is not a backbone layer"),
+        (dict(dspark_target_layer_ids=(1, 7)), "dspark_target_layer_ids: 1 is an Engram layer"),
+        (dict(dspark_target_layer_ids=(6, 6)), "dspark_target_layer_ids has duplicates"),
+        (dict(dspark_noise_token_id=160), "dspark_noise_token_id 160 is not a token id"),
+        (dict(dspark_num_experts_per_tok=5), "dspark_num_experts_per_tok must be in 1..dspark_n_routed_experts"),
+        (
+            dict(compress_ratios=TINY["compress_ratios"][:8] + (0, 1, 0)),
+            "compress_ratios of the DSpark stages must be 0",
+        ),
+    ],
+)
 def test_bad_dspark_config_is_one_clear_error(change, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         tiny_args(**{**TINY_DSPARK, **change})
@@ -230,10 +243,13 @@ def test_a_checkpoint_without_mtp_loads_and_says_why_it_cannot_draft(tmp_path, w
     assert refused.mtp == [] and "dspark_noise_token_id" in refused.dspark_unavailable
 
 
-@pytest.mark.parametrize("edit,message", [
-    ("drop", "missing tensor mtp.1.attn.wkv.weight"),
-    ("shape", "mtp.0.main_proj.weight: expected shape [64, 192], got [64, 128]"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ("drop", "missing tensor mtp.1.attn.wkv.weight"),
+        ("shape", "mtp.0.main_proj.weight: expected shape [64, 192], got [64, 128]"),
+    ],
+)
 def test_broken_mtp_tensors_are_one_line_load_errors(tmp_path, weights, edit, message):
     broken = dict(weights)
     if edit == "drop":
@@ -268,8 +284,11 @@ def sources(tmp_path_factory):
 def _mtp_params(model) -> dict[str, np.ndarray]:
     from mlx.utils import tree_flatten
 
-    return {k: np.array(v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v)
-            for k, v in tree_flatten(model.parameters()) if k.startswith("mtp.")}
+    return {
+        k: np.array(v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v)
+        for k, v in tree_flatten(model.parameters())
+        if k.startswith("mtp.")
+    }
 
 
 def test_dspark_from_adds_the_official_draft_head_to_an_exl3_pack(sources, tmp_path):
@@ -277,8 +296,13 @@ def test_dspark_from_adds_the_official_draft_head_to_an_exl3_pack(sources, tmp_p
     block = json.loads((official / layout.CONFIG).read_text())[layout.BLOCK]
     assert block["formats"]["mtp.main_proj"] == ["mxfp8"] and block["formats"]["mtp.ffn.experts.w1"] == ["mxfp4"]
     assert block["formats"]["mtp.markov_head.head"] == ["bf16"]
-    out = convert_checkpoint(sources / "exl3", tmp_path / "exl3", engram_from=sources / "engram",
-                             dspark_from=sources / "dspark", progress=False)
+    out = convert_checkpoint(
+        sources / "exl3",
+        tmp_path / "exl3",
+        engram_from=sources / "engram",
+        dspark_from=sources / "dspark",
+        progress=False,
+    )
     block = json.loads((out / layout.CONFIG).read_text())[layout.BLOCK]
     assert block["dspark_source"]["path"] == str((sources / "dspark").resolve())
     assert block["formats"]["attn.wq_a"] == ["exl3"] and block["formats"]["mtp.attn.wq_a"] == ["mxfp8"]
@@ -314,20 +338,33 @@ def _bad_dspark_dir(sources, tmp_path, how):
     return bad
 
 
-@pytest.mark.parametrize("how,source,message", [
-    ("missing_shard", "exl3", "holding mtp."),
-    ("no_mtp", "exl3", "no DSpark tensors (mtp.*)"),
-    ("absent", "exl3", "no such file or directory"),
-    ("shape", "exl3", "mtp.0.attn_norm.weight: shape [32], expected [64]"),
-    ("ok", "official", "holds the DSpark tensors (mtp.*) itself; drop --dspark-from"),
-])
+@pytest.mark.parametrize(
+    "how,source,message",
+    [
+        ("missing_shard", "exl3", "holding mtp."),
+        ("no_mtp", "exl3", "no DSpark tensors (mtp.*)"),
+        ("absent", "exl3", "no such file or directory"),
+        ("shape", "exl3", "mtp.0.attn_norm.weight: shape [32], expected [64]"),
+        ("ok", "official", "holds the DSpark tensors (mtp.*) itself; drop --dspark-from"),
+    ],
+)
 def test_bad_dspark_from_is_one_line_and_writes_nothing(sources, tmp_path, how, source, message):
-    dspark = tmp_path / "absent" if how == "absent" else \
-        sources / "dspark" if how == "ok" else _bad_dspark_dir(sources, tmp_path, how)
+    dspark = (
+        tmp_path / "absent"
+        if how == "absent"
+        else sources / "dspark"
+        if how == "ok"
+        else _bad_dspark_dir(sources, tmp_path, how)
+    )
     out = tmp_path / "out"
     with pytest.raises(ConvertError) as e:
-        convert_checkpoint(sources / source, out, engram_from=sources / "engram" if source == "exl3" else None,
-                           dspark_from=dspark, progress=False)
+        convert_checkpoint(
+            sources / source,
+            out,
+            engram_from=sources / "engram" if source == "exl3" else None,
+            dspark_from=dspark,
+            progress=False,
+        )
     assert message in str(e.value) and "\n" not in str(e.value)
     assert not out.exists() and not is_converted(layout.partial_dir(out))
 

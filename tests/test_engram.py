@@ -49,10 +49,21 @@ def test_decode_rows_rejects_wrong_row_bytes():
 
 
 def _args():
-    return ModelArgs(hidden_size=48, hc_mult=4, engram_head_dim=HD, engram_n_heads=2,
-                     engram_max_ngram_size=3, num_hidden_layers=2, num_nextn_predict_layers=0,
-                     compress_ratios=(0, 0), kv_source_layer_ids=(), index_source_layer_ids=(),
-                     candidate_source_layer_id=-1, engram_layer_ids=(1,), engram_num_embeddings=(0,))
+    return ModelArgs(
+        hidden_size=48,
+        hc_mult=4,
+        engram_head_dim=HD,
+        engram_n_heads=2,
+        engram_max_ngram_size=3,
+        num_hidden_layers=2,
+        num_nextn_predict_layers=0,
+        compress_ratios=(0, 0),
+        kv_source_layer_ids=(),
+        index_source_layer_ids=(),
+        candidate_source_layer_id=-1,
+        engram_layer_ids=(1,),
+        engram_num_embeddings=(0,),
+    )
 
 
 def test_engram_matches_float64():

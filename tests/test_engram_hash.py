@@ -21,15 +21,21 @@ from mlx_dsv41.model.engram_hash import (
 # docs/model.md#engram-buckets, as the docs list them (Flash: layers 1 and 14; n = 2, 3, 4; 8
 # heads).
 FLASH_PRIMES = {
-    1: [[16000057, 16000079, 16000081, 16000097, 16000121, 16000129, 16000133, 16000183],
+    1: [
+        [16000057, 16000079, 16000081, 16000097, 16000121, 16000129, 16000133, 16000183],
         [16000189, 16000207, 16000211, 16000253, 16000277, 16000289, 16000307, 16000321],
-        [16000339, 16000381, 16000393, 16000399, 16000403, 16000409, 16000447, 16000463]],
-    14: [[16000477, 16000487, 16000499, 16000507, 16000511, 16000573, 16000609, 16000627],
-         [16000667, 16000669, 16000693, 16000697, 16000711, 16000729, 16000759, 16000769],
-         [16000781, 16000799, 16000813, 16000819, 16000841, 16000877, 16000879, 16000889]],
+        [16000339, 16000381, 16000393, 16000399, 16000403, 16000409, 16000447, 16000463],
+    ],
+    14: [
+        [16000477, 16000487, 16000499, 16000507, 16000511, 16000573, 16000609, 16000627],
+        [16000667, 16000669, 16000693, 16000697, 16000711, 16000729, 16000759, 16000769],
+        [16000781, 16000799, 16000813, 16000819, 16000841, 16000877, 16000879, 16000889],
+    ],
 }
-FLASH_MULTIPLIERS = {1: [76632096046245, 4839876093313, 35959672319349, 73987337458391],
-                     14: [67716810739261, 51510806800915, 30921347202721, 82619226485591]}
+FLASH_MULTIPLIERS = {
+    1: [76632096046245, 4839876093313, 35959672319349, 73987337458391],
+    14: [67716810739261, 51510806800915, 30921347202721, 82619226485591],
+}
 
 
 def _flash_layout():
@@ -73,11 +79,21 @@ def test_flash_hash_test_vector():
 
 def test_prime_search_restarts_per_n_with_a_global_seen_set():
     # Tiny geometry where the restart matters: each n restarts at 49 and must skip used primes.
-    args = ModelArgs(engram_vocab_size=50, engram_n_heads=3, engram_max_ngram_size=3,
-                     engram_layer_ids=(0, 1), engram_num_embeddings=(0, 0),
-                     num_hidden_layers=2, num_nextn_predict_layers=0, compress_ratios=(0, 0),
-                     kv_source_layer_ids=(), index_source_layer_ids=(), candidate_source_layer_id=-1,
-                     engram_compressed_vocab_size=10, vocab_size=64)
+    args = ModelArgs(
+        engram_vocab_size=50,
+        engram_n_heads=3,
+        engram_max_ngram_size=3,
+        engram_layer_ids=(0, 1),
+        engram_num_embeddings=(0, 0),
+        num_hidden_layers=2,
+        num_nextn_predict_layers=0,
+        compress_ratios=(0, 0),
+        kv_source_layer_ids=(),
+        index_source_layer_ids=(),
+        candidate_source_layer_id=-1,
+        engram_compressed_vocab_size=10,
+        vocab_size=64,
+    )
     primes = bucket_primes(args)
     expected, seen = [], set()
     for _ in range(2):
@@ -94,8 +110,11 @@ def test_prime_search_restarts_per_n_with_a_global_seen_set():
 
 def test_num_embeddings_mismatch_is_a_clear_error():
     args = ModelArgs(engram_num_embeddings=(384006168, 384016681))
-    with pytest.raises(ConfigError, match=r"layer 14: the bucket primes sum to 384016682 rows but "
-                                          r"engram_num_embeddings\[1\] is 384016681"):
+    with pytest.raises(
+        ConfigError,
+        match=r"layer 14: the bucket primes sum to 384016682 rows but "
+        r"engram_num_embeddings\[1\] is 384016681",
+    ):
         EngramHashLayout.from_args(args, CompressedTokenMap(np.arange(args.vocab_size), 99092))
     with pytest.raises(ConfigError, match="99091 compressed ids"):
         EngramHashLayout.from_args(ModelArgs(), CompressedTokenMap(np.arange(10), 99091))
@@ -126,8 +145,7 @@ def test_hash_matches_scalar_transcription_across_calls_with_dead_tokens():
     seq[0, 5] = DEAD
     seq[1, [0, 12, 13]] = DEAD
     seq[1, 7] = layout.pad_id  # a real pad token does NOT stop the look-back
-    ref = np.array([[[_scalar_hash(layout, li, seq[b], t) for li in range(2)] for t in range(23)]
-                    for b in range(2)])
+    ref = np.array([[[_scalar_hash(layout, li, seq[b], t) for li in range(2)] for t in range(23)] for b in range(2)])
     # All at once, and split over calls with the history carried explicitly.
     assert np.array_equal(layout.row_ids(seq, np.full((2, 3), DEAD)), ref)
     hist, parts = np.full((2, 3), DEAD), []
@@ -174,8 +192,26 @@ def _oracle_key(raw_token):
     return t or text
 
 
-_WORDS = ["Hello", "hello", " Hello", "HELLO", "Héllo", " ", "  ", "\n", "\t \n", "\ufb01", "fi",
-          "\u0301", "a\u0301", "á", " the", "The", "x  y", "\u3000z"]
+_WORDS = [
+    "Hello",
+    "hello",
+    " Hello",
+    "HELLO",
+    "Héllo",
+    " ",
+    "  ",
+    "\n",
+    "\t \n",
+    "\ufb01",
+    "fi",
+    "\u0301",
+    "a\u0301",
+    "á",
+    " the",
+    "The",
+    "x  y",
+    "\u3000z",
+]
 
 
 def _tokenizer():
@@ -209,8 +245,9 @@ def test_token_map_matches_independent_normalizer():
 def test_token_map_size_check_and_json_cache(tmp_path, monkeypatch):
     tok, raw = _tokenizer()
     size = len(set(_oracle_key(r) for r in raw))
-    with pytest.raises(ConfigError, match=f"gives {size} compressed Engram token ids but "
-                                          f"engram_compressed_vocab_size is {size + 1}"):
+    with pytest.raises(
+        ConfigError, match=f"gives {size} compressed Engram token ids but engram_compressed_vocab_size is {size + 1}"
+    ):
         CompressedTokenMap.from_tokenizer(tok, expected_size=size + 1)
 
     path = tmp_path / "tokenizer.json"

@@ -39,12 +39,24 @@ def expected_file(values, scales, layer_id, chunk_rows=CHUNK) -> bytes:
     """The row file built independently from the format description in engram_store's docstring."""
     rows = np.concatenate([values, scales], axis=1)
     n_chunks = -(-len(rows) // chunk_rows)
-    digests = b"".join(hashlib.sha256(rows[k * chunk_rows:(k + 1) * chunk_rows].tobytes()).digest()
-                       for k in range(n_chunks))
+    digests = b"".join(
+        hashlib.sha256(rows[k * chunk_rows : (k + 1) * chunk_rows].tobytes()).digest() for k in range(n_chunks)
+    )
     data_offset = -(-(128 + 32 * n_chunks) // 16384) * 16384
-    prefix = struct.pack("<8sIIQIIQQQQ32s", b"DSV41ENG", 1, layer_id, len(rows), values.shape[1],
-                         rows.shape[1], data_offset, chunk_rows, n_chunks, n_chunks,
-                         hashlib.sha256(digests).digest())
+    prefix = struct.pack(
+        "<8sIIQIIQQQQ32s",
+        b"DSV41ENG",
+        1,
+        layer_id,
+        len(rows),
+        values.shape[1],
+        rows.shape[1],
+        data_offset,
+        chunk_rows,
+        n_chunks,
+        n_chunks,
+        hashlib.sha256(digests).digest(),
+    )
     header = prefix + hashlib.sha256(prefix + digests).digest() + digests
     return header + bytes(data_offset - len(header)) + rows.tobytes()
 
@@ -71,8 +83,14 @@ def test_file_layout_matches_the_format(tmp_path):
     values, scales = engram_table(1)
     out = tmp_path / "l1.rows"
     progress = []
-    status = write_engram_rows(table_from_arrays(values, scales), out, 1, ROWS, chunk_rows=CHUNK,
-                               progress=lambda done, total: progress.append((done, total)))
+    status = write_engram_rows(
+        table_from_arrays(values, scales),
+        out,
+        1,
+        ROWS,
+        chunk_rows=CHUNK,
+        progress=lambda done, total: progress.append((done, total)),
+    )
     assert status == "written"
     data = out.read_bytes()
     assert data == expected_file(values, scales, 1)
@@ -116,8 +134,11 @@ def test_from_safetensors_equals_from_arrays(tmp_path):
 def test_bad_sources(tmp_path):
     values, scales = engram_table(4)
     table = table_from_arrays(values, scales)
-    with pytest.raises(EngramStoreError, match=r"5000 rows but the config's engram_num_embeddings for "
-                                                r"layer 1 is 384006168.*model-00047-of-00048"):
+    with pytest.raises(
+        EngramStoreError,
+        match=r"5000 rows but the config's engram_num_embeddings for "
+        r"layer 1 is 384006168.*model-00047-of-00048",
+    ):
         write_engram_rows(table, tmp_path / "x.rows", 1, 384006168)
     with pytest.raises(EngramStoreError, match="does not exist"):
         write_engram_rows(table, tmp_path / "nodir" / "x.rows", 1, ROWS)
@@ -128,16 +149,29 @@ def test_bad_sources(tmp_path):
 
     shard = official_shard(tmp_path, 14, values, scales)
     with SafetensorsCheckpoint(shard) as ckpt:
-        with pytest.raises(EngramStoreError, match=r"no layers.1.engram.embed.weight.*model-00047-of-00048 "
-                                                    r"and model-00048-of-00048"):
+        with pytest.raises(
+            EngramStoreError,
+            match=r"no layers.1.engram.embed.weight.*model-00047-of-00048 "
+            r"and model-00048-of-00048",
+        ):
             table_from_checkpoint(ckpt, 1)
-    save_safetensors(shard, {"layers.1.engram.embed.weight": ("U8", values),
-                             "layers.1.engram.embed.scale": ("F8_E8M0", scales.view(ml_dtypes.float8_e8m0fnu))})
+    save_safetensors(
+        shard,
+        {
+            "layers.1.engram.embed.weight": ("U8", values),
+            "layers.1.engram.embed.scale": ("F8_E8M0", scales.view(ml_dtypes.float8_e8m0fnu)),
+        },
+    )
     with SafetensorsCheckpoint(shard) as ckpt:
         with pytest.raises(SafetensorsError, match="is U8 and .* is F8_E8M0, expected F8_E4M3 and F8_E8M0"):
             table_from_checkpoint(ckpt, 1)
-    save_safetensors(shard, {"layers.1.engram.embed.weight": ("F8_E4M3", values.view(ml_dtypes.float8_e4m3fn)),
-                             "layers.1.engram.embed.scale": ("F8_E8M0", scales[:10].view(ml_dtypes.float8_e8m0fnu))})
+    save_safetensors(
+        shard,
+        {
+            "layers.1.engram.embed.weight": ("F8_E4M3", values.view(ml_dtypes.float8_e4m3fn)),
+            "layers.1.engram.embed.scale": ("F8_E8M0", scales[:10].view(ml_dtypes.float8_e8m0fnu)),
+        },
+    )
     with SafetensorsCheckpoint(shard) as ckpt:
         with pytest.raises(SafetensorsError, match=r"\[5000, 256\] and .* \[10, 8\] are not"):
             table_from_checkpoint(ckpt, 1)
@@ -159,7 +193,8 @@ def test_interrupted_write_resumes_without_redoing_chunks(tmp_path):
     assert write_engram_rows(second.table(), out, 1, ROWS, chunk_rows=CHUNK) == "resumed"
     # chunk 0 and chunk 3 are re-read to check the source and the last write, then chunks 4..9
     assert second.reads == [(0, CHUNK), (3 * CHUNK, 4 * CHUNK)] + [
-        (k * CHUNK, min(ROWS, (k + 1) * CHUNK)) for k in range(4, 10)]
+        (k * CHUNK, min(ROWS, (k + 1) * CHUNK)) for k in range(4, 10)
+    ]
     assert out.read_bytes() == expected_file(values, scales, 1) and not partial.exists()
 
 

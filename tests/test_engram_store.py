@@ -25,8 +25,7 @@ def table():
 @pytest.fixture(scope="module")
 def row_file(tmp_path_factory, table):
     path = tmp_path_factory.mktemp("engram") / row_file_name(1)
-    write_engram_rows(table_from_arrays(table[:, :HEAD_DIM], table[:, HEAD_DIM:]), path, 1, ROWS,
-                      chunk_rows=CHUNK)
+    write_engram_rows(table_from_arrays(table[:, :HEAD_DIM], table[:, HEAD_DIM:]), path, 1, ROWS, chunk_rows=CHUNK)
     return path
 
 
@@ -44,8 +43,9 @@ def token_ids(rng, n_tokens=3, per_token=24):
 @pytest.mark.parametrize("threads", [1, 4])
 def test_rows_equal_the_source_and_duplicates_are_read_once(row_file, table, mode, threads):
     rng = np.random.default_rng(threads)
-    with EngramStore(row_file, mode=mode, threads=threads, rows_per_task=3,
-                     expected_rows=ROWS, layer_id=1, head_dim=HEAD_DIM) as store:
+    with EngramStore(
+        row_file, mode=mode, threads=threads, rows_per_task=3, expected_rows=ROWS, layer_id=1, head_dim=HEAD_DIM
+    ) as store:
         assert store.mode == ("pread" if mode == "auto" else mode)
         fetched = 0
         for _ in range(4):
@@ -159,7 +159,7 @@ def test_bad_requests(row_file):
 
 def _corrupt(src, dst, offset, data: bytes):
     blob = bytearray(src.read_bytes())
-    blob[offset:offset + len(data)] = data
+    blob[offset : offset + len(data)] = data
     dst.write_bytes(bytes(blob))
 
 
@@ -167,7 +167,7 @@ def _rehash_header(src, dst, offset, data: bytes):
     """Change a header field and recompute the header checksum, as a buggy writer would."""
     _corrupt(src, dst, offset, data)
     blob = bytearray(dst.read_bytes())
-    table = bytes(blob[128:128 + 32 * (ROWS // CHUNK + 1)])
+    table = bytes(blob[128 : 128 + 32 * (ROWS // CHUNK + 1)])
     blob[96:128] = hashlib.sha256(bytes(blob[:96]) + table).digest()
     dst.write_bytes(bytes(blob))
 
@@ -177,18 +177,37 @@ def test_bad_files(row_file, tmp_path):
     size = row_file.stat().st_size
     cases = [
         (lambda: _corrupt(row_file, bad, 0, b"NOTENGRM"), {}, r"not an Engram row file \(magic b'NOTENGRM'"),
-        (lambda: _corrupt(row_file, bad, 8, (2).to_bytes(4, "little")), {}, r"format version 2; this reader knows version 1"),
-        (lambda: _corrupt(row_file, bad, 28, (300).to_bytes(4, "little")), {}, r"row bytes 300 do not fit head_dim 256"),
+        (
+            lambda: _corrupt(row_file, bad, 8, (2).to_bytes(4, "little")),
+            {},
+            r"format version 2; this reader knows version 1",
+        ),
+        (
+            lambda: _corrupt(row_file, bad, 28, (300).to_bytes(4, "little")),
+            {},
+            r"row bytes 300 do not fit head_dim 256",
+        ),
         (lambda: _corrupt(row_file, bad, 12, (14).to_bytes(4, "little")), {}, r"header checksum mismatch"),
         (lambda: _corrupt(row_file, bad, 64, b"\x00"), {}, r"header checksum mismatch"),
         (lambda: _rehash_header(row_file, bad, 64, b"\x00"), {}, r"data checksum does not match the chunk table"),
-        (lambda: bad.write_bytes(row_file.read_bytes()[: size - 1]), {}, rf"truncated: {size - 1} bytes, the header needs {size}"),
+        (
+            lambda: bad.write_bytes(row_file.read_bytes()[: size - 1]),
+            {},
+            rf"truncated: {size - 1} bytes, the header needs {size}",
+        ),
         (lambda: bad.write_bytes(row_file.read_bytes() + b"\x00"), {}, r"1 trailing bytes after the last row"),
         (lambda: bad.write_bytes(row_file.read_bytes()[:100]), {}, r"100 bytes is too short"),
-        (lambda: bad.write_bytes(row_file.read_bytes()), {"expected_rows": 384006168},
-         r"5000 rows but the config's engram_num_embeddings for layer 1 is 384006168 .*model-00047-of-00048"),
+        (
+            lambda: bad.write_bytes(row_file.read_bytes()),
+            {"expected_rows": 384006168},
+            r"5000 rows but the config's engram_num_embeddings for layer 1 is 384006168 .*model-00047-of-00048",
+        ),
         (lambda: bad.write_bytes(row_file.read_bytes()), {"layer_id": 14}, r"holds Engram layer 1, expected layer 14"),
-        (lambda: bad.write_bytes(row_file.read_bytes()), {"head_dim": 512}, r"rows of 264 bytes \(head_dim 256\), the config needs 528"),
+        (
+            lambda: bad.write_bytes(row_file.read_bytes()),
+            {"head_dim": 512},
+            r"rows of 264 bytes \(head_dim 256\), the config needs 528",
+        ),
     ]
     for make, kwargs, message in cases:
         make()
@@ -204,7 +223,9 @@ def test_verify_finds_damaged_rows(row_file, tmp_path):
     row = 3 * CHUNK + 17  # in chunk 3
     _corrupt(row_file, bad, 16384 + row * ROW_BYTES + 260, b"\xff")  # a scale byte
     with EngramStore(bad) as store:  # opening checks the header only
-        with pytest.raises(EngramStoreError, match=rf"rows {3 * CHUNK}..{4 * CHUNK - 1} \(chunk 3\) fail their checksum"):
+        with pytest.raises(
+            EngramStoreError, match=rf"rows {3 * CHUNK}..{4 * CHUNK - 1} \(chunk 3\) fail their checksum"
+        ):
             store.verify()
     with pytest.raises(EngramStoreError, match=r"\(chunk 3\) fail their checksum"):
         EngramStore(bad, verify=True)

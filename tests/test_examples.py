@@ -20,8 +20,14 @@ import mlx_dsv41
 
 
 def run(env, script, *args):
-    r = subprocess.run([sys.executable, str(REPO / "examples" / script), *args], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "examples" / script), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "SYNTHETIC" in r.stderr  # the demo says what it is
     return r.stdout
@@ -98,15 +104,15 @@ def test_engram_inspect_shows_the_model_rows_and_gates(env, loaded, examples, tm
     heads, sizes = model.args.engram_n_heads, model.args.engram_ngram_sizes
     for li, layer in enumerate(model.args.engram_layer_ids):
         section = out.split(f"== Engram layer {layer}:")[1].split("== Engram layer")[0]
-        table = re.findall(r"^\s+(\d+)\s+'.*?'\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+((?:[\d.]+ ?){4})$",
-                           section, re.M)
+        table = re.findall(r"^\s+(\d+)\s+'.*?'\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+((?:[\d.]+ ?){4})$", section, re.M)
         assert len(table) == len(ids)
         lines = [line for line in section.splitlines() if re.match(r"^\s+\d+\s+'", line)][: len(ids)]
         gate_column = {width(line[: line.rindex("  ") + 2]) for line in lines}  # where the gates start
         assert len(gate_column) == 1, lines  # the columns line up (wide characters count twice)
         for t, *cells, gates in table:
-            want = [",".join(str(int(r)) for r in rows[int(t), li, k * heads:(k + 1) * heads])
-                    for k in range(len(sizes))]
+            want = [
+                ",".join(str(int(r)) for r in rows[int(t), li, k * heads : (k + 1) * heads]) for k in range(len(sizes))
+            ]
             assert cells == want
             assert all(0 < float(g) < 1 for g in gates.split())
         assert int(re.search(r"hit again: (\d+)", section).group(1)) > 0  # "The cat sat" twice
@@ -119,8 +125,16 @@ def test_engram_inspect_shows_the_model_rows_and_gates(env, loaded, examples, tm
 
 
 def test_expert_routing_counts_every_pick(env, loaded, examples, tmp_path):
-    out = run(env, "expert_routing.py", "--json", str(tmp_path / "counts.json"), "--show", "4",
-              "--png", str(tmp_path / "routing.png"))
+    out = run(
+        env,
+        "expert_routing.py",
+        "--json",
+        str(tmp_path / "counts.json"),
+        "--show",
+        "4",
+        "--png",
+        str(tmp_path / "routing.png"),
+    )
     data = json.loads((tmp_path / "counts.json").read_text())
     args = loaded[0].args
     counts = np.array(data["counts"])
@@ -135,8 +149,14 @@ def test_expert_routing_counts_every_pick(env, loaded, examples, tmp_path):
 
 def test_a_bad_model_is_one_line(env, tmp_path):
     """(Every example loads through common.load.)"""
-    r = subprocess.run([sys.executable, str(REPO / "examples" / "perplexity.py"), "--model", str(tmp_path / "nothing")],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "perplexity.py"), "--model", str(tmp_path / "nothing")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr == f"error: {tmp_path / 'nothing'}: no such directory\n"
 
@@ -145,7 +165,13 @@ def test_png_without_matplotlib_is_one_line_before_any_work(env, tmp_path):
     """A matplotlib that fails to import stands in for a missing one."""
     (tmp_path / "matplotlib").mkdir()
     (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
-    r = subprocess.run([sys.executable, str(REPO / "examples" / "expert_routing.py"), "--png", "x.png"], cwd=REPO,
-                       env={**env, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "expert_routing.py"), "--png", "x.png"],
+        cwd=REPO,
+        env={**env, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.startswith("error: --png needs matplotlib") and r.stderr.count("\n") == 1

@@ -19,9 +19,12 @@ FIXTURE_SHA256 = "1d8b80cc288eaeed1597d668866c578d19fcbaf78101fbd64b6dc55feb8051
 # docs/exl3.md#fixture: relative Frobenius error of the decoded W against W0 (the quantization
 # error).
 FIXTURE_TAGS = {
-    "K2_mul1_fb": ("mul1", 0.26), "K2_mul1_cal": ("mul1", 0.26),
-    "K3_mul1_fb": ("mul1", 0.13), "K3_mul1_cal": ("mul1", 0.13),
-    "K4_mcg_fb": ("mcg", 0.067), "K4_mcg_cal": ("mcg", 0.067),
+    "K2_mul1_fb": ("mul1", 0.26),
+    "K2_mul1_cal": ("mul1", 0.26),
+    "K3_mul1_fb": ("mul1", 0.13),
+    "K3_mul1_cal": ("mul1", 0.13),
+    "K4_mcg_fb": ("mcg", 0.067),
+    "K4_mcg_cal": ("mcg", 0.067),
 }
 ALL_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 HALF_BITS = (1.5, 2.5, 3.5)
@@ -33,8 +36,12 @@ LUT_SHA256 = {
     "mul1": "bc48d02cb1c14939dc47b90f870dd689d63e3b1ab69a157e65538db68677a6c8",
 }
 KNOWN_VALUES = {  # state -> (3inst, mcg, mul1) fp16 bits
-    0x0000: (0x3A25, 0x3F60, 0xC2E8), 0x0001: (0xBB5B, 0x304E, 0x3921), 0x0002: (0x3B74, 0xBA13, 0xB72D),
-    0x1234: (0xC066, 0x3E0F, 0xB89E), 0x8000: (0xB7F8, 0xB915, 0xBAF2), 0xFFFF: (0xB110, 0x3ACD, 0xB936),
+    0x0000: (0x3A25, 0x3F60, 0xC2E8),
+    0x0001: (0xBB5B, 0x304E, 0x3921),
+    0x0002: (0x3B74, 0xBA13, 0xB72D),
+    0x1234: (0xC066, 0x3E0F, 0xB89E),
+    0x8000: (0xB7F8, 0xB915, 0xBAF2),
+    0xFFFF: (0xB110, 0x3ACD, 0xB936),
 }
 CODEBOOK_STATS = {"3inst": (1.243711, 10598), "mcg": (1.244112, 10746), "mul1": (1.000310, 913)}
 
@@ -165,7 +172,9 @@ def test_fixture_decodes_to_w0(fixture, tag):
     ours = np.array(reconstruct(mx.array(trellis), codebook))
     assert np.array_equal(ours.view(np.uint16), exl3_numpy.reconstruct(trellis, codebook).view(np.uint16))
     w0 = fixture[f"{tag}.W0"].astype(np.float64)
-    w = np.array(dequantize(mx.array(trellis), mx.array(fixture[f"{tag}.suh"]), mx.array(fixture[f"{tag}.svh"]), codebook))
+    w = np.array(
+        dequantize(mx.array(trellis), mx.array(fixture[f"{tag}.suh"]), mx.array(fixture[f"{tag}.svh"]), codebook)
+    )
     w64 = exl3_numpy.dequantize(trellis, fixture[f"{tag}.suh"], fixture[f"{tag}.svh"], codebook)
     assert np.abs(w - w64).max() <= 1e-6 * np.abs(w64).max()  # float32 transforms vs float64
     rel = np.linalg.norm(w64 - w0) / np.linalg.norm(w0)

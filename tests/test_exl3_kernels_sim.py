@@ -82,8 +82,13 @@ GEMV_CASES = [
 def gemv_case(i):
     m, in_f, out_f, bits, codebook, dtype, out_dtype, splits, tuning, bias = GEMV_CASES[i]
     t = random_linear_tensors(in_f, out_f, bits, codebook, seed=10 + i, bias=bias)
-    args = (mx.array(t["trellis"]), mx.array(t["suh"]), mx.array(t["svh"]), codebook,
-            mx.array(t["bias"]) if bias else None)
+    args = (
+        mx.array(t["trellis"]),
+        mx.array(t["suh"]),
+        mx.array(t["svh"]),
+        codebook,
+        mx.array(t["bias"]) if bias else None,
+    )
     x = (mx.random.normal((m, in_f), key=mx.random.key(i)) * 2).astype(dtype)
     calls = launch.gemv_args(x, *args[:4], args[4], out_dtype, splits=splits, tuning=tuning, guard_rows=2)
     return x, args, out_dtype, calls
@@ -97,7 +102,9 @@ def gemv_runs(request):
         specs.append((launch.GEMV, calls[0]))
         if len(calls) == 2:
             partial_shape = calls[0]["output_shapes"][0]
-            specs.append((launch.GEMV_OUT, with_input(calls[1], 0, mx.zeros((partial_shape[0] - 2, *partial_shape[1:])))))
+            specs.append(
+                (launch.GEMV_OUT, with_input(calls[1], 0, mx.zeros((partial_shape[0] - 2, *partial_shape[1:]))))
+            )
     program = exl3_sim.build(specs, mma=request.param)
     runs, spec = [], 0
     for x, args, out_dtype, calls in cases:
@@ -161,7 +168,10 @@ def test_launch_plans():
     assert launch.dense_plan(18, 40, t) == (6, 3)  # expert w2 2304x5120
     assert launch.dense_plan(40, 18, t) == (14, 3)  # expert w1/w3 5120x2304
     assert launch.dense_plan(32, 8, t) == (32, 1)  # wo_a group 4096x1024
-    assert launch.dense_plan(40, 4, launch.Tuning(warps=16, dense_split_warps=640)) == (10, 4)  # SIMD groups, not threadgroups
+    assert launch.dense_plan(40, 4, launch.Tuning(warps=16, dense_split_warps=640)) == (
+        10,
+        4,
+    )  # SIMD groups, not threadgroups
     for warps, nc in ((16, 8), (2, 4), (8, 3)):
         with pytest.raises(ValueError, match=f"warps {warps} x nc {nc}"):
             launch.Tuning(warps=warps, nc=nc)
@@ -182,8 +192,16 @@ def test_launch_plans():
 
 EXPERT_CASES = [
     # hidden, inter, bits, codebook, expert_range, T, top_k, tuning (None: the default)
-    (256, 384, {"w1": (3, 2), "w3": 3, "w2": (2, 3, 4)}, "mul1", (1, 5), 2, 3,
-     T(gate_up_warps=16, nc=2, down_warps=4, gate_up_split_warps=8, down_split_warps=8)),
+    (
+        256,
+        384,
+        {"w1": (3, 2), "w3": 3, "w2": (2, 3, 4)},
+        "mul1",
+        (1, 5),
+        2,
+        3,
+        T(gate_up_warps=16, nc=2, down_warps=4, gate_up_split_warps=8, down_split_warps=8),
+    ),
     (200, 300, {"w1": 2.5, "w3": 2.5, "w2": 4}, {"w1": "mul1", "w3": "mul1", "w2": ("mcg", "3inst")}, None, 1, 6, None),
 ]
 
@@ -231,7 +249,9 @@ def expert_runs(request):
     for ex, x, indices, weights, gu_calls, swiglu, down_calls, finish in cases:
         gu = None
         for call in gu_calls:
-            out = program.run(spec, call if gu is None else with_input(call, "prev", mx.array(gu), launch.EXPERT_GATE_UP))[0]
+            out = program.run(
+                spec, call if gu is None else with_input(call, "prev", mx.array(gu), launch.EXPERT_GATE_UP)
+            )[0]
             spec += 1
             assert np.all(np.isnan(out[-1])) and not np.any(np.isnan(out[:-1]))  # guard; all written
             gu = out[:-1]
@@ -269,7 +289,10 @@ def test_launch_constants_are_template_values():
     gu = launch.gate_up_args(x, indices, ex.w1, ex.w3, key, 1)
     splits, per_split = launch.expert_plan(ex.w1)
     assert {k: v for k, v in gu["template"] if k in ("LO", "PER_SPLIT", "SPLITS")} == {
-        "LO": 1, "PER_SPLIT": per_split, "SPLITS": splits}
+        "LO": 1,
+        "PER_SPLIT": per_split,
+        "SPLITS": splits,
+    }
     partial = mx.zeros(gu["output_shapes"][0], mx.float32)
     for limit, bits in ((10.0, 0x41200000), (0.0, 0), (-1.0, 0), (-0.0, 0)):
         mid = dict(launch.swiglu_args(partial, weights, indices, ex.w1, ex.w3, ex.w2, 1, limit)["template"])
@@ -298,8 +321,11 @@ def test_experts_match_reference(expert_runs, case):
     assert n_gate_up + n_down > 2  # mixed groups are exercised
     T, top_k = indices.shape
     y = y[:, : ex.w2.out_features].reshape(T, top_k, -1)
-    want = np.array(reference.experts_by_expert(x, indices, weights, ex.w1, ex.w3, ex.w2, ex.expert_range,
-                                                ex.swiglu_limit, reference.linear))
+    want = np.array(
+        reference.experts_by_expert(
+            x, indices, weights, ex.w1, ex.w3, ex.w2, ex.expert_range, ex.swiglu_limit, reference.linear
+        )
+    )
     lo, hi = ex.expert_range
     idx = np.array(indices)
     outside = (idx < lo) | (idx >= hi)
@@ -320,9 +346,13 @@ def grouped_run(request):
     from mlx_dsv41.exl3.stored import linear_tensors
 
     bits = (3, 2, 3, 4)
-    slices = [linear_tensors({k: mx.array(v) for k, v in random_linear_tensors(300, 200, b, "mul1", seed=40 + g,
-                                                                            prefix="s").items()}, "s")
-              for g, b in enumerate(bits)]
+    slices = [
+        linear_tensors(
+            {k: mx.array(v) for k, v in random_linear_tensors(300, 200, b, "mul1", seed=40 + g, prefix="s").items()},
+            "s",
+        )
+        for g, b in enumerate(bits)
+    ]
     layer = EXL3GroupedLinear.from_slices(slices, 300, 200)
     T, G = 3, len(bits)
     x = mx.array(np.random.default_rng(5).normal(0, 2, (T, G, 300)).astype(np.float32)).astype(mx.bfloat16)
@@ -348,7 +378,9 @@ def grouped_run(request):
         out = program.run(i, call)[0]
         assert np.all(np.isnan(out[-1])) and not np.any(np.isnan(out[:-1]))
         partial = out[:-1]
-    y = program.run(len(calls) - 1, with_input(calls[-1][1], "partial", mx.array(partial), launch.EXPERT_DOWN_FINISH))[0]
+    y = program.run(len(calls) - 1, with_input(calls[-1][1], "partial", mx.array(partial), launch.EXPERT_DOWN_FINISH))[
+        0
+    ]
     assert np.all(np.isnan(y[-1]))
     return layer, x, y[:-1, :200].reshape(T, G, 200), len(proj.groups)
 
@@ -360,6 +392,13 @@ def test_grouped_linear_matches_each_group_alone(grouped_run):
     for g in range(x.shape[1]):
         want = np.array(reference.linear(x[:, g], *layer.proj.expert(g), out_features=200).astype(mx.float32))
         assert rel_err(y[:, g], want) < 1e-3 + 2**-8
-    assert np.array_equal(np.array(layer(x).astype(mx.float32)),  # the CPU path is the reference itself
-                          np.stack([np.array(reference.linear(x[:, g], *layer.proj.expert(g), out_features=200)
-                                             .astype(mx.float32)) for g in range(x.shape[1])], axis=1))
+    assert np.array_equal(
+        np.array(layer(x).astype(mx.float32)),  # the CPU path is the reference itself
+        np.stack(
+            [
+                np.array(reference.linear(x[:, g], *layer.proj.expert(g), out_features=200).astype(mx.float32))
+                for g in range(x.shape[1])
+            ],
+            axis=1,
+        ),
+    )

@@ -28,7 +28,7 @@ MUL1_MARKER, MCG_MARKER = -2082680531, -877912083
 
 
 def linear_f64(tensors, x, in_features, out_features, prefix="p"):
-    t = {k[len(prefix) + 1:]: v for k, v in tensors.items()}
+    t = {k[len(prefix) + 1 :]: v for k, v in tensors.items()}
     codebook = codebook_from_markers(tensors, prefix)
     w = exl3_numpy.dequantize(t["trellis"], t["suh"], t["svh"], codebook)[:in_features, :out_features]
     y = np.asarray(x, np.float64) @ w
@@ -122,15 +122,18 @@ def test_shape_errors():
     with pytest.raises(ValueError, match="suh/svh"):
         EXL3Linear.from_stored(dict(t, **{"p.suh": np.zeros(128, np.float16)}), "p")
     with pytest.raises(ValueError, match="multiples of 128"):
-        EXL3Linear.from_stored(dict(t, **{"p.trellis": np.zeros((4, 16, 48), np.int16),
-                                          "p.suh": np.zeros(64, np.float16)}), "p")
+        EXL3Linear.from_stored(
+            dict(t, **{"p.trellis": np.zeros((4, 16, 48), np.int16), "p.suh": np.zeros(64, np.float16)}), "p"
+        )
     with pytest.raises(ValueError, match="do not pad"):
         EXL3Linear.from_stored(t, "p", in_features=100)
     with pytest.raises(ValueError, match="int16"):
         EXL3Linear.from_stored(dict(t, **{"p.trellis": t["p.trellis"].astype(np.int32)}), "p")
     half_mcg = random_linear_tensors(128, 128, 2.5, "mul1", prefix="q")
-    half_mcg = {("q.mcg" if k == "q.mul1" else k): (np.array(MCG_MARKER, np.int32) if k == "q.mul1" else v)
-                for k, v in half_mcg.items()}
+    half_mcg = {
+        ("q.mcg" if k == "q.mul1" else k): (np.array(MCG_MARKER, np.int32) if k == "q.mul1" else v)
+        for k, v in half_mcg.items()
+    }
     with pytest.raises(ValueError, match="half-integer"):
         EXL3Linear.from_stored(half_mcg, "q")
     with pytest.raises(KeyError, match="no .svh"):
@@ -167,8 +170,9 @@ def experts_f64(tensors, prefix, x, indices, weights, hidden, inter, limit, lo, 
     def w(e, proj, d_in, d_out):
         if (e, proj) not in cache:
             p = f"{prefix}.{e}.{proj}"
-            w = exl3_numpy.dequantize(tensors[f"{p}.trellis"], tensors[f"{p}.suh"], tensors[f"{p}.svh"],
-                                      codebook_from_markers(tensors, p))
+            w = exl3_numpy.dequantize(
+                tensors[f"{p}.trellis"], tensors[f"{p}.suh"], tensors[f"{p}.svh"], codebook_from_markers(tensors, p)
+            )
             cache[e, proj] = w[:d_in, :d_out]
         return cache[e, proj]
 
@@ -206,8 +210,18 @@ def test_experts_vs_float64(hidden, inter, bits, codebook, expert_range):
     y = ex(x_mx, mx.array(indices), mx.array(weights))
     assert y.dtype == mx.float32 and y.shape == (T, top_k, hidden)
     y = np.array(y)
-    y64 = experts_f64(tensors, "ffn.experts", np.array(x_mx.astype(mx.float32)).astype(np.float64),
-                      indices, weights, hidden, inter, 10.0, lo, hi)
+    y64 = experts_f64(
+        tensors,
+        "ffn.experts",
+        np.array(x_mx.astype(mx.float32)).astype(np.float64),
+        indices,
+        weights,
+        hidden,
+        inter,
+        10.0,
+        lo,
+        hi,
+    )
     outside = (indices < lo) | (indices >= hi)
     assert np.all(y[outside] == 0.0) and np.all(np.signbit(y[outside]) == 0)
     # fp16 xh roundings (~3e-4), and bf16 g, u, h, y on both sides: an upstream difference that
@@ -225,8 +239,9 @@ def test_experts_clamp_is_active():
     idx, wts = np.array([[0, 1]], np.int32), np.array([[1.0, 0.5]], np.float32)
     y = np.array(ex(mx.array(x), mx.array(idx), mx.array(wts)))
     y64 = experts_f64(tensors, "e", x.astype(np.float64), idx, wts, 128, 128, 10.0, 0, 2)
-    g = x[0].astype(np.float64) @ exl3_numpy.dequantize(tensors["e.0.w1.trellis"], tensors["e.0.w1.suh"],
-                                                        tensors["e.0.w1.svh"], "mul1")
+    g = x[0].astype(np.float64) @ exl3_numpy.dequantize(
+        tensors["e.0.w1.trellis"], tensors["e.0.w1.suh"], tensors["e.0.w1.svh"], "mul1"
+    )
     assert np.abs(g).max() > 20  # the limit matters in this test
     assert rel_err(y, y64) < 2.5e-3
 
@@ -237,8 +252,18 @@ def test_experts_structure_and_errors():
     assert [g.k2 for g in ex.w2.groups] == [4, 6] and ex.w2.groups[0].experts == (1,)
     assert ex.w2.groups[1].position.tolist() == [0, -1]  # local ids: expert 1 is K=3, expert 2 K=2
     names = {k for k, _ in tree_flatten(ex.parameters())}
-    assert names == {"w1.suh", "w1.svh", "w1.groups.0.trellis", "w3.suh", "w3.svh", "w3.groups.0.trellis",
-                     "w2.suh", "w2.svh", "w2.groups.0.trellis", "w2.groups.1.trellis"}
+    assert names == {
+        "w1.suh",
+        "w1.svh",
+        "w1.groups.0.trellis",
+        "w3.suh",
+        "w3.svh",
+        "w3.groups.0.trellis",
+        "w2.suh",
+        "w2.svh",
+        "w2.groups.0.trellis",
+        "w2.groups.1.trellis",
+    }
     with pytest.raises(ValueError, match="expert_range"):
         EXL3Experts.from_tensors(tensors, "x", 4, (3, 3))
     with pytest.raises(KeyError, match="x.4.w1.trellis"):
@@ -267,7 +292,9 @@ def test_expert_projection_from_stacked_equals_per_expert():
         return EXL3ExpertProjection.from_stacked(
             mx.stack([mx.array(tensors[f"s.{e}.{proj}.trellis"]) for e in range(3)]),
             mx.stack([mx.array(tensors[f"s.{e}.{proj}.suh"]) for e in range(3)]),
-            mx.stack([mx.array(tensors[f"s.{e}.{proj}.svh"]) for e in range(3)]), "mul1")
+            mx.stack([mx.array(tensors[f"s.{e}.{proj}.svh"]) for e in range(3)]),
+            "mul1",
+        )
 
     ex = EXL3Experts(stacked("w1"), stacked("w3"), stacked("w2"), 3)
     x = mx.random.normal((2, 128), key=mx.random.key(1))
@@ -300,8 +327,9 @@ def test_cpu_gathered_experts_give_the_one_expert_at_a_time_bytes(expert_range):
     idx = mx.array(np.stack([rng.permutation(6)[:3] for _ in range(5)]).astype(np.int32))
     wts = mx.array(rng.uniform(0.1, 1.0, (5, 3)).astype(np.float32))
     got = np.array(ex(x, idx, wts))
-    want = np.array(reference.experts_by_expert(x, idx, wts, ex.w1, ex.w3, ex.w2, ex.expert_range, 10.0,
-                                                reference.linear))
+    want = np.array(
+        reference.experts_by_expert(x, idx, wts, ex.w1, ex.w3, ex.w2, ex.expert_range, 10.0, reference.linear)
+    )
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert getattr(ex.w1, "_w_tilde", None) is not None  # decoded once, kept (not a parameter)
     assert not any("_w_tilde" in k for k, _ in tree_flatten(ex.parameters()))

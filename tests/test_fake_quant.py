@@ -35,8 +35,9 @@ def _grid_values(dtype) -> np.ndarray:
 def _probe_points(grid: np.ndarray) -> np.ndarray:
     """Grid values, every midpoint between neighbours (the ties), and the fp32 neighbours of each."""
     mids = ((grid[:-1] + grid[1:]) / 2).astype(np.float32)
-    pts = np.concatenate([grid.astype(np.float32), mids, np.nextafter(mids, np.float32(np.inf)),
-                          np.nextafter(mids, np.float32(0))])
+    pts = np.concatenate(
+        [grid.astype(np.float32), mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(0))]
+    )
     return np.concatenate([pts, -pts])
 
 
@@ -51,8 +52,9 @@ def test_round_to_grid_matches_ml_dtypes_at_every_value_tie_and_neighbour(grid, 
     assert bad.size == 0, f"{bad.size} mismatches, e.g. {pts[bad[:5]]} -> {got[bad[:5]]}, want {want[bad[:5]]}"
 
 
-@pytest.mark.parametrize("grid, dtype, scale", [(E4M3, ml_dtypes.float8_e4m3fn, 448.0),
-                                               (E2M1, ml_dtypes.float4_e2m1fn, 6.0)])
+@pytest.mark.parametrize(
+    "grid, dtype, scale", [(E4M3, ml_dtypes.float8_e4m3fn, 448.0), (E2M1, ml_dtypes.float4_e2m1fn, 6.0)]
+)
 def test_round_to_grid_matches_ml_dtypes_on_random_values(grid, dtype, scale):
     rng = np.random.default_rng(0)
     # Magnitudes from far below the smallest subnormal up to the largest finite value.
@@ -74,8 +76,16 @@ def test_fp4_tie_table():
 
 def test_e4m3_ties_go_to_even_mantissa():
     # Hand-derived: in [1, 2) the step is 1/8; 1 + 1/16 lies between 1.000 (even) and 1.125 (odd).
-    cases = {1.0625: 1.0, 1.1875: 1.25, 2**-9 * 0.5: 0.0, 2**-9 * 1.5: 2**-8, 2**-9 * 2.5: 2**-8,
-             240.0: 240.0, 248.0: 256.0, 440.0: 448.0}
+    cases = {
+        1.0625: 1.0,
+        1.1875: 1.25,
+        2**-9 * 0.5: 0.0,
+        2**-9 * 1.5: 2**-8,
+        2**-9 * 2.5: 2**-8,
+        240.0: 240.0,
+        248.0: 256.0,
+        440.0: 448.0,
+    }
     x = np.float32(list(cases))
     assert np.array_equal(np.array(round_to_grid(mx.array(x), E4M3)), np.float32(list(cases.values())))
 
@@ -83,8 +93,9 @@ def test_e4m3_ties_go_to_even_mantissa():
 def test_saturation_clamps_to_the_largest_finite_value():
     # The reference clamps to ±448 before casting (ml_dtypes would give NaN above 464 instead).
     x = np.float32([448.0, 449.0, 464.0, 470.0, 1e30, np.inf, -500.0, -np.inf])
-    assert np.array_equal(np.array(round_to_grid(mx.array(x), E4M3)),
-                          np.float32([448, 448, 448, 448, 448, 448, -448, -448]))
+    assert np.array_equal(
+        np.array(round_to_grid(mx.array(x), E4M3)), np.float32([448, 448, 448, 448, 448, 448, -448, -448])
+    )
     x4 = np.float32([6.0, 6.5, 7.0, 100.0, -9.0])
     assert np.array_equal(np.array(round_to_grid(mx.array(x4), E2M1)), np.float32([6, 6, 6, 6, -6]))
 
@@ -100,7 +111,10 @@ def _ceil_log2_pow2(y: np.ndarray) -> np.ndarray:
 
 
 def test_ue8m0_scale_is_the_next_power_of_two():
-    one_ulp_up, one_ulp_down = np.nextafter(np.float32(448), np.float32(1e9)), np.nextafter(np.float32(448), np.float32(0))
+    one_ulp_up, one_ulp_down = (
+        np.nextafter(np.float32(448), np.float32(1e9)),
+        np.nextafter(np.float32(448), np.float32(0)),
+    )
     amax = np.float32([448.0, one_ulp_up, one_ulp_down, 896.0, 1e-4, 3.0e5])
     got = np.array(ue8m0_scale(mx.array(amax), 448.0))
     assert np.array_equal(got[:4], np.float32([1.0, 2.0, 1.0, 2.0]))
@@ -114,7 +128,9 @@ def test_ue8m0_scale_is_the_next_power_of_two():
 def _blocks_with_spread(shape, block, seed):
     """Random non-zero data whose blocks span many magnitudes, plus an all-zero block."""
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal(shape) * 2.0 ** rng.integers(-30, 12, (*shape[:-1], shape[-1] // block, 1)).repeat(block, -1).reshape(shape)
+    x = rng.standard_normal(shape) * 2.0 ** rng.integers(-30, 12, (*shape[:-1], shape[-1] // block, 1)).repeat(
+        block, -1
+    ).reshape(shape)
     x = x.astype(np.float32)
     x[0, :block] = 0.0
     return x
@@ -180,8 +196,11 @@ def test_fp4_e4m3_scale_is_not_a_power_of_two_and_saturates():
 
 def test_amax_floors_keep_tiny_blocks_finite():
     tiny = np.full((1, 32), 1e-30, np.float32)
-    for out in (fake_quant_fp8(mx.array(tiny), 32), fake_quant_fp4(mx.array(tiny), 32),
-                fake_quant_fp4(mx.array(tiny), 16, scale="e4m3")):
+    for out in (
+        fake_quant_fp8(mx.array(tiny), 32),
+        fake_quant_fp4(mx.array(tiny), 32),
+        fake_quant_fp4(mx.array(tiny), 16, scale="e4m3"),
+    ):
         assert np.all(np.isfinite(np.array(out)))
     # e4m3 floor: scale 2^-9, so 2^-9 * 1.0 survives as 2^-9 * 1 and smaller values flush to 0.
     x = np.zeros((1, 16), np.float32)

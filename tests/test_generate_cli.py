@@ -22,9 +22,15 @@ TOKENS = 4
 
 
 def cli(env, *args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "mlx_dsv41.generate", *args], cwd=REPO, env=env,
-                          input=stdin if stdin is not None else "", capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_dsv41.generate", *args],
+        cwd=REPO,
+        env=env,
+        input=stdin if stdin is not None else "",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def expected_text(loaded, ids: list[int]) -> str:
@@ -52,8 +58,11 @@ def test_plain_prompt_streams_our_tokens_and_reports(env, loaded):
     columns = 2 * loaded[0].args.engram_columns
     assert rows >= (n_prompt + TOKENS - 1) * columns and rows % columns == 0
     assert re.search(r"Attention: (reference|serial|parallel) \d+", err)
-    assert re.search(r"DSpark: [\d.]+ tokens per main forward \(\d+ forwards\), acceptance by position "
-                     r"1: \d+%.*\(meaningless: synthetic weights\)", err)
+    assert re.search(
+        r"DSpark: [\d.]+ tokens per main forward \(\d+ forwards\), acceptance by position "
+        r"1: \d+%.*\(meaningless: synthetic weights\)",
+        err,
+    )
 
 
 def test_draft_0_turns_dspark_off_with_the_same_tokens(env, loaded):
@@ -63,8 +72,20 @@ def test_draft_0_turns_dspark_off_with_the_same_tokens(env, loaded):
 
 
 def test_chat_prompt_uses_the_official_encoding(env, loaded):
-    r = ok(cli(env, "--demo", "--chat", "--no-thinking", "--system", "Be brief.", "--prompt",
-               "What is two plus two?", "--max-tokens", str(TOKENS)))
+    r = ok(
+        cli(
+            env,
+            "--demo",
+            "--chat",
+            "--no-thinking",
+            "--system",
+            "Be brief.",
+            "--prompt",
+            "What is two plus two?",
+            "--max-tokens",
+            str(TOKENS),
+        )
+    )
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is two plus two?"}]
     ids = chat.encode(loaded[1], msgs, thinking=False)
     assert f"Prompt: {len(ids)} tokens" in r.stderr
@@ -91,21 +112,27 @@ def one_line_error(result, pattern):
     assert result.stdout == ""
 
 
-@pytest.mark.parametrize("args,pattern", [
-    (["--model", "/nonexistent/dsv41", "--prompt", "hi"], r"--model /nonexistent/dsv41: no such directory"),
-    (["--prompt", "hi"], r"no model: pass --model DIR .* or --demo"),
-    (["--demo", "--chat", "--effort", "101", "--prompt", "hi"], r"effort must be in 1\.\.100"),
-    (["--demo", "--chat", "--effort", "extreme", "--prompt", "hi"], r"minimal, low, medium, high, max"),
-    (["--demo", "--system", "x", "--prompt", "hi"], r"--system needs --chat"),
-    (["--demo", "--effort", "max", "--prompt", "hi"], r"--effort needs --chat"),
-    (["--demo", "--no-thinking", "--prompt", "hi"], r"--thinking/--no-thinking needs --chat"),
-    (["--demo", "--chat", "--no-thinking", "--effort", "low", "--prompt", "hi"], r"--effort needs thinking mode"),
-    (["--demo", "--max-kv-size", "3", "--prompt", "The quick brown fox"], r"--max-kv-size 3: the prompt alone is \d+ tokens"),
-    (["--demo", "--model", "x", "--prompt", "hi"], r"either --model or --demo"),
-    (["--demo", "--prompt-file", "/nonexistent/p.txt"], r"--prompt-file /nonexistent/p.txt: .*No such file"),
-    (["--demo", "--draft", "many", "--prompt", "hi"], r"--draft many: expected a number of drafts"),
-    (["--demo", "--draft", "9", "--prompt", "hi"], r"--draft 9: this checkpoint drafts at most 5 tokens"),
-])
+@pytest.mark.parametrize(
+    "args,pattern",
+    [
+        (["--model", "/nonexistent/dsv41", "--prompt", "hi"], r"--model /nonexistent/dsv41: no such directory"),
+        (["--prompt", "hi"], r"no model: pass --model DIR .* or --demo"),
+        (["--demo", "--chat", "--effort", "101", "--prompt", "hi"], r"effort must be in 1\.\.100"),
+        (["--demo", "--chat", "--effort", "extreme", "--prompt", "hi"], r"minimal, low, medium, high, max"),
+        (["--demo", "--system", "x", "--prompt", "hi"], r"--system needs --chat"),
+        (["--demo", "--effort", "max", "--prompt", "hi"], r"--effort needs --chat"),
+        (["--demo", "--no-thinking", "--prompt", "hi"], r"--thinking/--no-thinking needs --chat"),
+        (["--demo", "--chat", "--no-thinking", "--effort", "low", "--prompt", "hi"], r"--effort needs thinking mode"),
+        (
+            ["--demo", "--max-kv-size", "3", "--prompt", "The quick brown fox"],
+            r"--max-kv-size 3: the prompt alone is \d+ tokens",
+        ),
+        (["--demo", "--model", "x", "--prompt", "hi"], r"either --model or --demo"),
+        (["--demo", "--prompt-file", "/nonexistent/p.txt"], r"--prompt-file /nonexistent/p.txt: .*No such file"),
+        (["--demo", "--draft", "many", "--prompt", "hi"], r"--draft many: expected a number of drafts"),
+        (["--demo", "--draft", "9", "--prompt", "hi"], r"--draft 9: this checkpoint drafts at most 5 tokens"),
+    ],
+)
 def test_bad_options_are_one_line_errors(env, args, pattern):
     one_line_error(cli(env, *args), pattern)
 
@@ -124,8 +151,10 @@ def test_a_checkpoint_without_the_draft_head_runs_and_says_so_once(env, tmp_path
 
 def test_offline_hub_repo_is_a_clear_error(env, tmp_path):
     offline = {**env, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    one_line_error(cli(offline, "--model", "nobody-here/no-such-model", "--prompt", "hi"),
-                   r"cannot fetch 'nobody-here/no-such-model' .*offline.*local directory")
+    one_line_error(
+        cli(offline, "--model", "nobody-here/no-such-model", "--prompt", "hi"),
+        r"cannot fetch 'nobody-here/no-such-model' .*offline.*local directory",
+    )
 
 
 def test_broken_checkpoint_is_a_one_line_error(env, tmp_path_factory, tmp_path):
@@ -140,11 +169,26 @@ def test_broken_checkpoint_is_a_one_line_error(env, tmp_path_factory, tmp_path):
 def test_exl3_directory_is_converted_on_request(env, tmp_path_factory, tmp_path, loaded):
     source = demo_checkpoint(tmp_path_factory).parent
     exl3, engram = source / "exl3", source / "official-engram"
-    one_line_error(cli(env, "--model", str(exl3), "--prompt", "hi"),
-                   r"is an exl3 checkpoint, not a converted one: convert it first .*--convert-to")
+    one_line_error(
+        cli(env, "--model", str(exl3), "--prompt", "hi"),
+        r"is an exl3 checkpoint, not a converted one: convert it first .*--convert-to",
+    )
     out = tmp_path / "converted"
-    r = ok(cli(env, "--model", str(exl3), "--convert-to", str(out), "--engram-from", str(engram),
-               "--prompt", "The quick brown fox", "--max-tokens", str(TOKENS)))
+    r = ok(
+        cli(
+            env,
+            "--model",
+            str(exl3),
+            "--convert-to",
+            str(out),
+            "--engram-from",
+            str(engram),
+            "--prompt",
+            "The quick brown fox",
+            "--max-tokens",
+            str(TOKENS),
+        )
+    )
     assert mlx_dsv41.loading.is_converted(out)
     assert r.stdout == expected_text(loaded, loaded[1].encode("The quick brown fox")) + "\n"
 
@@ -172,18 +216,30 @@ def test_a_saved_prompt_continues_exactly(env, loaded, tmp_path):
     saved state: both give our greedy continuation of the whole."""
     model, tokenizer = loaded
     file = tmp_path / "doc.safetensors"
-    first = ok(cli(env, "--demo", "--prompt", "The cat sat on the mat.", "--prompt-cache-file", str(file),
-                   "--max-tokens", str(TOKENS)))
+    first = ok(
+        cli(
+            env,
+            "--demo",
+            "--prompt",
+            "The cat sat on the mat.",
+            "--prompt-cache-file",
+            str(file),
+            "--max-tokens",
+            str(TOKENS),
+        )
+    )
     ids = tokenizer.encode("The cat sat on the mat.")
     assert f"Saved the prompt's cache ({len(ids)} tokens) to {file}" in first.stderr
     assert first.stdout == expected_text(loaded, ids) + "\n"
     assert (tmp_path / "doc.dspark.safetensors").is_file() and "DSpark:" in first.stderr
-    second = ok(cli(env, "--demo", "--prompt", " Then it slept.", "--prompt-cache-file", str(file),
-                    "--max-tokens", str(TOKENS)))
+    second = ok(
+        cli(env, "--demo", "--prompt", " Then it slept.", "--prompt-cache-file", str(file), "--max-tokens", str(TOKENS))
+    )
     more = tokenizer.encode(" Then it slept.", add_special_tokens=False)
     assert second.stdout == expected_text(loaded, ids + more) + "\n"
-    assert re.search(rf"Prompt: {len(more) + 1} tokens, .* \(after {len(ids) - 1} from the prompt cache\)",
-                     second.stderr)
+    assert re.search(
+        rf"Prompt: {len(more) + 1} tokens, .* \(after {len(ids) - 1} from the prompt cache\)", second.stderr
+    )
     assert "DSpark:" in second.stderr and "no DSpark" not in second.stderr
 
 
@@ -192,34 +248,83 @@ def test_a_saved_prompt_without_the_draft_state_continues_without_drafting(env, 
     continuation says so once and decodes plainly, with the same tokens."""
     tokenizer = loaded[1]
     file = tmp_path / "plain.safetensors"
-    ok(cli(env, "--demo", "--draft", "0", "--prompt", "The cat sat on the mat.", "--prompt-cache-file", str(file),
-           "--max-tokens", "1"))
+    ok(
+        cli(
+            env,
+            "--demo",
+            "--draft",
+            "0",
+            "--prompt",
+            "The cat sat on the mat.",
+            "--prompt-cache-file",
+            str(file),
+            "--max-tokens",
+            "1",
+        )
+    )
     assert file.is_file() and not (tmp_path / "plain.dspark.safetensors").exists()
-    r = ok(cli(env, "--demo", "--prompt", " Then it slept.", "--prompt-cache-file", str(file),
-               "--max-tokens", str(TOKENS)))
+    r = ok(
+        cli(env, "--demo", "--prompt", " Then it slept.", "--prompt-cache-file", str(file), "--max-tokens", str(TOKENS))
+    )
     ids = tokenizer.encode("The cat sat on the mat.") + tokenizer.encode(" Then it slept.", add_special_tokens=False)
     assert r.stdout == expected_text(loaded, ids) + "\n"
-    assert r.stderr.count("NOTE: no DSpark speculative decoding for this prompt: there is no "
-                          "plain.dspark.safetensors beside plain.safetensors") == 1
+    assert (
+        r.stderr.count(
+            "NOTE: no DSpark speculative decoding for this prompt: there is no "
+            "plain.dspark.safetensors beside plain.safetensors"
+        )
+        == 1
+    )
     assert "DSpark:" not in r.stderr
 
 
 def test_a_saved_chat_prompt_continues_its_user_turn(env, loaded, tmp_path):
     model, tokenizer = loaded
     file = tmp_path / "chat.safetensors"
-    ok(cli(env, "--demo", "--chat", "--effort", "max", "--prompt", "Read this: the cat sat.",
-           "--prompt-cache-file", str(file), "--max-tokens", "1"))
-    r = ok(cli(env, "--demo", "--chat", "--prompt", " Who sat?", "--prompt-cache-file", str(file),
-               "--max-tokens", str(TOKENS)))
-    opened = chat.encode(tokenizer, [{"role": "user", "content": "Read this: the cat sat."}], effort=100,
-                         add_generation_prompt=False)
+    ok(
+        cli(
+            env,
+            "--demo",
+            "--chat",
+            "--effort",
+            "max",
+            "--prompt",
+            "Read this: the cat sat.",
+            "--prompt-cache-file",
+            str(file),
+            "--max-tokens",
+            "1",
+        )
+    )
+    r = ok(
+        cli(
+            env,
+            "--demo",
+            "--chat",
+            "--prompt",
+            " Who sat?",
+            "--prompt-cache-file",
+            str(file),
+            "--max-tokens",
+            str(TOKENS),
+        )
+    )
+    opened = chat.encode(
+        tokenizer, [{"role": "user", "content": "Read this: the cat sat."}], effort=100, add_generation_prompt=False
+    )
     assert r.stdout == expected_text(loaded, opened + chat.encode_continuation(tokenizer, " Who sat?")) + "\n"
-    one_line_error(cli(env, "--demo", "--prompt", "x", "--prompt-cache-file", str(file)), r"holds a chat prompt: add --chat")
-    one_line_error(cli(env, "--demo", "--chat", "--effort", "low", "--prompt", "x", "--prompt-cache-file", str(file)),
-                   r"reasoning effort 100; drop --effort")
+    one_line_error(
+        cli(env, "--demo", "--prompt", "x", "--prompt-cache-file", str(file)), r"holds a chat prompt: add --chat"
+    )
+    one_line_error(
+        cli(env, "--demo", "--chat", "--effort", "low", "--prompt", "x", "--prompt-cache-file", str(file)),
+        r"reasoning effort 100; drop --effort",
+    )
     (tmp_path / "junk.safetensors").write_bytes(b"not a cache")
-    one_line_error(cli(env, "--demo", "--prompt", "x", "--prompt-cache-file", str(tmp_path / "junk.safetensors")),
-                   r"junk.safetensors: not a prompt-cache file")
+    one_line_error(
+        cli(env, "--demo", "--prompt", "x", "--prompt-cache-file", str(tmp_path / "junk.safetensors")),
+        r"junk.safetensors: not a prompt-cache file",
+    )
 
 
 def test_max_kv_size_bounds_the_context(env, loaded):
@@ -250,9 +355,14 @@ def test_on_a_terminal_control_characters_are_escaped_and_special_tokens_dimmed(
     prompt, n = "What is two plus two?", 8
     master, slave = os.openpty()
     tty.setraw(slave)
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_dsv41.generate", "--demo", "--prompt", prompt,
-                             "--max-tokens", str(n)], cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=slave,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_dsv41.generate", "--demo", "--prompt", prompt, "--max-tokens", str(n)],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=slave,
+        stderr=subprocess.PIPE,
+    )
     os.close(slave)
     out = b""
     while True:
@@ -292,8 +402,9 @@ def test_the_demo_generates_32_tokens_by_default(env, loaded, tmp_path_factory, 
 
     def recorder(model, tokenizer, tokens, *, max_tokens, **_):
         asked.append(max_tokens)
-        return SimpleNamespace(prompt_tokens=len(tokens), prompt_tps=1.0, generation_tokens=0, generation_tps=1.0,
-                               peak_memory=0.0)
+        return SimpleNamespace(
+            prompt_tokens=len(tokens), prompt_tps=1.0, generation_tokens=0, generation_tps=1.0, peak_memory=0.0
+        )
 
     from mlx_dsv41.demo import CACHE_ENV
 
@@ -301,14 +412,24 @@ def test_the_demo_generates_32_tokens_by_default(env, loaded, tmp_path_factory, 
     monkeypatch.setattr(generate, "run", recorder)
     monkeypatch.setattr(generate, "load_for_generation", lambda path, **_: (*loaded, None))
     assert CliRunner().invoke(generate.app, ["--demo", "--prompt", "hi"]).exit_code == 0
-    assert CliRunner().invoke(generate.app, ["--model", str(demo_checkpoint(tmp_path_factory)),
-                                             "--prompt", "hi"]).exit_code == 0
+    assert (
+        CliRunner()
+        .invoke(generate.app, ["--model", str(demo_checkpoint(tmp_path_factory)), "--prompt", "hi"])
+        .exit_code
+        == 0
+    )
     assert asked == [generate.DEMO_MAX_TOKENS, generate.DEFAULT_MAX_TOKENS] == [32, 256]
 
 
 def test_help_fits_80_columns():
     for module in ("generate", "server", "convert", "chat"):
-        r = subprocess.run([sys.executable, "-m", f"mlx_dsv41.{module}", "--help"], cwd=REPO, capture_output=True,
-                           text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
+        r = subprocess.run(
+            [sys.executable, "-m", f"mlx_dsv41.{module}", "--help"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "COLUMNS": "80"},
+        )
         assert r.returncode == 0, r.stderr
         assert max(len(line) for line in r.stdout.splitlines()) <= 80 and "─" not in r.stdout, r.stdout

@@ -25,7 +25,11 @@ GUARD = 2
 def _site(rng, peaked=4.0):
     mix = (2 + HC) * HC
     fn = rng.standard_normal((mix, HC * D)) * (peaked / np.sqrt(HC * D))
-    return fn.astype(np.float32), rng.standard_normal(mix).astype(np.float32), rng.uniform(0.5, 1.5, 3).astype(np.float32)
+    return (
+        fn.astype(np.float32),
+        rng.standard_normal(mix).astype(np.float32),
+        rng.uniform(0.5, 1.5, 3).astype(np.float32),
+    )
 
 
 def _streams(rng, dtype=mx.bfloat16):
@@ -100,7 +104,14 @@ def test_the_ops_check_their_shapes():
     with pytest.raises(ValueError, match="power-of-two hc_mult"):
         hc.mixes(s, mx.zeros((15, 24)), mx.zeros((15,)), mx.ones((3,)), iters=2, hc_eps=1e-6, norm_eps=1e-20)
     with pytest.raises(ValueError, match="fn \\[24, 32\\]"):
-        hc.mixes(mx.zeros((2, 4, 8)), mx.zeros((24, 31)), mx.zeros((24,)), mx.ones((3,)), iters=2, hc_eps=1e-6,
-                 norm_eps=1e-20)
+        hc.mixes(
+            mx.zeros((2, 4, 8)),
+            mx.zeros((24, 31)),
+            mx.zeros((24,)),
+            mx.ones((3,)),
+            iters=2,
+            hc_eps=1e-6,
+            norm_eps=1e-20,
+        )
     with pytest.raises(ValueError, match="pre"):
         hc.collapse_norm(mx.zeros((2, 4, 8)), mx.zeros((2, 3)), mx.ones((8,)), 1e-20)

@@ -45,8 +45,15 @@ def _streams(B=2, S=5):
 def test_mixes_match_float64():
     streams = _streams()
     fn, base, sc = _site()
-    got = hc_mixes(mx.array(streams.astype(np.float32)).astype(mx.bfloat16), mx.array(fn),
-                   mx.array(base), mx.array(sc), iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    got = hc_mixes(
+        mx.array(streams.astype(np.float32)).astype(mx.bfloat16),
+        mx.array(fn),
+        mx.array(base),
+        mx.array(sc),
+        iters=ITERS,
+        hc_eps=HC_EPS,
+        norm_eps=NORM_EPS,
+    )
     for g, r, name in zip(got, mixes_f64(streams, fn, base, sc), ("pre", "post", "comb")):
         assert g.dtype == mx.float32, name
         np.testing.assert_allclose(np.array(g), r, rtol=2e-5, atol=2e-6, err_msg=name)
@@ -56,14 +63,14 @@ def test_sinkhorn_is_nearly_doubly_stochastic_and_matches_float64_on_peaked_inpu
     fn, base, sc = _site(scale=4.0)  # peaked softmax rows: Sinkhorn has real work to do
     s64 = _streams()
     streams = mx.array(s64.astype(np.float32))
-    _, _, comb = hc_mixes(streams, mx.array(fn), mx.array(base),
-                          mx.array(sc), iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    _, _, comb = hc_mixes(
+        streams, mx.array(fn), mx.array(base), mx.array(sc), iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS
+    )
     comb = np.array(comb)
     np.testing.assert_allclose(comb.sum(-2), 1.0, atol=1e-5)  # the last step normalises columns
     rows = np.abs(comb.sum(-1) - 1).max()
     # One iteration leaves the rows far from 1: the test would notice a missing loop.
-    _, _, one = hc_mixes(streams, mx.array(fn), mx.array(base),
-                         mx.array(sc), iters=1, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    _, _, one = hc_mixes(streams, mx.array(fn), mx.array(base), mx.array(sc), iters=1, hc_eps=HC_EPS, norm_eps=NORM_EPS)
     assert rows < 0.1 * np.abs(np.array(one).sum(-1) - 1).max()
     # Every one of the 20 iterations counts: 19 or 21 move peaked mixes by ~2e-3, 400x the
     # fp32 error against the float64 transcription (measured 5e-7).
@@ -86,8 +93,12 @@ def test_collapse_and_expand_match_float64_then_bf16():
     ref = np.einsum("bsi,bsid->bsd", pre.astype(np.float32).astype(np.float64), streams)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), ref, rtol=2**-8, atol=1e-6)
 
-    got = expand(mx.array(y.astype(np.float32)).astype(mx.bfloat16), s_mx,
-                 mx.array(post.astype(np.float32)), mx.array(comb.astype(np.float32)))
+    got = expand(
+        mx.array(y.astype(np.float32)).astype(mx.bfloat16),
+        s_mx,
+        mx.array(post.astype(np.float32)),
+        mx.array(comb.astype(np.float32)),
+    )
     assert got.dtype == mx.bfloat16
     p32, c32 = post.astype(np.float32).astype(np.float64), comb.astype(np.float32).astype(np.float64)
     # new_j = post_j·y + Σ_i C[i, j]·old_i: the sum runs over the FIRST index of C.

@@ -46,8 +46,7 @@ def test_each_module_imports_alone():
         "print('\\n'.join(failed))\n"
         "sys.exit(1 if failed else 0)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code, *MODULES], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-c", code, *MODULES], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
 
 
@@ -92,8 +91,10 @@ def _targets(module: str, node: ast.stmt) -> set[str]:
 
 
 def _import_graph() -> dict[str, set[str]]:
-    return {name: set().union(*(_targets(name, n) for n in _import_time_imports(ast.parse(path.read_text()))))
-            for name, path in MODULES.items()}
+    return {
+        name: set().union(*(_targets(name, n) for n in _import_time_imports(ast.parse(path.read_text()))))
+        for name, path in MODULES.items()
+    }
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -106,7 +107,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         state[node] = 2

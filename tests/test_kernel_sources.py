@@ -10,9 +10,7 @@ import pytest
 from mlx_dsv41 import kernels
 
 CASES = [
-    (name, i)
-    for name, k in sorted(kernels.load_all().items())
-    for i in range(len(k.examples()) if k.examples else 0)
+    (name, i) for name, k in sorted(kernels.load_all().items()) for i in range(len(k.examples()) if k.examples else 0)
 ]
 
 

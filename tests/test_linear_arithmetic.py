@@ -265,8 +265,9 @@ def test_shared_expert_sums_in_fp32():
         setattr(module, p, make_linear(tensors, p, inp, out))
     x = activations(2, seed=9)
     y = module(x)
-    want = experts_reference(f64(x), np.zeros((2, 1), np.int64), np.ones((2, 1)),
-                             ws["w1"][None], ws["w3"][None], ws["w2"][None])[:, 0]
+    want = experts_reference(
+        f64(x), np.zeros((2, 1), np.int64), np.ones((2, 1)), ws["w1"][None], ws["w3"][None], ws["w2"][None]
+    )[:, 0]
     assert y.dtype == mx.bfloat16 and rel_err(f64(y), want) <= BOUND
 
 
@@ -281,10 +282,10 @@ def test_mlx_cpu_quantized_kernels_sum_in_the_activation_dtype():
     layer = make_linear(tensors, "p", K, N)
     x = activations(2, seed=11)
     with mx.stream(mx.cpu):
-        raw = mx.quantized_matmul(x, layer.weight, layer.scales, transpose=True, group_size=32, bits=8,
-                                  mode="mxfp8")
-        fp32 = mx.quantized_matmul(x.astype(mx.float32), layer.weight, layer.scales, transpose=True,
-                                   group_size=32, bits=8, mode="mxfp8")
+        raw = mx.quantized_matmul(x, layer.weight, layer.scales, transpose=True, group_size=32, bits=8, mode="mxfp8")
+        fp32 = mx.quantized_matmul(
+            x.astype(mx.float32), layer.weight, layer.scales, transpose=True, group_size=32, bits=8, mode="mxfp8"
+        )
     want = f64(x) @ w.T
     assert rel_err(f64(raw), want) > 5e-3
     assert rel_err(f64(fp32), want) <= 1e-5
@@ -292,15 +293,18 @@ def test_mlx_cpu_quantized_kernels_sum_in_the_activation_dtype():
     assert accumulation.needs_fp32_activations("gather_qmm", 4, 12, "cpu")
 
 
-@pytest.mark.parametrize("backend_name,op,bits,rows,want", [
-    ("cuda", "quantized_matmul", 4, 1, True),  # qmv: bf16 partial sums under 8 bits
-    ("cuda", "gather_qmm", 4, 6, True),
-    ("cuda", "quantized_matmul", 8, 1, False),  # qmv sums 8-bit weights in fp32
-    ("cuda", "quantized_matmul", 4, 8, False),  # qmm: fp32
-    ("metal", "quantized_matmul", 4, 1, False),  # qmv: fp32
-    ("metal", "quantized_matmul", 8, 6, True),  # qmm_splitk: bf16 partials
-    ("metal", "gather_qmm", 4, 64, False),  # the gather kernels never split k
-])
+@pytest.mark.parametrize(
+    "backend_name,op,bits,rows,want",
+    [
+        ("cuda", "quantized_matmul", 4, 1, True),  # qmv: bf16 partial sums under 8 bits
+        ("cuda", "gather_qmm", 4, 6, True),
+        ("cuda", "quantized_matmul", 8, 1, False),  # qmv sums 8-bit weights in fp32
+        ("cuda", "quantized_matmul", 4, 8, False),  # qmm: fp32
+        ("metal", "quantized_matmul", 4, 1, False),  # qmv: fp32
+        ("metal", "quantized_matmul", 8, 6, True),  # qmm_splitk: bf16 partials
+        ("metal", "gather_qmm", 4, 64, False),  # the gather kernels never split k
+    ],
+)
 def test_the_policy_table(backend_name, op, bits, rows, want):
     assert accumulation.needs_fp32_activations(op, bits, rows, backend_name) is want
 

@@ -60,8 +60,9 @@ def test_converted_tokenizer_renders_the_official_chat_encoding(converted):
     _, tokenizer = mlx_dsv41.load(converted / "out", lazy=True)
     messages = [{"role": "user", "content": "w3 w4"}]
     for thinking in (True, False):
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                 enable_thinking=thinking)
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+        )
         assert rendered == chat.render(messages, thinking=thinking)
 
 
@@ -79,8 +80,11 @@ def test_kinds(converted, tmp_path):
 
 
 def test_unconverted_sources_say_how_to_convert(converted):
-    _fails(converted / "src", "is an exl3 checkpoint, not a converted one; convert it first: "
-                              f"python -m mlx_dsv41.convert {converted / 'src'} OUT --engram-from")
+    _fails(
+        converted / "src",
+        "is an exl3 checkpoint, not a converted one; convert it first: "
+        f"python -m mlx_dsv41.convert {converted / 'src'} OUT --engram-from",
+    )
 
 
 def test_missing_shard(broken):

@@ -104,8 +104,10 @@ def test_official_experts(make, expert_range):
             layer = make_linear(tensors, f"e.{e}.{proj}", *((D, INTER) if proj != "w2" else (INTER, D)))
             per_expert.update(module_tensors(layer, f"c.{e}.{proj}"))
     stacked = dict(tree_flatten(experts.parameters()))
-    for again in (make_experts(per_expert, "c", N, D, INTER, 10.0, expert_range),
-                  make_experts({f"s.{k}": v for k, v in stacked.items()}, "s", N, D, INTER, 10.0, expert_range)):
+    for again in (
+        make_experts(per_expert, "c", N, D, INTER, 10.0, expert_range),
+        make_experts({f"s.{k}": v for k, v in stacked.items()}, "s", N, D, INTER, 10.0, expert_range),
+    ):
         assert np.array_equal(np.array(again(mx.array(x), mx.array(idx), mx.array(wts))), y)
 
 
@@ -140,8 +142,20 @@ def test_bad_tensors_are_named():
         make_experts(tensors, "e", N, D, INTER, 10.0)
     w4, s4 = fp4_to_mxfp4(*(_fp4(INTER, D)[0][k] for k in ("weight", "scale")))
     with pytest.raises(FormatError, match="w1 mixes modes"):
-        MXExperts.from_parts({"w1": [(w4, s4, "mxfp4"), (*fp8_block_to_mxfp8(*(_fp8(INTER, D)[0][k] for k in ("weight", "scale"))), "mxfp8")],
-                              "w3": [], "w2": []}, 2, D, INTER, 10.0)
+        MXExperts.from_parts(
+            {
+                "w1": [
+                    (w4, s4, "mxfp4"),
+                    (*fp8_block_to_mxfp8(*(_fp8(INTER, D)[0][k] for k in ("weight", "scale"))), "mxfp8"),
+                ],
+                "w3": [],
+                "w2": [],
+            },
+            2,
+            D,
+            INTER,
+            10.0,
+        )
 
 
 def test_dense_fp16_linear_keeps_the_activation_dtype():

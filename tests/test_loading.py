@@ -37,11 +37,13 @@ def weights():
 def checkpoint(tmp_path_factory, weights):
     """Official layout: weights in shard 1; Engram tables (F8_E4M3 / F8_E8M0) in shard 2; plus
     tensors the text model must drop (MTP, vision, aligner, image embeddings, bias_vl)."""
-    extra = {"mtp.0.attn_norm.weight": mx.ones((64,), mx.bfloat16),
-             "vision.blocks.0.norm1.weight": mx.ones((8,), mx.bfloat16),
-             "aligner.w1.weight": mx.ones((4, 4), mx.bfloat16),
-             "image_newline": mx.ones((64,), mx.bfloat16),
-             "layers.0.ffn.gate.bias_vl": mx.zeros((8,), mx.float32)}
+    extra = {
+        "mtp.0.attn_norm.weight": mx.ones((64,), mx.bfloat16),
+        "vision.blocks.0.norm1.weight": mx.ones((8,), mx.bfloat16),
+        "aligner.w1.weight": mx.ones((4, 4), mx.bfloat16),
+        "image_newline": mx.ones((64,), mx.bfloat16),
+        "layers.0.ffn.gate.bias_vl": mx.zeros((8,), mx.float32),
+    }
     path = tmp_path_factory.mktemp("ckpt")
     return write_checkpoint(path, ARGS, {**weights, **extra}, random_engram_tables(ARGS, seed=0))
 
@@ -57,8 +59,10 @@ def _rows_from_checkpoint(path, layer):
 
 def test_round_trip_gives_the_same_logits(checkpoint, weights):
     model = load_model(checkpoint)
-    model.set_engram(synthetic_token_map(ARGS), {L: MemoryRowSource(_rows_from_checkpoint(checkpoint, L))
-                                                 for L in ARGS.engram_layer_ids})
+    model.set_engram(
+        synthetic_token_map(ARGS),
+        {L: MemoryRowSource(_rows_from_checkpoint(checkpoint, L)) for L in ARGS.engram_layer_ids},
+    )
     direct = tiny_model(ARGS, weights=weights)
     assert np.array_equal(np.array(model(IDS)), np.array(direct(IDS)))
     # Held dtypes: fp32 where docs/numerics.md#dtypes says so, bf16 as stored elsewhere.
@@ -104,26 +108,43 @@ def _variant(tmp_path, weights, change):
     return write_checkpoint(tmp_path, ARGS, w)
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda w: w.pop("layers.3.attn.wq_b.weight"), r"missing tensor layers\.3\.attn\.wq_b\.weight$"),
-    (lambda w: w.pop("layers.5.ffn_norm.weight"), r"missing tensor layers\.5\.ffn_norm\.weight$"),
-    (lambda w: w.pop("layers.2.ffn.experts.7.w3.weight"), r"missing tensor layers\.2\.ffn\.experts\.7\.w3\.weight"),
-    (lambda w: w.update({"layers.1.attn.wkv.weight": mx.zeros((64, 63), mx.bfloat16)}),
-     r"layers\.1\.attn\.wkv\.weight: expected shape \[64, 64\], got \[64, 63\]"),
-    (lambda w: w.update({"layers.1.attn_norm.weight": mx.zeros((65,), mx.bfloat16)}),
-     r"layers\.1\.attn_norm\.weight: expected shape \[64\], got \[65\]"),
-    (lambda w: w.update({"layers.0.ffn.experts.3.w2.weight": mx.zeros((64, 31), mx.bfloat16)}),
-     r"layers\.0\.ffn\.experts\.3\.w2\.weight: expected a float tensor of shape \[64, 32\]"),
-    (lambda w: w.update({"layers.6.hc_ffn_fn": w["layers.6.hc_ffn_fn"].astype(mx.bfloat16)}),
-     r"layers\.6\.hc_ffn_fn: stored as mlx\.core\.bfloat16, expected float32"),
-    (lambda w: w.update({"layers.0.attn.attn_sink": w["layers.0.attn.attn_sink"].astype(mx.float16)}),
-     r"layers\.0\.attn\.attn_sink: stored as mlx\.core\.float16, expected float32"),
-    (lambda w: w.update({"norm.weight": mx.ones((64,), mx.int32)}), r"norm\.weight: expected a float tensor, got"),
-    (lambda w: w.update({"layers.0.attn.wq_a.weight": mx.ones((32, 64), mx.int32)}),
-     r"layers\.0\.attn\.wq_a\.weight has dtype mlx\.core\.int32 and no scales"),
-    (lambda w: w.update({"layers.3.attn.indexer.wq_b.weight": mx.ones((64, 32), mx.bfloat16)}),
-     r"unexpected tensor layers\.3\.attn\.indexer\.wq_b\.weight: not a parameter of this model"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda w: w.pop("layers.3.attn.wq_b.weight"), r"missing tensor layers\.3\.attn\.wq_b\.weight$"),
+        (lambda w: w.pop("layers.5.ffn_norm.weight"), r"missing tensor layers\.5\.ffn_norm\.weight$"),
+        (lambda w: w.pop("layers.2.ffn.experts.7.w3.weight"), r"missing tensor layers\.2\.ffn\.experts\.7\.w3\.weight"),
+        (
+            lambda w: w.update({"layers.1.attn.wkv.weight": mx.zeros((64, 63), mx.bfloat16)}),
+            r"layers\.1\.attn\.wkv\.weight: expected shape \[64, 64\], got \[64, 63\]",
+        ),
+        (
+            lambda w: w.update({"layers.1.attn_norm.weight": mx.zeros((65,), mx.bfloat16)}),
+            r"layers\.1\.attn_norm\.weight: expected shape \[64\], got \[65\]",
+        ),
+        (
+            lambda w: w.update({"layers.0.ffn.experts.3.w2.weight": mx.zeros((64, 31), mx.bfloat16)}),
+            r"layers\.0\.ffn\.experts\.3\.w2\.weight: expected a float tensor of shape \[64, 32\]",
+        ),
+        (
+            lambda w: w.update({"layers.6.hc_ffn_fn": w["layers.6.hc_ffn_fn"].astype(mx.bfloat16)}),
+            r"layers\.6\.hc_ffn_fn: stored as mlx\.core\.bfloat16, expected float32",
+        ),
+        (
+            lambda w: w.update({"layers.0.attn.attn_sink": w["layers.0.attn.attn_sink"].astype(mx.float16)}),
+            r"layers\.0\.attn\.attn_sink: stored as mlx\.core\.float16, expected float32",
+        ),
+        (lambda w: w.update({"norm.weight": mx.ones((64,), mx.int32)}), r"norm\.weight: expected a float tensor, got"),
+        (
+            lambda w: w.update({"layers.0.attn.wq_a.weight": mx.ones((32, 64), mx.int32)}),
+            r"layers\.0\.attn\.wq_a\.weight has dtype mlx\.core\.int32 and no scales",
+        ),
+        (
+            lambda w: w.update({"layers.3.attn.indexer.wq_b.weight": mx.ones((64, 32), mx.bfloat16)}),
+            r"unexpected tensor layers\.3\.attn\.indexer\.wq_b\.weight: not a parameter of this model",
+        ),
+    ],
+)
 def test_bad_checkpoints_give_one_line_errors(tmp_path, weights, change, message):
     path = _variant(tmp_path, weights, change)
     with pytest.raises((LoadError, ConfigError)) as err:
@@ -140,8 +161,9 @@ def test_directory_errors(tmp_path, checkpoint):
         load_model(tmp_path)
     index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(LoadError, match="model-00001-of-00002.safetensors: shard listed in "
-                                        "model.safetensors.index.json is missing"):
+    with pytest.raises(
+        LoadError, match="model-00001-of-00002.safetensors: shard listed in model.safetensors.index.json is missing"
+    ):
         load_model(tmp_path)
     bad = json.loads((checkpoint / "config.json").read_text())
     bad["text_config"]["compress_ratios"] = bad["text_config"]["compress_ratios"][:-1]
@@ -156,7 +178,9 @@ def test_expert_range_reads_only_its_experts(tmp_path, weights):
     model = load_model(path, expert_range=(0, 5))
     experts = model.layers[3].ffn.experts
     assert experts.expert_range == (0, 5) and experts.w2.shape == (5, 64, 32)
-    with pytest.raises(LoadError, match=r"missing tensor layers\.\d\.ffn\.experts\.5\.w1\.weight \(dense expert 5 of 8\)"):
+    with pytest.raises(
+        LoadError, match=r"missing tensor layers\.\d\.ffn\.experts\.5\.w1\.weight \(dense expert 5 of 8\)"
+    ):
         load_model(path)
 
 
@@ -196,8 +220,9 @@ def test_exl3_tensors_load_through_the_seam(weights):
     def as_exl3(prefix, d_in, d_out, seed, store):
         t = {k: mx.array(v) for k, v in random_linear_tensors(d_in, d_out, 4, prefix=prefix, seed=seed).items()}
         store.update(t)
-        w = exl3.dequantize(t[f"{prefix}.trellis"], t[f"{prefix}.suh"], t[f"{prefix}.svh"],
-                            exl3.codebook_from_markers(t, prefix))
+        w = exl3.dequantize(
+            t[f"{prefix}.trellis"], t[f"{prefix}.suh"], t[f"{prefix}.svh"], exl3.codebook_from_markers(t, prefix)
+        )
         return w[:d_in, :d_out].T.astype(mx.bfloat16)  # [out, in], as a dense checkpoint holds it
 
     for prefix, d_in, d_out in (("layers.0.attn.wq_a", 64, 32), ("layers.1.engram.wkv", 192, 320), ("head", 64, 160)):
@@ -205,16 +230,23 @@ def test_exl3_tensors_load_through_the_seam(weights):
         dense[f"{prefix}.weight"] = as_exl3(prefix, d_in, d_out, 1, mixed)
     del mixed["layers.0.attn.wo_a.weight"]
     dense["layers.0.attn.wo_a.weight"] = mx.concatenate(
-        [as_exl3(f"layers.0.attn.wo_a.slice.{g}", 128, 32, 2 + g, mixed) for g in range(2)])
-    experts = {k: mx.array(v) for k, v in random_experts_tensors(8, 64, 32, bits=4, prefix="layers.5.ffn.experts").items()}
+        [as_exl3(f"layers.0.attn.wo_a.slice.{g}", 128, 32, 2 + g, mixed) for g in range(2)]
+    )
+    experts = {
+        k: mx.array(v) for k, v in random_experts_tensors(8, 64, 32, bits=4, prefix="layers.5.ffn.experts").items()
+    }
     for k in [k for k in mixed if k.startswith("layers.5.ffn.experts.")]:
         del mixed[k]
     mixed.update(experts)
     for e in range(8):
         for proj, (d_in, d_out) in {"w1": (64, 32), "w3": (64, 32), "w2": (32, 64)}.items():
             p = f"layers.5.ffn.experts.{e}.{proj}"
-            w = exl3.dequantize(experts[f"{p}.trellis"], experts[f"{p}.suh"], experts[f"{p}.svh"],
-                                exl3.codebook_from_markers(experts, p))
+            w = exl3.dequantize(
+                experts[f"{p}.trellis"],
+                experts[f"{p}.suh"],
+                experts[f"{p}.svh"],
+                exl3.codebook_from_markers(experts, p),
+            )
             dense[f"{p}.weight"] = w[:d_in, :d_out].T.astype(mx.bfloat16)
 
     model, reference = tiny_model(ARGS, weights=mixed), tiny_model(ARGS, weights=dense)
@@ -240,6 +272,8 @@ def test_mlx_lm_load_model_builds_the_same_model(checkpoint, weights):
     model, _ = mlx_lm_load_model(checkpoint, get_model_classes=lambda config: (Model, ModelArgs))
     ours = load_model(checkpoint)
     for m in (model, ours):
-        m.set_engram(synthetic_token_map(ARGS), {L: MemoryRowSource(_rows_from_checkpoint(checkpoint, L))
-                                                 for L in ARGS.engram_layer_ids})
+        m.set_engram(
+            synthetic_token_map(ARGS),
+            {L: MemoryRowSource(_rows_from_checkpoint(checkpoint, L)) for L in ARGS.engram_layer_ids},
+        )
     assert np.array_equal(np.array(model(IDS)), np.array(ours(IDS)))

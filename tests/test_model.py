@@ -51,7 +51,8 @@ def _close(got, ref, what):
     """Bytes on the CPU (row-independent arithmetic); on a GPU within 1e-3 of the logit scale."""
     if ROWS_INDEPENDENT:
         assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), (
-            f"{what}: max |Δ| {np.abs(got - ref).max():.3g} (expected the same bytes)")
+            f"{what}: max |Δ| {np.abs(got - ref).max():.3g} (expected the same bytes)"
+        )
         return
     scale = np.abs(ref).max()
     err = np.abs(got - ref).max()
@@ -62,8 +63,15 @@ def _close(got, ref, what):
 def test_tiny_config_covers_every_role():
     roles = tiny_args().roles
     assert [(r.ratio, r.mode, r.engram) for r in roles] == [
-        (0, "window", False), (0, "window", True), (2, "full", True), (2, "reuse", False),
-        (1, "full", False), (1, "reuse", False), (1, "reindex", False), (1, "reuse", False)]
+        (0, "window", False),
+        (0, "window", True),
+        (2, "full", True),
+        (2, "reuse", False),
+        (1, "full", False),
+        (1, "reuse", False),
+        (1, "reindex", False),
+        (1, "reuse", False),
+    ]
     assert roles[4].builds_candidates and roles[6].uses_candidates and roles[7].index_source == 6
     assert tiny_args().hc_mult == 4 and tiny_args().n_routed_experts == 8
 
@@ -101,7 +109,9 @@ def test_pool_exceeds_topk_and_candidate_blocks_filter(ids):
     blocks = np.array(spy.seen["candidates.4"])  # [B, S, blocks] kept by the candidate source
     t = np.arange(L)
     visible_blocks = -(-(t + 1) // bs)
-    assert np.array_equal(blocks.sum(-1), np.broadcast_to(np.minimum(visible_blocks, args.candidate_topk_blocks), (2, L)))
+    assert np.array_equal(
+        blocks.sum(-1), np.broadcast_to(np.minimum(visible_blocks, args.candidate_topk_blocks), (2, L))
+    )
     assert (visible_blocks > args.candidate_topk_blocks).sum() > L // 2  # most queries are filtered
     assert blocks[:, t, t // bs].all()  # the newest block is always kept
     # The Reindex layer (6) picks inside the kept blocks; layer 7 reuses its top-k. When fewer than
@@ -350,8 +360,15 @@ def _reference(args, w, tables, ids, stubs, lag=True):
         p = f"layers.{i}."
         if i in args.engram_layer_ids:
             raw = tables[i][row_ids[:, :, args.engram_layer_ids.index(i)]]  # [B, S, cols, row_bytes]
-            streams = ref_engram(streams, raw, w[p + "engram.wkv.weight"], w[p + "engram.q_weight"],
-                                 w[p + "engram.k_weight"], args.engram_head_dim, comp < 0)
+            streams = ref_engram(
+                streams,
+                raw,
+                w[p + "engram.wkv.weight"],
+                w[p + "engram.q_weight"],
+                w[p + "engram.k_weight"],
+                args.engram_head_dim,
+                comp < 0,
+            )
         a_pre, a_post, a_c = mixes_f64(streams, w[p + "hc_attn_fn"], w[p + "hc_attn_base"], w[p + "hc_attn_scale"])
         x = _ref_norm(rb(np.einsum("bsi,bsid->bsd", pre if lag else a_pre, streams)), w[p + "attn_norm.weight"])
         y = rb(np.tanh(x @ stubs[i][0]))
@@ -370,8 +387,10 @@ def test_mhc_engram_and_head_wiring_matches_float64():
     weights = random_weights(args, seed=3)
     model = tiny_model(args, seed=3, weights=weights)
     rng = np.random.default_rng(4)
-    stubs = [(rng.standard_normal((64, 64)).astype(np.float32) / 8, rng.standard_normal((64, 64)).astype(np.float32) / 8)
-             for _ in range(args.num_hidden_layers)]
+    stubs = [
+        (rng.standard_normal((64, 64)).astype(np.float32) / 8, rng.standard_normal((64, 64)).astype(np.float32) / 8)
+        for _ in range(args.num_hidden_layers)
+    ]
     for layer, (ma, mf) in zip(model.layers, stubs):
         layer.attn = _StubAttention(mx.array(ma))
         layer.ffn = _StubFFN(mx.array(mf))

@@ -15,10 +15,20 @@ E, K, D, INTER, LIMIT = 8, 2, 32, 24, 10.0
 
 
 def _args(**kw):
-    base = dict(hidden_size=D, moe_intermediate_size=INTER, n_routed_experts=E, num_experts_per_tok=K,
-                num_hidden_layers=1, num_nextn_predict_layers=0, compress_ratios=(0,),
-                kv_source_layer_ids=(), index_source_layer_ids=(), candidate_source_layer_id=-1,
-                engram_layer_ids=(), engram_num_embeddings=())
+    base = dict(
+        hidden_size=D,
+        moe_intermediate_size=INTER,
+        n_routed_experts=E,
+        num_experts_per_tok=K,
+        num_hidden_layers=1,
+        num_nextn_predict_layers=0,
+        compress_ratios=(0,),
+        kv_source_layer_ids=(),
+        index_source_layer_ids=(),
+        candidate_source_layer_id=-1,
+        engram_layer_ids=(),
+        engram_num_embeddings=(),
+    )
     base.update(kw)
     return ModelArgs(**base)
 
@@ -85,8 +95,7 @@ def test_dense_experts_per_slot_weight_before_w2(x_scale):
     assert y.shape == (T, K, D) and y.dtype == mx.float32
     y = np.array(y, np.float64)
     before = np.stack([[_slot_ref(x[t], w1, w3, w2, idx[t, s], wts[t, s]) for s in range(K)] for t in range(T)])
-    after = np.stack([[_slot_ref(x[t], w1, w3, w2, idx[t, s], wts[t, s], False) for s in range(K)]
-                      for t in range(T)])
+    after = np.stack([[_slot_ref(x[t], w1, w3, w2, idx[t, s], wts[t, s], False) for s in range(K)] for t in range(T)])
     if x_scale > 1:
         g = np.einsum("eid,td->tei", w1, x)
         assert (g > LIMIT).any() and (np.einsum("eid,td->tei", w3, x) < -LIMIT).any()
@@ -138,7 +147,10 @@ def test_moe_block_matches_float64():
     bias = rng.standard_normal(E).astype(np.float32) * 0.3
     moe.gate.weight = mx.array(gw.astype(np.float32)).astype(mx.bfloat16)
     moe.gate.bias = mx.array(bias)
-    sw = {n: rb(rng.standard_normal(s) / np.sqrt(s[1])) for n, s in (("w1", (INTER, D)), ("w3", (INTER, D)), ("w2", (D, INTER)))}
+    sw = {
+        n: rb(rng.standard_normal(s) / np.sqrt(s[1]))
+        for n, s in (("w1", (INTER, D)), ("w3", (INTER, D)), ("w2", (D, INTER)))
+    }
     for n, v in sw.items():
         getattr(moe.shared_experts, n).weight = mx.array(v.astype(np.float32)).astype(mx.bfloat16)
     x = rb(rng.standard_normal((2, 7, D)))

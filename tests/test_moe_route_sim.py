@@ -30,8 +30,10 @@ def _inputs(i, T, E):
 
 @pytest.fixture(scope="module")
 def runs():
-    specs = [(mr.ROUTE, mr.route_args(*_inputs(i, T, E), k, temp, scale, guard=1))
-             for i, (T, E, k, temp, scale) in enumerate(CASES)]
+    specs = [
+        (mr.ROUTE, mr.route_args(*_inputs(i, T, E), k, temp, scale, guard=1))
+        for i, (T, E, k, temp, scale) in enumerate(CASES)
+    ]
     program = exl3_sim.build(specs, mma=True)
     return program, specs
 

@@ -65,12 +65,15 @@ class ReferenceBlocks:
         attn = ReferenceStack.__new__(ReferenceStack)
         attn.args, attn.roles = args, list(args.roles)
         attn.attend_compressed = [True] * args.num_hidden_layers
-        attn.w = [{k[len(f"layers.{i}.attn."):]: v for k, v in self.w.items() if k.startswith(f"layers.{i}.attn.")}
-                  for i in range(args.num_hidden_layers)]
+        attn.w = [
+            {k[len(f"layers.{i}.attn.") :]: v for k, v in self.w.items() if k.startswith(f"layers.{i}.attn.")}
+            for i in range(args.num_hidden_layers)
+        ]
         self.attention, self.shared = attn, {}
 
     def block(self, i, streams, pre):
         a, w, p = self.args, self.w, f"layers.{i}."
+
         def mix(site, s):
             return mixes_f64(s, w[p + f"hc_{site}_fn"], w[p + f"hc_{site}_base"], w[p + f"hc_{site}_scale"])
 
@@ -86,15 +89,22 @@ class ReferenceBlocks:
     def moe(self, p, x):
         a, w = self.args, self.w
         scores = np.sqrt(np.log1p(np.exp(x @ w[p + "gate.weight"].T / a.gate_temp)))
-        idx = np.sort(np.argsort(-(scores + w[p + "gate.bias"]), axis=-1, kind="stable")[:, : a.num_experts_per_tok], -1)
+        idx = np.sort(
+            np.argsort(-(scores + w[p + "gate.bias"]), axis=-1, kind="stable")[:, : a.num_experts_per_tok], -1
+        )
         sel = np.take_along_axis(scores, idx, -1)
         wts = sel / (sel.sum(-1, keepdims=True) + 1e-20) * a.routed_scaling_factor
+
         def stack(proj):
             return np.stack([w[f"{p}experts.{e}.{proj}.weight"] for e in range(a.n_routed_experts)])
 
         routed = experts_reference(x, idx, wts, stack("w1"), stack("w3"), stack("w2")).sum(1)
-        shared = experts_reference(x, np.zeros((len(x), 1), np.int64), np.ones((len(x), 1)),
-                                   *(w[f"{p}shared_experts.{proj}.weight"][None] for proj in ("w1", "w3", "w2")))
+        shared = experts_reference(
+            x,
+            np.zeros((len(x), 1), np.int64),
+            np.ones((len(x), 1)),
+            *(w[f"{p}shared_experts.{proj}.weight"][None] for proj in ("w1", "w3", "w2")),
+        )
         return rb(routed + shared[:, 0])
 
 
@@ -135,9 +145,16 @@ def test_engram_with_an_fp8_wkv(checkpoint, monkeypatch, policy):
     rng = np.random.default_rng(6)
     table = random_engram_tables(args, seed=3)[layer]
     raw = table[rng.integers(0, len(table), (2, 5, args.engram_columns))]
-    streams = mx.array(rng.standard_normal((2, 5, args.hc_mult, args.hidden_size)).astype(np.float32)).astype(mx.bfloat16)
+    streams = mx.array(rng.standard_normal((2, 5, args.hc_mult, args.hidden_size)).astype(np.float32)).astype(
+        mx.bfloat16
+    )
     got = f64(engram(streams, mx.array(raw)))
-    want = ref_engram(f64(streams), raw, *(f64(ckpt.reference[p + k]) for k in ("wkv.weight", "q_weight", "k_weight")),
-                      args.engram_head_dim, np.zeros((2, 5), bool))
+    want = ref_engram(
+        f64(streams),
+        raw,
+        *(f64(ckpt.reference[p + k]) for k in ("wkv.weight", "q_weight", "k_weight")),
+        args.engram_head_dim,
+        np.zeros((2, 5), bool),
+    )
     err = rel_err(got - f64(streams), want - f64(streams))  # the Engram update itself
     assert (err <= 1e-3) if policy == "fp32 sums" else (err > 2e-3), err

@@ -32,8 +32,7 @@ def _foreign_dir(tmp_path: Path) -> Path:
 
 
 def _run_in(cwd: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_front_ends_ignore_foreign_modules_in_the_working_directory(tmp_path):
@@ -52,8 +51,13 @@ def test_front_ends_ignore_foreign_modules_in_the_working_directory(tmp_path):
 def _source_copy(dest: Path) -> Path:
     """The checkout's files (tracked, or untracked and not ignored) copied to dest, so that the
     build's outputs (build/, *.egg-info) do not land in the checkout."""
-    names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                           capture_output=True, check=True).stdout.decode().split("\0")
+    names = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, names):
         src = ROOT / name
         if src.is_file():
@@ -64,13 +68,27 @@ def _source_copy(dest: Path) -> Path:
 
 def test_wheel_holds_only_the_package(tmp_path):
     src = _source_copy(tmp_path / "src")
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                        "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("mlx_dsv41-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    outside = [n for n in names if not n.startswith(("mlx_dsv41/", "mlx_dsv41-"))
-               and n not in TOP_LEVEL_ALLOWED]
+    outside = [n for n in names if not n.startswith(("mlx_dsv41/", "mlx_dsv41-")) and n not in TOP_LEVEL_ALLOWED]
     assert not outside, outside
     assert TOP_LEVEL_ALLOWED <= set(names)  # the hook still ships (mlx_dsv41_cache_hook.py says why)
     dist_info = {n.split("/")[0] for n in names if n.startswith("mlx_dsv41-")}

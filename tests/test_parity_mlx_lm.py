@@ -126,8 +126,9 @@ def _layerwise(ours, theirs, ids):
     h = ours.embed(ids)
     streams = mx.broadcast_to(h[:, :, None, :], (B, S, 4, h.shape[-1]))
     pre = initial_pre(B, S, 4)
-    window = mx.broadcast_to(ref._window_indices(previous=0, length=S, window=ours.args.sliding_window),
-                             (B, S, ours.args.sliding_window))
+    window = mx.broadcast_to(
+        ref._window_indices(previous=0, length=S, window=ours.args.sliding_window), (B, S, ours.args.sliding_window)
+    )
     caches, their_caches = ours.make_cache(), theirs.model.make_cache()
     shared, their_shared, out = {}, {}, []
     for o, t, c, tc in zip(ours.layers, theirs.model.layers, caches, their_caches):
@@ -192,8 +193,12 @@ def test_official_fp8_linears_sum_in_fp32_where_mlx_lm_sums_in_bf16(tmp_path):
     theirs, _ = load_model(tmp_path)
     ours = ckpt.source_model()
     rng = np.random.default_rng(3)
-    sites = {"attn.wq_a": "self_attn.q_a_proj", "attn.wq_b": "self_attn.q_b_proj", "attn.wo_b": "self_attn.o_b_proj",
-             "ffn.shared_experts.w1": "mlp.shared_experts.gate_proj"}
+    sites = {
+        "attn.wq_a": "self_attn.q_a_proj",
+        "attn.wq_b": "self_attn.q_b_proj",
+        "attn.wo_b": "self_attn.o_b_proj",
+        "ffn.shared_experts.w1": "mlp.shared_experts.gate_proj",
+    }
     for layer in (0, 3):
         for site, their_site in sites.items():
             w = np.array(ckpt.reference[f"layers.{layer}.{site}.weight"].astype(mx.float32), np.float64)
@@ -205,6 +210,8 @@ def test_official_fp8_linears_sum_in_fp32_where_mlx_lm_sums_in_bf16(tmp_path):
             other = theirs.model.layers[layer]
             for part in their_site.split("."):
                 other = getattr(other, part)
-            err = {name: np.linalg.norm(np.array(m(x).astype(mx.float32), np.float64) - want) / np.linalg.norm(want)
-                   for name, m in (("ours", mine), ("mlx-lm", other))}
+            err = {
+                name: np.linalg.norm(np.array(m(x).astype(mx.float32), np.float64) - want) / np.linalg.norm(want)
+                for name, m in (("ours", mine), ("mlx-lm", other))
+            }
             assert err["ours"] <= 3e-3 and err["mlx-lm"] > 4e-3, (layer, site, err)

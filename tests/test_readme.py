@@ -28,7 +28,7 @@ def shown(tokenizer, tokens: list[int]) -> str:
     if end not in tokens:
         return detokenize(tokenizer, tokens)
     cut = tokens.index(end)
-    return detokenize(tokenizer, tokens[:cut]) + detokenize(tokenizer, tokens[cut + 1:])
+    return detokenize(tokenizer, tokens[:cut]) + detokenize(tokenizer, tokens[cut + 1 :])
 
 
 def mlx_lm_model(ctx, code):

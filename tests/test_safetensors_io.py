@@ -43,8 +43,7 @@ def save_safetensors(path, tensors: dict, metadata: dict | None = None) -> None:
     """Write {name: (safetensors dtype, array)} with the reference library (independent writer)."""
     arrays = {k: np.ascontiguousarray(a) for k, (_, a) in tensors.items()}
     specs = {
-        k: TensorSpec(dtype=_REF[dt][0], shape=list(a.shape), data_ptr=arrays[k].ctypes.data,
-                      data_len=arrays[k].nbytes)
+        k: TensorSpec(dtype=_REF[dt][0], shape=list(a.shape), data_ptr=arrays[k].ctypes.data, data_len=arrays[k].nbytes)
         for k, (dt, a) in tensors.items()
     }
     safetensors.serialize_file(specs, str(path), metadata)
@@ -134,13 +133,20 @@ def test_checkpoint_with_index(tmp_path, rng):
     a, b, c = (random_tensor(rng, "F32", (4, 6)) for _ in range(3))
     save_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"a": ("F32", a), "b": ("F32", b)})
     save_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"c": ("F32", c)})
-    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
-                                            "b": "model-00001-of-00002.safetensors",
-                                            "c": "model-00002-of-00002.safetensors"}}
+    index = {
+        "metadata": {},
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00001-of-00002.safetensors",
+            "c": "model-00002-of-00002.safetensors",
+        },
+    }
     (tmp_path / INDEX_NAME).write_text(json.dumps(index))
     with SafetensorsCheckpoint(tmp_path) as ckpt:
-        assert [p.name for p in ckpt.shards()] == ["model-00001-of-00002.safetensors",
-                                                   "model-00002-of-00002.safetensors"]
+        assert [p.name for p in ckpt.shards()] == [
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+        ]
         assert ckpt.names(ckpt.shards()[0]) == ["a", "b"]
         np.testing.assert_array_equal(ckpt.read("c"), c)
         np.testing.assert_array_equal(ckpt.read_rows("a", 1, 3), a[1:3])
@@ -193,17 +199,33 @@ BAD_FILES = {
     # name: (header, data bytes, header length override, expected message)
     "truncated data": (GOOD, bytes(30), None, r"truncated: tensor 's' ends at data byte 36 but the file holds 30"),
     "trailing bytes": (GOOD, bytes(40), None, r"4 trailing bytes after the last tensor 's'"),
-    "lying size": ({"w": _entry("F8_E4M3", [4, 8], 0, 36)}, bytes(36), None,
-                   r"tensor 'w': header lies about its size: F8_E4M3 \[4, 8\] is 32 bytes but data_offsets span 36"),
-    "overlap": ({"a": _entry("U8", [8], 0, 8), "b": _entry("U8", [8], 4, 12)}, bytes(12), None,
-                r"tensors 'a' and 'b' overlap"),
-    "hole": ({"a": _entry("U8", [8], 0, 8), "b": _entry("U8", [8], 10, 18)}, bytes(18), None,
-             r"hole of 2 bytes before tensor 'b'"),
+    "lying size": (
+        {"w": _entry("F8_E4M3", [4, 8], 0, 36)},
+        bytes(36),
+        None,
+        r"tensor 'w': header lies about its size: F8_E4M3 \[4, 8\] is 32 bytes but data_offsets span 36",
+    ),
+    "overlap": (
+        {"a": _entry("U8", [8], 0, 8), "b": _entry("U8", [8], 4, 12)},
+        bytes(12),
+        None,
+        r"tensors 'a' and 'b' overlap",
+    ),
+    "hole": (
+        {"a": _entry("U8", [8], 0, 8), "b": _entry("U8", [8], 10, 18)},
+        bytes(18),
+        None,
+        r"hole of 2 bytes before tensor 'b'",
+    ),
     "unknown dtype": ({"w": _entry("F4", [4, 8], 0, 16)}, bytes(16), None, r"tensor 'w': unknown dtype 'F4'"),
     "negative shape": ({"w": _entry("U8", [-4], 0, 0)}, b"", None, r"tensor 'w': shape \[-4\] is not"),
     "bad offsets": ({"w": _entry("U8", [4], 4, 0)}, bytes(4), None, r"tensor 'w': data_offsets \[4, 0\]"),
-    "missing key": ({"w": {"dtype": "U8", "shape": [4]}}, bytes(4), None,
-                    r"tensor 'w': entry must have exactly dtype, shape and data_offsets"),
+    "missing key": (
+        {"w": {"dtype": "U8", "shape": [4]}},
+        bytes(4),
+        None,
+        r"tensor 'w': entry must have exactly dtype, shape and data_offsets",
+    ),
     "bad metadata": ({"__metadata__": {"a": 1}, **GOOD}, bytes(36), None, r"__metadata__ must map strings"),
     "header past end": (GOOD, b"", 10_000, r"truncated: header claims 10000 bytes"),
     "huge header": (GOOD, b"", 1 << 40, r"header length \d+ is implausible"),
@@ -225,8 +247,12 @@ def test_garbage_headers_are_refused(tmp_path):
     path.write_bytes(b"\x01\x02")
     with pytest.raises(SafetensorsError, match="2 bytes is too short"):
         SafetensorsFile(path)
-    for text, message in [(b"{not json", "not valid JSON"), (b"[1, 2]", "not an object"),
-                          (b'{"a": 1, "a": 2}', "duplicate key 'a'"), (b"\xff\xfe", "not valid JSON")]:
+    for text, message in [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "not an object"),
+        (b'{"a": 1, "a": 2}', "duplicate key 'a'"),
+        (b"\xff\xfe", "not valid JSON"),
+    ]:
         path.write_bytes(struct.pack("<Q", len(text)) + text)
         with pytest.raises(SafetensorsError, match=message):
             SafetensorsFile(path)

@@ -62,9 +62,12 @@ def test_chat_completion_uses_the_v41_encoding(server):
     # thinking mode: the prompt ends with <think>, so the reply starts in the reasoning channel
     assert thinking["choices"][0]["message"]["reasoning"] and thinking["choices"][0]["message"]["content"] is None
     tok = build_tokenizer()
-    for options, fields in [({"thinking": False}, {}), ({"thinking": False}, {"reasoning_effort": "none"}),
-                            ({"thinking": True}, {"chat_template_kwargs": {"thinking": True}}),
-                            ({"effort": 100}, {"reasoning_effort": "max"})]:
+    for options, fields in [
+        ({"thinking": False}, {}),
+        ({"thinking": False}, {"reasoning_effort": "none"}),
+        ({"thinking": True}, {"chat_template_kwargs": {"thinking": True}}),
+        ({"effort": 100}, {"reasoning_effort": "max"}),
+    ]:
         reply = chat_request(server, HI, max_tokens=1, **fields)
         assert reply["usage"]["prompt_tokens"] == len(chat.encode(tok, HI, **options))
 
@@ -106,8 +109,10 @@ def test_streaming_equals_the_non_streamed_reply(server):
 
 
 def test_two_concurrent_requests_each_get_their_own_answer(server):
-    convs = [[{"role": "user", "content": "The cat sat on the mat."}],
-             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is two plus two?"}]]
+    convs = [
+        [{"role": "user", "content": "The cat sat on the mat."}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is two plus two?"}],
+    ]
     alone = [chat_request(server, c, max_tokens=4, temperature=0.0)["choices"][0]["message"] for c in convs]
     results = [None, None]
 
@@ -185,8 +190,18 @@ def test_the_draft_lane_answers_as_the_batch_does(loaded):
     prompt = chat.encode(tokenizer, msgs, thinking=False)
     system = chat.encode(tokenizer, msgs[:1], add_generation_prompt=False, thinking=False)
     lane, stats = DraftLane(), DraftStats()
-    lane.add(DraftingSequence(7, model, [system, prompt[len(system):]], [*model.make_cache(), model.make_draft_cache()],
-                              [], DraftRequest(None, Sampling(), stats), 6, make_stop_sequences(tokenizer)))
+    lane.add(
+        DraftingSequence(
+            7,
+            model,
+            [system, prompt[len(system) :]],
+            [*model.make_cache(), model.make_draft_cache()],
+            [],
+            DraftRequest(None, Sampling(), stats),
+            6,
+            make_stop_sequences(tokenizer),
+        )
+    )
     progress, tokens, copies = [], [], []
     while 7 in lane:
         prompt_responses, generation_responses, _, _ = lane.step(3, 0.0)
@@ -204,14 +219,15 @@ def test_the_draft_lane_answers_as_the_batch_does(loaded):
     assert [held for _, held in copies] == [system, prompt[:-1]]
     assert [r.token for r in tokens] == greedy(model, tokenizer, prompt, 6) and tokens[-1].finish_reason == "length"
     final = tokens[-1]
-    assert final.all_tokens[: n] == prompt and all(c.offset == len(final.all_tokens) for c in final.prompt_cache)
+    assert final.all_tokens[:n] == prompt and all(c.offset == len(final.all_tokens) for c in final.prompt_cache)
     assert final.all_tokens[n:] == [r.token for r in tokens][:-1] and stats.forwards >= 1
 
 
 def test_seeded_sampling_is_served_and_repeatable(server):
     """A request with a seed is served one at a time (mlx-lm's unbatched path) with our caches."""
-    replies = [chat_request(server, HI, max_tokens=3, temperature=1.0, seed=7)["choices"][0]["message"]
-               for _ in range(2)]
+    replies = [
+        chat_request(server, HI, max_tokens=3, temperature=1.0, seed=7)["choices"][0]["message"] for _ in range(2)
+    ]
     assert replies[0] == replies[1] and replies[0]["content"]
 
 
@@ -223,8 +239,10 @@ def _send(server, stream: bool, messages=HI, max_tokens=5000, **fields) -> socke
     host, port, _ = server
     sock = socket.create_connection((host, port), timeout=60)
     body = json.dumps({"messages": messages, "max_tokens": max_tokens, "stream": stream, **fields}).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     return sock
 
 
@@ -272,8 +290,9 @@ def _stops_after_the_disconnect(server, before: dict, what: str, seconds: float)
 
 def _timed_request(server, timeout: float, **fields) -> float:
     start = time.perf_counter()
-    status, payload = request(server, "POST", "/v1/chat/completions", {"messages": HI, "max_tokens": 5, **fields},
-                              timeout=timeout)
+    status, payload = request(
+        server, "POST", "/v1/chat/completions", {"messages": HI, "max_tokens": 5, **fields}, timeout=timeout
+    )
     assert status == 200 and json.loads(payload)["usage"]["completion_tokens"] == 5
     return time.perf_counter() - start
 
@@ -303,22 +322,41 @@ def test_a_long_abandoned_prompt_neither_blocks_nor_keeps_running(server, fields
     _stops_after_the_disconnect(server, before, "prefill", 3.0)
 
 
-@pytest.mark.parametrize("raw,match,param", [
-    (b"{not json", "Invalid JSON", None),
-    (b"[1, 2]", "JSON dictionary", None),
-    (json.dumps({"max_tokens": 2}).encode(), "messages", "messages"),
-    (json.dumps({"messages": "hi"}).encode(), "non-empty list", "messages"),
-    (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), "role 'robot'", "messages"),
-    (json.dumps({"messages": HI, "reasoning_effort": "extreme"}).encode(), "effort", "reasoning_effort"),
-    (json.dumps({"messages": HI, "reasoning_effort": "high", "chat_template_kwargs": {"thinking": False}}).encode(),
-     "needs thinking mode", "reasoning_effort"),
-    (json.dumps({"messages": HI, "max_tokens": 0}).encode(), "max_tokens", "max_tokens"),
-    (json.dumps({"messages": HI, "temperature": "hot"}).encode(), "temperature", "temperature"),
-    (json.dumps({"messages": HI, "logit_bias": {"99999": 1.0}}).encode(), "outside the vocabulary", "logit_bias"),
-    (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url":
-                                                            {"url": "http://127.0.0.1:9/x.png"}}]}]}).encode(),
-     "image_url", "messages"),
-])
+@pytest.mark.parametrize(
+    "raw,match,param",
+    [
+        (b"{not json", "Invalid JSON", None),
+        (b"[1, 2]", "JSON dictionary", None),
+        (json.dumps({"max_tokens": 2}).encode(), "messages", "messages"),
+        (json.dumps({"messages": "hi"}).encode(), "non-empty list", "messages"),
+        (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), "role 'robot'", "messages"),
+        (json.dumps({"messages": HI, "reasoning_effort": "extreme"}).encode(), "effort", "reasoning_effort"),
+        (
+            json.dumps(
+                {"messages": HI, "reasoning_effort": "high", "chat_template_kwargs": {"thinking": False}}
+            ).encode(),
+            "needs thinking mode",
+            "reasoning_effort",
+        ),
+        (json.dumps({"messages": HI, "max_tokens": 0}).encode(), "max_tokens", "max_tokens"),
+        (json.dumps({"messages": HI, "temperature": "hot"}).encode(), "temperature", "temperature"),
+        (json.dumps({"messages": HI, "logit_bias": {"99999": 1.0}}).encode(), "outside the vocabulary", "logit_bias"),
+        (
+            json.dumps(
+                {
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}],
+                        }
+                    ]
+                }
+            ).encode(),
+            "image_url",
+            "messages",
+        ),
+    ],
+)
 def test_malformed_requests_get_400_in_openai_shape_and_the_server_keeps_serving(server, raw, match, param):
     status, payload = request(server, "POST", "/v1/chat/completions", raw=raw)
     assert status == 400
@@ -340,13 +378,25 @@ def _client(server):
     return openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.mark.parametrize("fields,param,code,match", [
-    ({"model": "gpt-4o"}, "model", "model_not_found", r"model 'gpt-4o' is not served here; this server serves 'mlx_dsv41-demo'"),
-    ({"n": 2}, "n", None, r"n must be 1"),
-    ({"response_format": {"type": "json_object"}}, "response_format", None, r"'json_object' is not supported"),
-    ({"max_tokens": 10**9}, "max_tokens", "context_length_exceeded",
-     r"context is 1048576 tokens; the request asks for 1000000010 \(10 in the prompt"),
-])
+@pytest.mark.parametrize(
+    "fields,param,code,match",
+    [
+        (
+            {"model": "gpt-4o"},
+            "model",
+            "model_not_found",
+            r"model 'gpt-4o' is not served here; this server serves 'mlx_dsv41-demo'",
+        ),
+        ({"n": 2}, "n", None, r"n must be 1"),
+        ({"response_format": {"type": "json_object"}}, "response_format", None, r"'json_object' is not supported"),
+        (
+            {"max_tokens": 10**9},
+            "max_tokens",
+            "context_length_exceeded",
+            r"context is 1048576 tokens; the request asks for 1000000010 \(10 in the prompt",
+        ),
+    ],
+)
 def test_the_openai_client_sees_why_a_request_is_refused(server, fields, param, code, match):
     """What the server cannot honour is refused, and the official client shows the reason."""
     args = {"model": "mlx_dsv41-demo", "messages": HI, "max_tokens": 2, **fields}
@@ -365,8 +415,9 @@ def test_the_openai_client_gets_answers_and_streams(server, loaded):
     model, tokenizer = loaded
     want = detokenize(tokenizer, greedy(model, tokenizer, chat.encode(tokenizer, HI, thinking=False), 4))
     client = _client(server)
-    reply = client.chat.completions.create(model="mlx_dsv41-demo", messages=HI, max_tokens=4, n=1,
-                                           response_format={"type": "text"})
+    reply = client.chat.completions.create(
+        model="mlx_dsv41-demo", messages=HI, max_tokens=4, n=1, response_format={"type": "text"}
+    )
     assert reply.choices[0].message.content == want and reply.usage.completion_tokens == 4
     stream = client.chat.completions.create(model="mlx_dsv41-demo", messages=HI, max_tokens=4, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
@@ -410,11 +461,14 @@ def test_a_failing_generation_thread_fails_its_requests_and_restarts():
         gen.stop_and_join()
 
 
-@pytest.mark.parametrize("fixed,per_token,want", [
-    (0.9, 0.011, 81),  # a CPU: one forward pass alone costs more than the slice -> twice its fixed cost
-    (0.001, 0.0001, 2048),  # a GPU: the slice holds more than --prefill-step-size -> capped
-    (0.01, 0.001, 490),  # in between: about the slice, (0.5 - 0.01) / 0.001 tokens
-])
+@pytest.mark.parametrize(
+    "fixed,per_token,want",
+    [
+        (0.9, 0.011, 81),  # a CPU: one forward pass alone costs more than the slice -> twice its fixed cost
+        (0.001, 0.0001, 2048),  # a GPU: the slice holds more than --prefill-step-size -> capped
+        (0.01, 0.001, 490),  # in between: about the slice, (0.5 - 0.01) / 0.001 tokens
+    ],
+)
 def test_prefill_chunks_settle_where_the_cost_model_says(fixed, per_token, want):
     """The chunk-size controller fed exact timings of `seconds = fixed + per_token x tokens`, from
     mlx-lm's fixed first chunk on: it settles on the size its rule gives, growing at most 2x a step."""

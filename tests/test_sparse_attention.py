@@ -17,6 +17,7 @@ from mlx_dsv41.kernels import sparse_attention as sa
 # --------------------------------------------------------------------------------------------
 # float64 oracle and inputs (shared with the GPU tests)
 
+
 def attention_f64(q, window, pool, indices, sinks, scale):
     """The docs/model.md#attention formula in float64, one (b, s) at a time, with IEEE nonfinite
     semantics: the maximum over logits and sink propagates NaN; a -1 index is no key at all; any
@@ -44,8 +45,7 @@ def attention_f64(q, window, pool, indices, sinks, scale):
     return out
 
 
-def make_inputs(seed, B, S, H, D, W, T, N, q_dtype=mx.float32, kv_dtype=mx.float32,
-                skip=0.0, duplicates=False):
+def make_inputs(seed, B, S, H, D, W, T, N, q_dtype=mx.float32, kv_dtype=mx.float32, skip=0.0, duplicates=False):
     """Random non-zero inputs as MLX arrays. ``kv_dtype``: one dtype or (window, pool) dtypes;
     ``skip``: fraction of -1 indices; ``duplicates``: every row repeats some of its keys. Values are
     N(0, 1) rounded to the given dtypes."""
@@ -76,8 +76,7 @@ def misaligned(x: mx.array) -> mx.array:
 
 
 def as_f64(*arrays):
-    return [np.array(a.astype(mx.float32)).astype(np.float64) if a.dtype != mx.int32 else np.array(a)
-            for a in arrays]
+    return [np.array(a.astype(mx.float32)).astype(np.float64) if a.dtype != mx.int32 else np.array(a) for a in arrays]
 
 
 def assert_matches_f64(out, expected, rtol=2e-5, atol=2e-5, what=""):
@@ -146,26 +145,31 @@ def _nonfinite_cases():
     """(name, mutate(q, window, pool, sinks) on numpy copies). Shapes: B=1, S=3, H=4, D, W=6,
     T=6, N=8, indices fixed so that every row selects key rows 1, 2, 3, 4, 6, 7 (3 twice) and skips
     one slot; rows 0 and 11 are never selected."""
+
     def q_at(value, s=1, h=2, d=5):
         def f(q, window, pool, sinks):
             q[0, s, h, d] = value
+
         return f
 
     def key_at(value, row, d=7):
         def f(q, window, pool, sinks):
             (window if row < 6 else pool)[0, row % 6, d] = value
+
         return f
 
     def sink_at(value, h=1):
         def f(q, window, pool, sinks):
             sinks[h] = value
+
         return f
 
     classes = (("nan", np.nan), ("pinf", np.inf), ("ninf", -np.inf))
     cases = [(f"q_{n}", q_at(v)) for n, v in classes]
     cases += [(f"key_{n}", key_at(v, 3)) for n, v in classes]
-    cases += [(f"unselected_key_{n}_{r}", key_at(v, r)) for n, v in (("nan", np.nan), ("pinf", np.inf))
-              for r in (0, 11)]
+    cases += [
+        (f"unselected_key_{n}_{r}", key_at(v, r)) for n, v in (("nan", np.nan), ("pinf", np.inf)) for r in (0, 11)
+    ]
     cases += [(f"sink_{n}", sink_at(v)) for n, v in classes]
     return cases
 
@@ -230,6 +234,7 @@ def test_misaligned_view_is_a_view_off_16_bytes():
 # --------------------------------------------------------------------------------------------
 # input checks
 
+
 def _good(**over):
     q, window, pool, indices, sinks = make_inputs(0, 1, 2, 3, 64, 4, 4, 5)
     args = dict(q=q, window=window, pool=pool, indices=indices, sinks=sinks, scale=0.125)
@@ -263,6 +268,7 @@ def test_input_checks(over, message):
 
 # --------------------------------------------------------------------------------------------
 # variant selection and statistics
+
 
 def test_parse_variant():
     parsed = [sa.parse_variant(v) for v in ("serial", " Parallel ", "AUTO")]
@@ -339,8 +345,9 @@ def _fake_gpu(monkeypatch, refuse_with=None):
     return ran
 
 
-METAL_REFUSAL = ValueError("[metal::Device] Thread group size (256) is greater than the maximum "
-                           "allowed threads per threadgroup (192).")
+METAL_REFUSAL = ValueError(
+    "[metal::Device] Thread group size (256) is greater than the maximum allowed threads per threadgroup (192)."
+)
 
 
 def test_refused_parallel_pipeline_falls_back_to_serial(clean_selection, monkeypatch):
@@ -387,11 +394,14 @@ def _fake_timing(monkeypatch, seconds):
     return chains
 
 
-@pytest.mark.parametrize("serial_s,parallel_s,choice", [
-    (1.0, 2.0, "serial"),     # serial clearly faster
-    (1.0, 1.04, "parallel"),  # within the margin: parallel
-    (2.0, 1.0, "parallel"),
-])
+@pytest.mark.parametrize(
+    "serial_s,parallel_s,choice",
+    [
+        (1.0, 2.0, "serial"),  # serial clearly faster
+        (1.0, 1.04, "parallel"),  # within the margin: parallel
+        (2.0, 1.0, "parallel"),
+    ],
+)
 def test_auto_decision_rule(clean_selection, monkeypatch, serial_s, parallel_s, choice):
     _fake_gpu(monkeypatch)
     _fake_timing(monkeypatch, {"serial": serial_s, "parallel": parallel_s})
@@ -415,7 +425,8 @@ def test_auto_protocol(clean_selection, monkeypatch):
     assert calls[4:] == [sized] * (2 + 2 * sa._AUTO_ROUNDS)
     timed = [v for v, _, _ in chains[6:]]
     assert timed == ["parallel", "serial", "serial", "parallel"] * (sa._AUTO_ROUNDS // 2) + (
-        ["parallel", "serial"] if sa._AUTO_ROUNDS % 2 else [])
+        ["parallel", "serial"] if sa._AUTO_ROUNDS % 2 else []
+    )
     sq, sw, sp, si, ss, scale = chains[0][1]
     assert sq.shape == (1, 8, 4, 512) and sq.dtype == q.dtype and si.shape == (1, 8, 128)
     assert sw.shape == (1, 5, 512) and sp.shape == (1, 7, 512) and ss.shape == (4,)
@@ -428,7 +439,7 @@ def test_auto_chain_feeds_each_output_to_the_next_call(monkeypatch):
 
     def run(variant, q, *rest):
         seen.append(q)
-        return (q.astype(mx.float32) + 1.0)
+        return q.astype(mx.float32) + 1.0
 
     monkeypatch.setattr(sa, "_run", run)
     q = mx.zeros((1, 1, 2, 8), mx.bfloat16)
@@ -445,8 +456,12 @@ def test_tuning_constants(clean_selection, monkeypatch):
     args = sa._launch_args(*make_inputs(0, 1, 1, 1, 512, 1, 1, 1), 1.0, "serial")
     assert args["template"][:2] == [("DIM", 512), ("PREFETCH", 1)]
     # Sizes and scale travel as template values and shapes, never as small host arrays.
-    assert dict(args["template"][2:]) == {"HAS_WINDOW": True, "HAS_POOL": True, "HAS_INDICES": True,
-                                          "SCALE_BITS": 0x3F800000}
+    assert dict(args["template"][2:]) == {
+        "HAS_WINDOW": True,
+        "HAS_POOL": True,
+        "HAS_INDICES": True,
+        "SCALE_BITS": 0x3F800000,
+    }
     assert len(args["inputs"]) == 5
     with pytest.raises(ValueError, match="tuning PREFETCH=2 is not one of"):
         sa.set_tuning("parallel", PREFETCH=2)
@@ -475,18 +490,34 @@ def test_benchmark_clock_kernel_compiles(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_sparse_attention", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    source = ('#include "mlx/backend/cuda/device/utils.cuh"\nnamespace mlx::core::cu {\n'
-              "__global__ void bench_gpu_clock(const float* x, const int32_t* n, float* y, uint64_t* ns) {"
-              f"{bench.STAMP_SOURCE}}}\n}}\n")
+    source = (
+        '#include "mlx/backend/cuda/device/utils.cuh"\nnamespace mlx::core::cu {\n'
+        "__global__ void bench_gpu_clock(const float* x, const int32_t* n, float* y, uint64_t* ns) {"
+        f"{bench.STAMP_SOURCE}}}\n}}\n"
+    )
     (tmp_path / "k.cu").write_text(source)
-    r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-ptx", "-I", str(source_check.STUBS),
-                        "-o", str(tmp_path / "k.ptx"), str(tmp_path / "k.cu")], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            "nvcc",
+            "-std=c++17",
+            "-arch=sm_90",
+            "-ptx",
+            "-I",
+            str(source_check.STUBS),
+            "-o",
+            str(tmp_path / "k.ptx"),
+            str(tmp_path / "k.cu"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr[:2000]
     assert "%globaltimer" in (tmp_path / "k.ptx").read_text()
 
 
 # --------------------------------------------------------------------------------------------
 # launch geometry (the kernels run on the GPU)
+
 
 @pytest.mark.parametrize("variant,threads", [("serial", 32), ("parallel", 256)])
 def test_launch_geometry_and_limit(variant, threads):
@@ -495,8 +526,14 @@ def test_launch_geometry_and_limit(variant, threads):
     assert args["threadgroup"] == (threads, 1, 1)
     assert args["grid"] == (2 * 3 * 5 * threads, 1, 1)
     assert args["output_shapes"] == [(2, 3, 5, 512)] and args["output_dtypes"] == [mx.float32]
-    assert args["template"] == [("DIM", 512), ("PREFETCH", sa.tuning()[variant]["PREFETCH"]), ("HAS_WINDOW", True),
-                                ("HAS_POOL", True), ("HAS_INDICES", True), ("SCALE_BITS", 0x3F000000)]
+    assert args["template"] == [
+        ("DIM", 512),
+        ("PREFETCH", sa.tuning()[variant]["PREFETCH"]),
+        ("HAS_WINDOW", True),
+        ("HAS_POOL", True),
+        ("HAS_INDICES", True),
+        ("SCALE_BITS", 0x3F000000),
+    ]
     # W, T, N, H, S come from the shapes of window, pool, indices and q.
     assert [a.shape for a in args["inputs"]] == [(2, 3, 5, 512), (2, 4, 512), (2, 4, 512), (2, 3, 7), (5,)]
     kernel = sa._KERNELS[variant]
@@ -531,6 +568,7 @@ def test_bodies_share_one_implementation():
     serial = metal_ext.body("sparse_attention_serial")
     parallel = metal_ext.body("sparse_attention_parallel")
     assert "constexpr int GROUPS = 1;" in serial and "constexpr int GROUPS = 8;" in parallel
+
     def strip(body):
         return [line for line in body.splitlines() if not line.startswith("//")]
 
@@ -661,9 +699,24 @@ def emulated(tmp_path_factory):
     def lib_for(D):
         if D not in libs:
             so = tmp / f"sa{D}.so"
-            r = subprocess.run([cxx, "-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared",
-                                "-fPIC", "-pthread", f"-DEMULATED_DIM={D}", "-o", str(so), str(tmp / "sa.cpp")],
-                               capture_output=True, text=True)
+            r = subprocess.run(
+                [
+                    cxx,
+                    "-std=c++20",
+                    "-O1",
+                    "-ffp-contract=off",
+                    "-fno-fast-math",
+                    "-shared",
+                    "-fPIC",
+                    "-pthread",
+                    f"-DEMULATED_DIM={D}",
+                    "-o",
+                    str(so),
+                    str(tmp / "sa.cpp"),
+                ],
+                capture_output=True,
+                text=True,
+            )
             assert r.returncode == 0, r.stderr[:4000]
             libs[D] = ctypes.CDLL(str(so))
         return libs[D]
@@ -672,15 +725,19 @@ def emulated(tmp_path_factory):
         groups, prefetch, vec = config
         B, S, H, D = q.shape
         W, T, N = window.shape[1], pool.shape[1], indices.shape[2]
-        keys = (_bf16_bits if kv_bf16 else (lambda a: np.ascontiguousarray(a, np.float32)))
+        keys = _bf16_bits if kv_bf16 else (lambda a: np.ascontiguousarray(a, np.float32))
         bufs = [np.ascontiguousarray(q, np.float32), keys(window), keys(pool)]
-        bufs += [np.ascontiguousarray(indices, np.int32).reshape(-1) if N else np.full(1, -1, np.int32),
-                 np.ascontiguousarray(sinks, np.float32), np.array([scale], np.float32),
-                 np.array([W, T, N, H, S], np.int32)]
+        bufs += [
+            np.ascontiguousarray(indices, np.int32).reshape(-1) if N else np.full(1, -1, np.int32),
+            np.ascontiguousarray(sinks, np.float32),
+            np.array([scale], np.float32),
+            np.array([W, T, N, H, S], np.int32),
+        ]
         out = np.full((B, S, H, D), np.nan, np.float32)
         ptrs = [b.ctypes.data_as(ctypes.c_void_p) for b in bufs + [out]]
-        lib_for(D).sa_emulated(*(ctypes.c_int(v) for v in (groups, prefetch, vec, int(kv_bf16))),
-                               *ptrs, ctypes.c_int(B * S * H))
+        lib_for(D).sa_emulated(
+            *(ctypes.c_int(v) for v in (groups, prefetch, vec, int(kv_bf16))), *ptrs, ctypes.c_int(B * S * H)
+        )
         return out
 
     return run
@@ -691,8 +748,7 @@ def _same_bits_nan_as_nan(a, b) -> bool:
     returns is not something C++ fixes (x86 passes an operand's payload on and g++ may commute
     a + b), while CUDA returns one canonical NaN, so tests/gpu compares NaNs bit for bit too."""
     nan_a, nan_b = np.isnan(a), np.isnan(b)
-    return np.array_equal(nan_a, nan_b) and np.array_equal(a.view(np.uint32)[~nan_a],
-                                                           b.view(np.uint32)[~nan_b])
+    return np.array_equal(nan_a, nan_b) and np.array_equal(a.view(np.uint32)[~nan_a], b.view(np.uint32)[~nan_b])
 
 
 def _emulate_all(emulated, inputs, scale, what, kv_bf16=True, configs=EMULATED_CONFIGS):
@@ -700,7 +756,8 @@ def _emulate_all(emulated, inputs, scale, what, kv_bf16=True, configs=EMULATED_C
     outs = [emulated(c, *inputs, scale, kv_bf16) for c in configs]
     for config, out in zip(configs[1:], outs[1:]):
         assert _same_bits_nan_as_nan(outs[0], out), (
-            f"{what}: (groups, prefetch, vec) {config} differs from {configs[0]}")
+            f"{what}: (groups, prefetch, vec) {config} differs from {configs[0]}"
+        )
     return outs[0]
 
 
@@ -725,8 +782,7 @@ EMULATED_CASES = [
 @pytest.mark.parametrize("case", EMULATED_CASES, ids=[c[0] for c in EMULATED_CASES])
 def test_emulated_kernels_match_float64_and_each_other(emulated, case):
     name, D, B, S, H, W, T, N, skip, dup, kv_dtype = case
-    inputs = as_f64(*make_inputs(50 + EMULATED_CASES.index(case), B, S, H, D, W, T, N,
-                                 mx.float32, kv_dtype, skip, dup))
+    inputs = as_f64(*make_inputs(50 + EMULATED_CASES.index(case), B, S, H, D, W, T, N, mx.float32, kv_dtype, skip, dup))
     out = _emulate_all(emulated, inputs, D**-0.5, name, kv_dtype == mx.bfloat16)
     assert_matches_f64(out, attention_f64(*inputs, D**-0.5), what=name)
 
@@ -743,8 +799,7 @@ def test_emulated_kernels_nonfinite(emulated, name, mutate):
 def test_emulated_kernels_across_tiles_and_invalid_indices(emulated):
     """-inf sink while tile 0 is all skipped (row 0) or all -inf logits (row 1), finite keys
     after; an invalid index (row 2) makes its row NaN; no keys with a -inf sink: NaN (head 1)."""
-    q, window, pool, indices, sinks = as_f64(*make_inputs(60, 1, 4, 2, 512, 64, 64, 100,
-                                                          mx.float32, mx.bfloat16))
+    q, window, pool, indices, sinks = as_f64(*make_inputs(60, 1, 4, 2, 512, 64, 64, 100, mx.float32, mx.bfloat16))
     q = np.abs(q) + 0.25
     sinks[:] = [-np.inf, 0.5]
     indices[0, 0, :64] = -1

@@ -128,6 +128,7 @@ def test_stream_generate_yields_mlx_lm_responses(model, reference, loaded):
     assert "".join(r.text for r in responses) == detokenize(tokenizer, want[:-1])
     assert responses[0].prompt_tokens == len(PROMPT) and not responses[0].from_draft
     plain = list(stream_generate(model, tokenizer, PROMPT, 8, draft=0))  # mlx-lm's loop
+
     def seen(rs):
         return [(r.token, r.text, r.finish_reason) for r in rs]
 
@@ -313,8 +314,10 @@ def _exact_joint(sampling: Sampling) -> np.ndarray:
     return step[0][:, None, None] * step[:, :, None] * step[None, :, :]  # P(a|0) P(b|a) P(c|b)
 
 
-@pytest.mark.parametrize("sampling", [Sampling(temp=1.0), Sampling(temp=0.7, top_k=4),
-                                      Sampling(temp=1.3, top_p=0.8), Sampling(temp=1.0, min_p=0.1)])
+@pytest.mark.parametrize(
+    "sampling",
+    [Sampling(temp=1.0), Sampling(temp=0.7, top_k=4), Sampling(temp=1.3, top_p=0.8), Sampling(temp=1.0, min_p=0.1)],
+)
 def test_the_acceptance_rule_samples_the_target_distribution(sampling):
     """The joint distribution of three tokens, over rounds of k = 2 drafts from another chain,
     is the target's (filters applied to P and Q alike)."""
@@ -366,8 +369,10 @@ def test_a_sampled_round_emits_its_first_token_with_the_main_probabilities(model
 
 def _tile(caches: list, rows: int) -> list:
     """The caches of one sequence repeated over `rows` batch rows."""
-    return [type(c).from_state(tuple(mx.repeat(v, rows, axis=0) if isinstance(v, mx.array) else v
-                                     for v in c.state)) for c in caches]
+    return [
+        type(c).from_state(tuple(mx.repeat(v, rows, axis=0) if isinstance(v, mx.array) else v for v in c.state))
+        for c in caches
+    ]
 
 
 def test_top_k_one_sampling_is_greedy(model, reference):

@@ -56,8 +56,7 @@ EFFORT_ALIASES = {"low": 50, "high": 75, "max": 100}  # the official file's
 OPENAI_EFFORTS = {"minimal": 25, "low": 50, "medium": 62, "high": 75}  # OpenAI's names, our mapping
 EFFORT_NAMES = {**OPENAI_EFFORTS, **EFFORT_ALIASES}
 DEFAULT_EFFORT = "high"
-EFFORT_SENTENCE = ("Reasoning Effort: {} (range 1-100, the higher the value, the more thorough "
-                   "the reasoning)\n\n")
+EFFORT_SENTENCE = "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
 ROLES = ("system", "user", "assistant", "tool")
 
 TOOLS_INSTRUCTIONS = """## Tools
@@ -101,8 +100,7 @@ def parse_effort(value: Any) -> int:
         if text.isdigit():
             value = int(text)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ChatError(f"reasoning effort must be {', '.join(EFFORT_NAMES)} or an integer 1..100; "
-                        f"got {value!r}")
+        raise ChatError(f"reasoning effort must be {', '.join(EFFORT_NAMES)} or an integer 1..100; got {value!r}")
     if not 1 <= value <= 100:
         raise ChatError(f"reasoning effort must be in 1..100; got {value}")
     return value
@@ -133,8 +131,7 @@ def _text_content(content: Any, where: str) -> str:
                 raise ChatError(f"{where}: content block {i} is {kind!r}; only text blocks are supported")
             parts.append(block["text"])
         return "\n\n".join(parts)
-    raise ChatError(f"{where}: content must be a string, null or a list of text blocks; "
-                    f"got {type(content).__name__}")
+    raise ChatError(f"{where}: content must be a string, null or a list of text blocks; got {type(content).__name__}")
 
 
 def _tool_call(call: Any, where: str) -> tuple[str, dict]:
@@ -154,8 +151,11 @@ def _tool_call(call: Any, where: str) -> tuple[str, dict]:
 
 
 def _tool_schema(tool: Any, i: int) -> dict:
-    if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict) \
-            or not isinstance(tool["function"].get("name"), str):
+    if (
+        not isinstance(tool, dict)
+        or not isinstance(tool.get("function"), dict)
+        or not isinstance(tool["function"].get("name"), str)
+    ):
         raise ChatError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
     return tool["function"]
 
@@ -190,10 +190,15 @@ def _turns(messages: Any, tools: list | None) -> list[dict]:
             calls = msg.get("tool_calls") or []
             if not isinstance(calls, list):
                 raise ChatError(f"{where}: tool_calls must be a list")
-            turns.append({"role": "assistant", "text": _text_content(msg.get("content"), where),
-                          "reasoning": reasoning or "",
-                          "calls": [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)],
-                          "call_ids": [c.get("id") for c in calls]})
+            turns.append(
+                {
+                    "role": "assistant",
+                    "text": _text_content(msg.get("content"), where),
+                    "reasoning": reasoning or "",
+                    "calls": [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)],
+                    "call_ids": [c.get("id") for c in calls],
+                }
+            )
     if tools:
         if not isinstance(tools, list):
             raise ChatError("tools must be a list")
@@ -247,8 +252,12 @@ def _tool_calls(out: list[Piece], calls: list[tuple[str, dict]]) -> None:
             if k:
                 out.append(Piece("\n"))
             is_str = isinstance(value, str)
-            _dsml_tag(out, "<", f' parameter name="{key}" string="{"true" if is_str else "false"}">'
-                      + (value if is_str else json.dumps(value, ensure_ascii=False)))
+            _dsml_tag(
+                out,
+                "<",
+                f' parameter name="{key}" string="{"true" if is_str else "false"}">'
+                + (value if is_str else json.dumps(value, ensure_ascii=False)),
+            )
             _dsml_tag(out, "</", " parameter>")
         out.append(Piece("\n"))
         _dsml_tag(out, "</", " invoke>")
@@ -256,9 +265,15 @@ def _tool_calls(out: list[Piece], calls: list[tuple[str, dict]]) -> None:
     _dsml_tag(out, "</", " calls>")
 
 
-def render_pieces(messages: list[dict], *, tools: list | None = None, thinking: bool = True,
-                  effort: Any = DEFAULT_EFFORT, drop_thinking: bool = True,
-                  add_generation_prompt: bool = True) -> list[Piece]:
+def render_pieces(
+    messages: list[dict],
+    *,
+    tools: list | None = None,
+    thinking: bool = True,
+    effort: Any = DEFAULT_EFFORT,
+    drop_thinking: bool = True,
+    add_generation_prompt: bool = True,
+) -> list[Piece]:
     """The prompt as pieces (control tokens marked), adjacent text merged."""
     effort = parse_effort(effort)
     turns = _turns(messages, tools)
@@ -283,8 +298,9 @@ def render_pieces(messages: list[dict], *, tools: list | None = None, thinking: 
         elif role == "user":
             out.append(Piece(USER, True))
             for j, (kind, _, text) in enumerate(turn["blocks"]):
-                out.append(Piece(("\n\n" if j else "") + (
-                    text if kind == "text" else f"<tool_result>{text}</tool_result>")))
+                out.append(
+                    Piece(("\n\n" if j else "") + (text if kind == "text" else f"<tool_result>{text}</tool_result>"))
+                )
         else:
             if thinking and (not drop or i > last_ask):
                 out += [Piece(turn["reasoning"]), Piece(END_THINK, True)]
@@ -385,17 +401,29 @@ def encode_continuation(tokenizer, text: str, *, thinking: bool = True) -> list[
 # ------------------------------------------------------------------------------ mlx-lm glue
 
 
-def apply_chat_template(messages, tools=None, add_generation_prompt: bool = False,
-                        enable_thinking: bool = True, reasoning_effort=None,
-                        drop_thinking: bool = True, continue_final_message: bool = False, **_unused) -> str:
+def apply_chat_template(
+    messages,
+    tools=None,
+    add_generation_prompt: bool = False,
+    enable_thinking: bool = True,
+    reasoning_effort=None,
+    drop_thinking: bool = True,
+    continue_final_message: bool = False,
+    **_unused,
+) -> str:
     """mlx-lm's Python chat-template protocol (`mlx_lm.chat_templates.*`): the prompt string.
 
     Extra keyword arguments that HF callers pass to templates are ignored, as Jinja templates do."""
     if continue_final_message and add_generation_prompt:
         raise ChatError("continue_final_message and add_generation_prompt cannot both be set")
-    text = render(messages, tools=tools, thinking=bool(enable_thinking),
-                  effort=DEFAULT_EFFORT if reasoning_effort is None else reasoning_effort,
-                  drop_thinking=drop_thinking, add_generation_prompt=add_generation_prompt)
+    text = render(
+        messages,
+        tools=tools,
+        thinking=bool(enable_thinking),
+        effort=DEFAULT_EFFORT if reasoning_effort is None else reasoning_effort,
+        drop_thinking=drop_thinking,
+        add_generation_prompt=add_generation_prompt,
+    )
     if continue_final_message and messages[-1].get("role") == "assistant":
         text = text.removesuffix(EOS)
     return text

@@ -39,8 +39,12 @@ from mlx_dsv41.generate import (
 )
 from mlx_dsv41.terminal import TokenWriter, dim
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
-                  help="Chat with DeepSeek-V4.1 in the terminal.")
+app = typer.Typer(
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    help="Chat with DeepSeek-V4.1 in the terminal.",
+)
 
 DEFAULT_MAX_TOKENS = 1024
 HELP = """commands:
@@ -117,12 +121,16 @@ class Turn:
         self._show(detok.last_segment)
 
     def message(self) -> dict:
-        return {"role": "assistant", "content": self.detokenizers["answer"].text,
-                "reasoning_content": self.detokenizers["reasoning"].text}
+        return {
+            "role": "assistant",
+            "content": self.detokenizers["answer"].text,
+            "reasoning_content": self.detokenizers["reasoning"].text,
+        }
 
 
-def reply(model, tokenizer, conv: Conversation, *, max_tokens: int, sampler, writer: TokenWriter,
-          hide_thinking: bool) -> str:
+def reply(
+    model, tokenizer, conv: Conversation, *, max_tokens: int, sampler, writer: TokenWriter, hide_thinking: bool
+) -> str:
     """Answer the conversation's last user message; returns the statistics line."""
     from mlx_lm import stream_generate
 
@@ -137,16 +145,25 @@ def reply(model, tokenizer, conv: Conversation, *, max_tokens: int, sampler, wri
 
     turn = Turn(tokenizer, writer, conv.thinking, hide_thinking)
     start = time.perf_counter()
-    for response in stream_generate(model, tokenizer, prompt[reused:], max_tokens=max_tokens,
-                                    sampler=sampler, prompt_cache=cache, prompt_progress_callback=progress):
+    for response in stream_generate(
+        model,
+        tokenizer,
+        prompt[reused:],
+        max_tokens=max_tokens,
+        sampler=sampler,
+        prompt_cache=cache,
+        prompt_progress_callback=progress,
+    ):
         turn.add(response.token)
     turn.finish_channel()
     writer.dimmed = False
     writer.write("\n")
     conv.messages.append(turn.message())
     seconds = time.perf_counter() - start
-    return (f"[{len(prompt)} prompt tokens: {len(prompt) - reused} prefilled, {reused} reused; "
-            f"{turn.generated} generated in {seconds:.1f} s]")
+    return (
+        f"[{len(prompt)} prompt tokens: {len(prompt) - reused} prefilled, {reused} reused; "
+        f"{turn.generated} generated in {seconds:.1f} s]"
+    )
 
 
 def command(line: str, conv: Conversation) -> str | None:
@@ -196,25 +213,35 @@ def loop(model, tokenizer, conv: Conversation, *, max_tokens: int, sampler, hide
             print(dim(out) if writer.tty else out, flush=True)
             continue
         conv.messages.append({"role": "user", "content": line})
-        stats = reply(model, tokenizer, conv, max_tokens=max_tokens, sampler=sampler, writer=writer,
-                      hide_thinking=hide_thinking)
+        stats = reply(
+            model, tokenizer, conv, max_tokens=max_tokens, sampler=sampler, writer=writer, hide_thinking=hide_thinking
+        )
         print(dim(stats) if sys.stderr.isatty() else stats, file=sys.stderr, flush=True)
 
 
 @app.command()
 def main_command(
     model: str = typer.Option(None, "--model", "-m", help="Converted checkpoint directory or HF repo id."),
-    demo: bool = typer.Option(False, "--demo", help="Chat with the built-in demo checkpoint "
-                              "(synthetic weights: meaningless text)."),
+    demo: bool = typer.Option(
+        False, "--demo", help="Chat with the built-in demo checkpoint (synthetic weights: meaningless text)."
+    ),
     system: str = typer.Option(None, "--system", help="A system message."),
-    thinking: bool = typer.Option(True, "--thinking/--no-thinking", help="Thinking mode (the default) "
-                                  "or chat mode."),
-    effort: str = typer.Option(chat.DEFAULT_EFFORT, "--effort", help="Reasoning effort 1..100 or "
-                               "minimal, low, medium, high, max."),
+    thinking: bool = typer.Option(True, "--thinking/--no-thinking", help="Thinking mode (the default) or chat mode."),
+    effort: str = typer.Option(
+        chat.DEFAULT_EFFORT, "--effort", help="Reasoning effort 1..100 or minimal, low, medium, high, max."
+    ),
     hide_thinking: bool = typer.Option(False, "--hide-thinking", help="Do not show the reasoning."),
-    max_tokens: int | None = typer.Option(None, "--max-tokens", min=1, help=f"Most tokens per reply "
-                                             f"(default {DEFAULT_MAX_TOKENS}, with --demo {DEMO_MAX_TOKENS})."),
-    temp: float = TEMP, top_p: float = TOP_P, top_k: int = TOP_K, min_p: float = MIN_P, seed: int = SEED,
+    max_tokens: int | None = typer.Option(
+        None,
+        "--max-tokens",
+        min=1,
+        help=f"Most tokens per reply (default {DEFAULT_MAX_TOKENS}, with --demo {DEMO_MAX_TOKENS}).",
+    ),
+    temp: float = TEMP,
+    top_p: float = TOP_P,
+    top_k: int = TOP_K,
+    min_p: float = MIN_P,
+    seed: int = SEED,
     engram_mode: str = typer.Option(None, "--engram-mode", help="Engram row reads: pread, mmap, ram, auto."),
 ):
     import mlx.core as mx
@@ -233,14 +260,22 @@ def main_command(
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(1) from None
     if demo:
-        print(f"NOTE: the demo checkpoint ({path}) has SYNTHETIC RANDOM WEIGHTS: its replies are "
-              f"meaningless.", file=sys.stderr)
+        print(
+            f"NOTE: the demo checkpoint ({path}) has SYNTHETIC RANDOM WEIGHTS: its replies are meaningless.",
+            file=sys.stderr,
+        )
     if seed is not None:
         mx.random.seed(seed)
     print("Chat with DeepSeek-V4.1 (/help for commands, /quit or Ctrl-D to leave).", file=sys.stderr, flush=True)
     try:
-        loop(loaded, tokenizer, conv, max_tokens=max_tokens or (DEMO_MAX_TOKENS if demo else DEFAULT_MAX_TOKENS),
-             sampler=make_sampler(temp, top_p=top_p, min_p=min_p, top_k=top_k), hide_thinking=hide_thinking)
+        loop(
+            loaded,
+            tokenizer,
+            conv,
+            max_tokens=max_tokens or (DEMO_MAX_TOKENS if demo else DEFAULT_MAX_TOKENS),
+            sampler=make_sampler(temp, top_p=top_p, min_p=min_p, top_k=top_k),
+            hide_thinking=hide_thinking,
+        )
     except KeyboardInterrupt:
         print(file=sys.stderr)
 

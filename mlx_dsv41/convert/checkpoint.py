@@ -47,9 +47,15 @@ CRASH_ENV = "MLX_DSV41_CONVERT_CRASH_AFTER"
 _LOCK = ".lock"
 
 
-def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *,
-                       engram_from: str | os.PathLike | None = None, dtype: str | None = None,
-                       progress: bool = True, dspark_from: str | os.PathLike | None = None) -> Path:
+def convert_checkpoint(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    engram_from: str | os.PathLike | None = None,
+    dtype: str | None = None,
+    progress: bool = True,
+    dspark_from: str | os.PathLike | None = None,
+) -> Path:
     """Convert `src` into `out` (see the module docstring); returns `out`.
 
     `engram_from`: a directory (or shard) with the official Engram tables, for sources without
@@ -66,16 +72,19 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *,
     source = open_source(src, engram_from, dspark_from)
     try:
         if dtype is not None and source.kind == "exl3":
-            raise ConvertError(f"{source.path}: --dtype applies to official FP8/FP4 sources; "
-                               "EXL3 tensors are kept as stored")
+            raise ConvertError(
+                f"{source.path}: --dtype applies to official FP8/FP4 sources; EXL3 tensors are kept as stored"
+            )
         fingerprint = _output_fingerprint(source, dtype)
         if _finished(out, fingerprint):
             report.say(f"{out}: already converted from this source; nothing to do")
             return out
         report.say(f"checking {source.path} ({source.kind}, {len(source.ckpt.shards())} shards)")
         if source.dspark_ckpt is None and source.args.dspark_stages:
-            report.say(f"{source.path}: no DSpark draft head (mtp.*): the converted model decodes without "
-                       f"speculation; {DSPARK_HINT}")
+            report.say(
+                f"{source.path}: no DSpark draft head (mtp.*): the converted model decodes without "
+                f"speculation; {DSPARK_HINT}"
+            )
         _write_conversion(source, out, dtype, fingerprint, report)
     except (SafetensorsError, EngramStoreError, FormatError, ConfigError) as e:
         raise ConvertError(" ".join(str(e).split("\n"))) from None
@@ -85,18 +94,22 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *,
         source.close()
     seconds = time.perf_counter() - started
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    report.say(f"converted {source.path} -> {out}: {written / 1e9:.3f} GB in {seconds:.1f} s "
-               f"({written / 1e6 / max(seconds, 1e-9):.0f} MB/s), peak RSS {peak_rss_bytes() / 1e6:.0f} MB")
+    report.say(
+        f"converted {source.path} -> {out}: {written / 1e9:.3f} GB in {seconds:.1f} s "
+        f"({written / 1e6 / max(seconds, 1e-9):.0f} MB/s), peak RSS {peak_rss_bytes() / 1e6:.0f} MB"
+    )
     return out
 
 
 def _output_fingerprint(source: Source, dtype: str | None) -> str:
     """What the output depends on: the source (and where its Engram tables and DSpark head come
     from), the dtype and the layout's version."""
-    return hashlib.sha256(json.dumps(
-        [source.fingerprint, source.engram_fingerprint, dtype, layout.FORMAT_VERSION]
-        + (["dspark", source.dspark_fingerprint] if source.dspark_ckpt is not None else [])
-    ).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps(
+            [source.fingerprint, source.engram_fingerprint, dtype, layout.FORMAT_VERSION]
+            + (["dspark", source.dspark_fingerprint] if source.dspark_ckpt is not None else [])
+        ).encode()
+    ).hexdigest()
 
 
 def _write_conversion(source: Source, out: Path, dtype: str | None, fingerprint: str, report) -> None:
@@ -122,8 +135,10 @@ SPACE_MARGIN = 64 << 20  # tokenizer, token map, headers, config: small next to 
 def output_bytes(source: Source, steps: list[Step]) -> int:
     """What the conversion writes: every output tensor and every Engram row file."""
     args = source.args
-    rows = sum(RowFileHeader.new(layer, args.engram_num_embeddings[i], args.engram_head_dim,
-                                 DEFAULT_CHUNK_ROWS).file_bytes for i, layer in enumerate(source.tables))
+    rows = sum(
+        RowFileHeader.new(layer, args.engram_num_embeddings[i], args.engram_head_dim, DEFAULT_CHUNK_ROWS).file_bytes
+        for i, layer in enumerate(source.tables)
+    )
     return sum(step.out_bytes for step in steps) + rows + SPACE_MARGIN
 
 
@@ -137,8 +152,10 @@ def _check_free_space(out: Path, source: Source, steps: list[Step]) -> None:
     free = shutil.disk_usage(where).free
     if need > free:
         more = f" more (OUT.partial holds {held / 1e9:.1f} GB)" if held else ""
-        raise ConvertError(f"not enough free disk space for {out}: the conversion writes {need / 1e9:.1f} GB"
-                           f"{more}, {where} has {free / 1e9:.1f} GB free")
+        raise ConvertError(
+            f"not enough free disk space for {out}: the conversion writes {need / 1e9:.1f} GB"
+            f"{more}, {where} has {free / 1e9:.1f} GB free"
+        )
 
 
 def peak_rss_bytes() -> int:
@@ -173,11 +190,15 @@ def _finished(out: Path, fingerprint: str) -> bool:
     if block is not None and not (out / layout.STATE).exists():
         if block.get("fingerprint") == fingerprint:
             return True
-        raise ConvertError(f"{out}: already holds a conversion of {block.get('source', {}).get('path')} "
-                           f"(another source or other options); delete it or choose another output directory")
+        raise ConvertError(
+            f"{out}: already holds a conversion of {block.get('source', {}).get('path')} "
+            f"(another source or other options); delete it or choose another output directory"
+        )
     if any(out.iterdir()):
-        raise ConvertError(f"{out}: exists and is not a converted checkpoint; refusing to write into it "
-                           f"(choose another output directory)")
+        raise ConvertError(
+            f"{out}: exists and is not a converted checkpoint; refusing to write into it "
+            f"(choose another output directory)"
+        )
     return False  # an empty directory: replaced by the finished conversion
 
 
@@ -302,9 +323,16 @@ def _write_tokenizer(source: Source, work: Path, token_map) -> str:
         os.replace(tmp, work / name)
     tokenizer_sha256 = hashlib.sha256((work / "tokenizer.json").read_bytes()).hexdigest()
     if token_map is not None:
-        _write_json(work / layout.TOKEN_MAP, {
-            "format": layout.TOKEN_MAP_FORMAT, "size": token_map.size, "tokenizer_sha256": tokenizer_sha256,
-            "ids": token_map.ids.tolist()}, indent=None)
+        _write_json(
+            work / layout.TOKEN_MAP,
+            {
+                "format": layout.TOKEN_MAP_FORMAT,
+                "size": token_map.size,
+                "tokenizer_sha256": tokenizer_sha256,
+                "ids": token_map.ids.tolist(),
+            },
+            indent=None,
+        )
     return tokenizer_sha256
 
 
@@ -361,31 +389,52 @@ def _write_engram(source: Source, work: Path, report: _Reporter) -> dict:
                 done[0] = rows_done
 
             write_engram_rows(table, work / rel, layer, rows, progress=progress)
-        fd, header = open_row_file(work / rel, expected_rows=rows, layer_id=layer,
-                                   head_dim=source.args.engram_head_dim)
+        fd, header = open_row_file(work / rel, expected_rows=rows, layer_id=layer, head_dim=source.args.engram_head_dim)
         os.close(fd)
-        records[str(layer)] = {"file": rel, "rows": header.rows, "row_bytes": header.row_bytes,
-                               "data_sha256": hashlib.sha256(header.chunk_digests).hexdigest()}
+        records[str(layer)] = {
+            "file": rel,
+            "rows": header.rows,
+            "row_bytes": header.row_bytes,
+            "data_sha256": hashlib.sha256(header.chunk_digests).hexdigest(),
+        }
     return records
 
 
-def _block(source: Source, steps: list[Step], weight_map: dict[str, str], engram: dict, tokenizer_sha256: str,
-           dtype: str | None, fingerprint: str, work: Path) -> dict:
+def _block(
+    source: Source,
+    steps: list[Step],
+    weight_map: dict[str, str],
+    engram: dict,
+    tokenizer_sha256: str,
+    dtype: str | None,
+    fingerprint: str,
+    work: Path,
+) -> dict:
     formats: dict[str, set[str]] = {}
     for step in steps:
         if step.site_class is not None:
             formats.setdefault(step.site_class, set()).add(step.fmt)
     files = sorted(set(weight_map.values()))
     block = {
-        "format": layout.FORMAT, "format_version": layout.FORMAT_VERSION,
-        "converter": f"mlx_dsv41 {__version__}", "fingerprint": fingerprint,
-        "source": {"kind": source.kind, "path": str(source.path.resolve()),
-                   "quantization_config": source.quantization, "fingerprint": source.fingerprint},
-        "engram_source": None if source.engram_path is None else {
-            "path": str(source.engram_path.resolve()), "fingerprint": source.engram_fingerprint},
-        "dspark_source": None if source.dspark_path is None else {
+        "format": layout.FORMAT,
+        "format_version": layout.FORMAT_VERSION,
+        "converter": f"mlx_dsv41 {__version__}",
+        "fingerprint": fingerprint,
+        "source": {
+            "kind": source.kind,
+            "path": str(source.path.resolve()),
+            "quantization_config": source.quantization,
+            "fingerprint": source.fingerprint,
+        },
+        "engram_source": None
+        if source.engram_path is None
+        else {"path": str(source.engram_path.resolve()), "fingerprint": source.engram_fingerprint},
+        "dspark_source": None
+        if source.dspark_path is None
+        else {
             "path": str(source.dspark_path.resolve()),
-            "fingerprint": source.dspark_fingerprint or source.fingerprint},
+            "fingerprint": source.dspark_fingerprint or source.fingerprint,
+        },
         "options": {"dtype": dtype},
         "formats": {k: sorted(v) for k, v in sorted(formats.items())},
         "weights": {"shards": len(files), "total_size": sum((work / f).stat().st_size for f in files)},
@@ -396,8 +445,13 @@ def _block(source: Source, steps: list[Step], weight_map: dict[str, str], engram
 
 
 def _write_meta(source: Source, weight_map: dict[str, str], block: dict, work: Path) -> None:
-    _write_json(work / layout.INDEX, {"metadata": {"total_size": block["weights"]["total_size"], "format": "mlx"},
-                                      "weight_map": dict(sorted(weight_map.items()))})
+    _write_json(
+        work / layout.INDEX,
+        {
+            "metadata": {"total_size": block["weights"]["total_size"], "format": "mlx"},
+            "weight_map": dict(sorted(weight_map.items())),
+        },
+    )
     (work / layout.SHIM).write_text(layout.SHIM_SOURCE)
     config = copy.deepcopy(source.config)
     # mlx-lm would quantize the model itself (docs/mlx.md#mlx-lm-load)
@@ -449,6 +503,7 @@ class _Reporter:
             return
         import click
 
-        with click.progressbar(length=length, label=label, file=sys.stderr, show_pos=False,
-                               show_percent=True, show_eta=True, width=32) as bar:
+        with click.progressbar(
+            length=length, label=label, file=sys.stderr, show_pos=False, show_percent=True, show_eta=True, width=32
+        ) as bar:
             yield bar

@@ -17,18 +17,27 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_mar
 
 @app.command()
 def convert(
-    src: Path = typer.Argument(..., help="The checkpoint to convert: an EXL3 (exllamav3) or the "
-                               "official FP8/FP4 DeepSeek-V4.1 directory."),
+    src: Path = typer.Argument(
+        ..., help="The checkpoint to convert: an EXL3 (exllamav3) or the official FP8/FP4 DeepSeek-V4.1 directory."
+    ),
     out: Path = typer.Argument(..., help="The output directory (must not exist, or be empty)."),
     engram_from: Path | None = typer.Option(
-        None, "--engram-from", help="A directory with the official Engram tables: the official "
-        "release's shards model-00047-of-00048 and model-00048-of-00048 (EXL3 packs have none)."),
+        None,
+        "--engram-from",
+        help="A directory with the official Engram tables: the official "
+        "release's shards model-00047-of-00048 and model-00048-of-00048 (EXL3 packs have none).",
+    ),
     dspark_from: Path | None = typer.Option(
-        None, "--dspark-from", help="A directory with the official release's DSpark draft head "
-        "(mtp.*), for sources without it (only the shards holding it are read)."),
+        None,
+        "--dspark-from",
+        help="A directory with the official release's DSpark draft head "
+        "(mtp.*), for sources without it (only the shards holding it are read).",
+    ),
     dtype: str | None = typer.Option(
-        None, "--dtype", help="bf16: dequantize official FP8/FP4 weights (exact) instead of "
-        "re-laying them as MLX mxfp8 / mxfp4."),
+        None,
+        "--dtype",
+        help="bf16: dequantize official FP8/FP4 weights (exact) instead of re-laying them as MLX mxfp8 / mxfp4.",
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
 ) -> None:
     """Convert a DeepSeek-V4.1 checkpoint (+ its Engram tables) for MLX."""
@@ -36,8 +45,7 @@ def convert(
     from mlx_dsv41.convert.source import ConvertError
 
     try:
-        convert_checkpoint(src, out, engram_from=engram_from, dtype=dtype, progress=not quiet,
-                           dspark_from=dspark_from)
+        convert_checkpoint(src, out, engram_from=engram_from, dtype=dtype, progress=not quiet, dspark_from=dspark_from)
     except ConvertError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
@@ -48,4 +56,3 @@ def convert(
 
 def main() -> None:
     app()
-

@@ -61,15 +61,16 @@ def table_from_arrays(values: np.ndarray, scales: np.ndarray, description: str =
     """A table from raw bytes in memory (or np.memmap): values [rows, D], scales [rows, D/32], uint8."""
     if values.dtype != np.uint8 or scales.dtype != np.uint8:
         raise EngramStoreError(f"{description}: values and scales must be uint8 (raw e4m3 / e8m0 bytes)")
-    if values.ndim != 2 or values.shape[1] % SCALE_GROUP or scales.shape != (
-        values.shape[0], values.shape[1] // SCALE_GROUP
+    if (
+        values.ndim != 2
+        or values.shape[1] % SCALE_GROUP
+        or scales.shape != (values.shape[0], values.shape[1] // SCALE_GROUP)
     ):
         raise EngramStoreError(
             f"{description}: values {list(values.shape)} and scales {list(scales.shape)} are not "
             f"[rows, D] and [rows, D/{SCALE_GROUP}]"
         )
-    return EngramTable(values.shape[0], values.shape[1],
-                       lambda a, b: (values[a:b], scales[a:b]), description)
+    return EngramTable(values.shape[0], values.shape[1], lambda a, b: (values[a:b], scales[a:b]), description)
 
 
 def table_from_checkpoint(ckpt: SafetensorsCheckpoint, layer_id: int) -> EngramTable:
@@ -89,14 +90,14 @@ def table_from_checkpoint(ckpt: SafetensorsCheckpoint, layer_id: int) -> EngramT
             f"[rows, D] and [rows, D/{SCALE_GROUP}]"
         )
     return EngramTable(
-        w.shape[0], w.shape[1],
+        w.shape[0],
+        w.shape[1],
         lambda a, b: (ckpt.read_rows(w_name, a, b), ckpt.read_rows(s_name, a, b)),
         f"{ckpt.path} layer {layer_id}",
     )
 
 
-def check_table(table: EngramTable, layer_id: int, expected_rows: int,
-                head_dim: int | None = None) -> None:
+def check_table(table: EngramTable, layer_id: int, expected_rows: int, head_dim: int | None = None) -> None:
     """The table must have the config's row count (``engram_num_embeddings``) and head_dim."""
     if table.rows != expected_rows:
         raise EngramStoreError(
@@ -110,9 +111,15 @@ def check_table(table: EngramTable, layer_id: int, expected_rows: int,
         )
 
 
-def write_engram_rows(table: EngramTable, out_path: str | os.PathLike, layer_id: int,
-                      expected_rows: int, *, chunk_rows: int = DEFAULT_CHUNK_ROWS,
-                      progress: Callable[[int, int], None] | None = None) -> str:
+def write_engram_rows(
+    table: EngramTable,
+    out_path: str | os.PathLike,
+    layer_id: int,
+    expected_rows: int,
+    *,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    progress: Callable[[int, int], None] | None = None,
+) -> str:
     """Write ``table`` as a row file at ``out_path``; returns "unchanged", "resumed" or "written".
 
     ``expected_rows`` is the config's ``engram_num_embeddings`` entry for the layer. A finished
@@ -125,8 +132,7 @@ def write_engram_rows(table: EngramTable, out_path: str | os.PathLike, layer_id:
         raise EngramStoreError(f"{out_path}: directory {out_path.parent} does not exist")
 
     if out_path.exists():
-        fd, header = open_row_file(out_path, expected_rows=expected_rows, layer_id=layer_id,
-                                   head_dim=table.head_dim)
+        fd, header = open_row_file(out_path, expected_rows=expected_rows, layer_id=layer_id, head_dim=table.head_dim)
         os.close(fd)
         last = header.n_chunks - 1
         if any(chunk_digest(table.rows_of(*header.chunk_range(k))) != header.digest_of(k) for k in {0, last}):
@@ -156,8 +162,9 @@ def write_engram_rows(table: EngramTable, out_path: str | os.PathLike, layer_id:
     return "resumed" if resumed else "written"
 
 
-def _write_chunks(fd: int, header: RowFileHeader, table: EngramTable,
-                  progress: Callable[[int, int], None] | None) -> None:
+def _write_chunks(
+    fd: int, header: RowFileHeader, table: EngramTable, progress: Callable[[int, int], None] | None
+) -> None:
     """The chunks the header does not list as done, each made durable before the header (rewritten
     after every chunk) says it is."""
     if progress is not None:
@@ -180,8 +187,7 @@ def _write_chunks(fd: int, header: RowFileHeader, table: EngramTable,
                 progress(hi, header.rows)
 
 
-def _resumable_header(fd: int, path: Path, table: EngramTable, layer_id: int,
-                      chunk_rows: int) -> RowFileHeader | None:
+def _resumable_header(fd: int, path: Path, table: EngramTable, layer_id: int, chunk_rows: int) -> RowFileHeader | None:
     """The header of a partial file that can be continued from ``table``, or None to restart.
 
     The last recorded chunk must match both the file and the source, and the first chunk the
@@ -194,7 +200,10 @@ def _resumable_header(fd: int, path: Path, table: EngramTable, layer_id: int,
     except EngramStoreError:
         return None
     if (header.layer_id, header.rows, header.head_dim, header.chunk_rows) != (
-        layer_id, table.rows, table.head_dim, chunk_rows
+        layer_id,
+        table.rows,
+        table.head_dim,
+        chunk_rows,
     ) or os.fstat(fd).st_size != header.file_bytes:
         return None
     for k in {0, header.chunks_done - 1} if header.chunks_done else ():

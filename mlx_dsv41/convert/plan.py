@@ -43,10 +43,24 @@ from mlx_dsv41.quant import official
 PASS_CHUNK_BYTES = 16 << 20  # large tensors are copied / converted in row chunks of about this size
 
 # how mx.load presents each safetensors dtype (the quant seam's detection looks at these)
-_MX_DTYPE = {"BOOL": mx.bool_, "U8": mx.uint8, "I8": mx.int8, "F8_E4M3": mx.uint8, "F8_E5M2": mx.uint8,
-             "F8_E8M0": mx.uint8, "U16": mx.uint16, "I16": mx.int16, "F16": mx.float16,
-             "BF16": mx.bfloat16, "U32": mx.uint32, "I32": mx.int32, "F32": mx.float32,
-             "U64": mx.uint64, "I64": mx.int64, "F64": mx.float64}
+_MX_DTYPE = {
+    "BOOL": mx.bool_,
+    "U8": mx.uint8,
+    "I8": mx.int8,
+    "F8_E4M3": mx.uint8,
+    "F8_E5M2": mx.uint8,
+    "F8_E8M0": mx.uint8,
+    "U16": mx.uint16,
+    "I16": mx.int16,
+    "F16": mx.float16,
+    "BF16": mx.bfloat16,
+    "U32": mx.uint32,
+    "I32": mx.int32,
+    "F32": mx.float32,
+    "U64": mx.uint64,
+    "I64": mx.int64,
+    "F64": mx.float64,
+}
 _FLOATS = ("F16", "BF16", "F32")
 _EXL3_PARTS = ("trellis", "suh", "svh", "su", "sv", "mul1", "mcg", "bias")
 
@@ -102,13 +116,13 @@ def model_sites(args) -> tuple[list[Site], dict[str, tuple[int, ...]]]:
         elif isinstance(module, quant.GroupedLinear):
             sites.append(Site(name, "grouped", module.in_features, module.out_features, module.groups))
         elif name.endswith(".ffn.experts"):
-            sites.append(Site(name, "experts", args.hidden_size, args.moe_intermediate_size,
-                              module.n_experts))
+            sites.append(Site(name, "experts", args.hidden_size, args.moe_intermediate_size, module.n_experts))
         else:
             continue
         covered.append(name + ".")
-    params = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())
-              if not any(k.startswith(c) for c in covered)}
+    params = {
+        k: tuple(v.shape) for k, v in tree_flatten(model.parameters()) if not any(k.startswith(c) for c in covered)
+    }
     return sorted(sites, key=lambda s: s.prefix), params
 
 
@@ -145,8 +159,7 @@ def _bf16_bits(a: mx.array) -> np.ndarray:
     return np.array(a.astype(mx.bfloat16).view(mx.uint16))
 
 
-def _official_step(prefix: str, fmt: str, out_features: int, in_features: int, to_bf16: bool,
-                   site: str) -> Step:
+def _official_step(prefix: str, fmt: str, out_features: int, in_features: int, to_bf16: bool, site: str) -> Step:
     """An official FP8 / FP4 linear -> MLX mxfp8 / mxfp4 (exact re-layout) or bf16 (exact decode).
 
     Both are row-local (an FP8 tile scale covers 32 whole rows), so the weight is converted in
@@ -180,8 +193,9 @@ def _official_step(prefix: str, fmt: str, out_features: int, in_features: int, t
             scales.append(np.array(row_scales))
         yield f"{prefix}.scales", np.concatenate(scales)
 
-    return Step(w_name, [(w_name, "U32", w_shape), (f"{prefix}.scales", "U8", s_shape)],
-                [w_name, s_name], site, mode, run)
+    return Step(
+        w_name, [(w_name, "U32", w_shape), (f"{prefix}.scales", "U8", s_shape)], [w_name, s_name], site, mode, run
+    )
 
 
 # ------------------------------------------------------------------------------ planning
@@ -214,8 +228,9 @@ class _Planner:
             self.fail(f"{name}: shape {list(info.shape)}, expected {list(shape)} ({what})")
         return info
 
-    def linear(self, prefix: str, in_features: int, out_features: int, kind: str = "linear",
-               groups: int = 1) -> tuple[str, Step]:
+    def linear(
+        self, prefix: str, in_features: int, out_features: int, kind: str = "linear", groups: int = 1
+    ) -> tuple[str, Step]:
         """(stored format, step) of one linear; kind "grouped" (wo_a: dense or FP8 -> bf16) or "expert"."""
         try:
             fmt = quant.stored_format(self.stored, prefix)
@@ -223,8 +238,10 @@ class _Planner:
             self.fail(str(e))
         site, rows = site_class(prefix), groups * out_features
         if kind == "grouped" and fmt not in ("dense", "fp8"):
-            self.fail(f"{prefix}: a grouped linear is stored dense, as official FP8 or as "
-                      f"{prefix}.slice.{{g}} linears, not as {fmt}")
+            self.fail(
+                f"{prefix}: a grouped linear is stored dense, as official FP8 or as "
+                f"{prefix}.slice.{{g}} linears, not as {fmt}"
+            )
         if fmt == "dense":
             info = self.need(f"{prefix}.weight", _FLOATS, (rows, in_features), "a dense linear [out, in]")
             step = _pass_through([info.name], self.infos, site, info.dtype.lower())
@@ -278,12 +295,23 @@ class _Planner:
             codebook = exl3.codebook_from_markers(view, prefix)
             if f"{prefix}.suh" not in view or f"{prefix}.svh" not in view:
                 raise ValueError(f"EXL3 tensor {prefix} needs .suh and .svh")
-            exl3.check_linear(view[f"{prefix}.trellis"], view[f"{prefix}.suh"], view[f"{prefix}.svh"],
-                              codebook, view.get(f"{prefix}.bias"), in_features, out_features)
+            exl3.check_linear(
+                view[f"{prefix}.trellis"],
+                view[f"{prefix}.suh"],
+                view[f"{prefix}.svh"],
+                codebook,
+                view.get(f"{prefix}.bias"),
+                in_features,
+                out_features,
+            )
         except ValueError as e:
             self.fail(f"{prefix}: {e}")
-        return _pass_through([f"{prefix}.trellis", *[p for p in parts if not p.endswith(".trellis")]],
-                             self.infos, site_class(prefix), "exl3")
+        return _pass_through(
+            [f"{prefix}.trellis", *[p for p in parts if not p.endswith(".trellis")]],
+            self.infos,
+            site_class(prefix),
+            "exl3",
+        )
 
     def site(self, site: Site) -> list[Step]:
         if site.kind == "linear":
@@ -291,11 +319,16 @@ class _Planner:
         if site.kind == "grouped":
             sliced = any(f"{site.prefix}.slice.0.{p}" in self.infos for p in ("trellis", "weight"))
             if sliced and f"{site.prefix}.weight" not in self.infos:
-                return [self.linear(f"{site.prefix}.slice.{g}", site.in_features, site.out_features)[1]
-                        for g in range(site.groups)]
+                return [
+                    self.linear(f"{site.prefix}.slice.{g}", site.in_features, site.out_features)[1]
+                    for g in range(site.groups)
+                ]
             return [self.linear(site.prefix, site.in_features, site.out_features, "grouped", site.groups)[1]]
-        dims = {"w1": (site.in_features, site.out_features), "w3": (site.in_features, site.out_features),
-                "w2": (site.out_features, site.in_features)}
+        dims = {
+            "w1": (site.in_features, site.out_features),
+            "w3": (site.in_features, site.out_features),
+            "w2": (site.out_features, site.in_features),
+        }
         steps, families = [], {}
         for e in range(site.groups):
             for proj, (d_in, d_out) in dims.items():
@@ -303,9 +336,11 @@ class _Planner:
                 families.setdefault("mx" if fmt in ("fp8", "fp4", "mlx_quantized") else fmt, f"{e}.{proj}")
                 steps.append(step)
         if len(families) > 1:
-            self.fail(f"{site.prefix}: experts stored in different formats ("
-                      + ", ".join(f"{where} is {fam}" for fam, where in families.items())
-                      + "); one format per layer's experts")
+            self.fail(
+                f"{site.prefix}: experts stored in different formats ("
+                + ", ".join(f"{where} is {fam}" for fam, where in families.items())
+                + "); one format per layer's experts"
+            )
         return steps
 
     def parameter(self, name: str, shape: tuple[int, ...]) -> Step:
@@ -327,8 +362,10 @@ class _Planner:
         unexpected = sorted(set(self.infos) - self.used)
         if unexpected:
             more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-            self.fail(f"unexpected tensor {unexpected[0]}{more}: not part of the DeepSeek-V4.1 text "
-                      f"model this config describes")
+            self.fail(
+                f"unexpected tensor {unexpected[0]}{more}: not part of the DeepSeek-V4.1 text "
+                f"model this config describes"
+            )
         return steps
 
 

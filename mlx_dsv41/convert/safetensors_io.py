@@ -156,9 +156,7 @@ class SafetensorsFile:
                 self._fail(f"hole of {begin - end} bytes before tensor {t.name!r}")
             end, prev = begin + t.nbytes, t.name
         if end > data_len:
-            self._fail(
-                f"truncated: tensor {prev!r} ends at data byte {end} but the file holds {data_len}"
-            )
+            self._fail(f"truncated: tensor {prev!r} ends at data byte {end} but the file holds {data_len}")
         if end < data_len:
             self._fail(f"{data_len - end} trailing bytes after the last tensor {prev!r}")
         return metadata, tensors
@@ -260,8 +258,7 @@ class SafetensorsCheckpoint:
                 for name in self._shard(file).names():
                     if name in self.weight_map:
                         raise SafetensorsError(
-                            f"{self.path}: tensor {name!r} is in both "
-                            f"{self.weight_map[name].name} and {file.name}"
+                            f"{self.path}: tensor {name!r} is in both {self.weight_map[name].name} and {file.name}"
                         )
                     self.weight_map[name] = file
             if not self.weight_map:

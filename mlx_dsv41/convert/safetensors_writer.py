@@ -64,8 +64,12 @@ def header_bytes(specs: list[tuple[str, str, tuple[int, ...]]], metadata: dict[s
 class SafetensorsWriter:
     """``write(name, array)`` the tensors of ``specs`` in order, then ``close()``."""
 
-    def __init__(self, path: str | os.PathLike, specs: list[tuple[str, str, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        specs: list[tuple[str, str, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ):
         self.path = Path(path)
         self.partial = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
         self.specs = [(name, dtype, tuple(int(d) for d in shape)) for name, dtype, shape in specs]
@@ -88,8 +92,11 @@ class SafetensorsWriter:
         """Append ``data`` (the whole tensor, or its next rows) to tensor ``name``."""
         if self._fd < 0:
             raise SafetensorsError(f"{self.partial}: writer is closed")
-        if self._current < len(self.specs) and self._done == self._need(self._current) \
-                and self.specs[self._current][0] != name:
+        if (
+            self._current < len(self.specs)
+            and self._done == self._need(self._current)
+            and self.specs[self._current][0] != name
+        ):
             self._current, self._done = self._current + 1, 0
         if self._current >= len(self.specs) or self.specs[self._current][0] != name:
             expected = self.specs[self._current][0] if self._current < len(self.specs) else "nothing"
@@ -99,11 +106,13 @@ class SafetensorsWriter:
         if not data.flags.c_contiguous:
             data = data.copy(order="C")  # (np.ascontiguousarray would make a 0-dim array 1-dim)
         if data.dtype != DTYPES[dtype]:
-            raise SafetensorsError(f"{self.partial}: tensor {name!r} is {dtype}, stored as "
-                                   f"{DTYPES[dtype]}, got {data.dtype}")
+            raise SafetensorsError(
+                f"{self.partial}: tensor {name!r} is {dtype}, stored as {DTYPES[dtype]}, got {data.dtype}"
+            )
         if data.shape != shape and (not shape or data.ndim != len(shape) or data.shape[1:] != shape[1:]):
-            raise SafetensorsError(f"{self.partial}: tensor {name!r} {list(shape)}: got a piece of "
-                                   f"shape {list(data.shape)}")
+            raise SafetensorsError(
+                f"{self.partial}: tensor {name!r} {list(shape)}: got a piece of shape {list(data.shape)}"
+            )
         if self._done + data.nbytes > self._need(self._current):
             raise SafetensorsError(f"{self.partial}: tensor {name!r} {list(shape)}: more bytes than it holds")
         if data.nbytes:
@@ -144,8 +153,9 @@ class SafetensorsWriter:
             self.abort()
 
 
-def write_safetensors(path: str | os.PathLike, tensors: dict[str, tuple[str, np.ndarray]],
-                      metadata: dict[str, str] | None = None) -> Path:
+def write_safetensors(
+    path: str | os.PathLike, tensors: dict[str, tuple[str, np.ndarray]], metadata: dict[str, str] | None = None
+) -> Path:
     """A whole file from ``{name: (safetensors dtype, raw array)}``, in dict order."""
     specs = [(name, dtype, a.shape) for name, (dtype, a) in tensors.items()]
     with SafetensorsWriter(path, specs, metadata) as w:

@@ -33,8 +33,10 @@ class ConvertError(ValueError):
 
 
 _ENGRAM_TABLE = "layers.{}.engram.embed.{}"
-DSPARK_HINT = ("the DSpark draft head is mtp.* in the official DeepSeek-V4.1-Flash release; add it with "
-               "`python -m mlx_dsv41.convert SRC OUT --dspark-from OFFICIAL_DIR`")
+DSPARK_HINT = (
+    "the DSpark draft head is mtp.* in the official DeepSeek-V4.1-Flash release; add it with "
+    "`python -m mlx_dsv41.convert SRC OUT --dspark-from OFFICIAL_DIR`"
+)
 
 
 @dataclass
@@ -83,8 +85,9 @@ def _open_all(ckpt: SafetensorsCheckpoint) -> None:
         ckpt.info(name)
 
 
-def _engram_tables(args: ModelArgs, ckpt: SafetensorsCheckpoint, src: Path,
-                   engram_from: Path | None) -> tuple[dict[int, EngramTable], SafetensorsCheckpoint | None]:
+def _engram_tables(
+    args: ModelArgs, ckpt: SafetensorsCheckpoint, src: Path, engram_from: Path | None
+) -> tuple[dict[int, EngramTable], SafetensorsCheckpoint | None]:
     if not args.engram_layer_ids:
         return {}, None
     # Every shard of `origin` is open and checked already: `ckpt` by open_source, and a
@@ -103,8 +106,10 @@ def _engram_tables(args: ModelArgs, ckpt: SafetensorsCheckpoint, src: Path,
     try:
         for i, layer in enumerate(args.engram_layer_ids):
             if _ENGRAM_TABLE.format(layer, "weight") not in origin.weight_map:
-                raise ConvertError(f"{where}: no Engram table {_ENGRAM_TABLE.format(layer, 'weight')} "
-                                   f"(the source has none); {WHERE_TO_GET}")
+                raise ConvertError(
+                    f"{where}: no Engram table {_ENGRAM_TABLE.format(layer, 'weight')} "
+                    f"(the source has none); {WHERE_TO_GET}"
+                )
             table = table_from_checkpoint(origin, layer)
             check_table(table, layer, args.engram_num_embeddings[i], args.engram_head_dim)
             tables[layer] = table
@@ -115,8 +120,9 @@ def _engram_tables(args: ModelArgs, ckpt: SafetensorsCheckpoint, src: Path,
     return tables, origin
 
 
-def _dspark_origin(args: ModelArgs, ckpt: SafetensorsCheckpoint, src: Path,
-                   dspark_from: Path | None) -> SafetensorsCheckpoint | None:
+def _dspark_origin(
+    args: ModelArgs, ckpt: SafetensorsCheckpoint, src: Path, dspark_from: Path | None
+) -> SafetensorsCheckpoint | None:
     """Where the DSpark tensors are read from: the source, --dspark-from (only the shards holding
     mtp.* are opened), or nowhere (None: the conversion has no draft head)."""
     in_source = any(MTP.match(n) for n in ckpt.weight_map)
@@ -125,8 +131,9 @@ def _dspark_origin(args: ModelArgs, ckpt: SafetensorsCheckpoint, src: Path,
     if not args.dspark_stages:
         raise ConvertError(f"--dspark-from {dspark_from}: {src} cannot draft ({args.dspark_unavailable})")
     if in_source:
-        raise ConvertError(f"--dspark-from {dspark_from}: {src} holds the DSpark tensors (mtp.*) itself; "
-                           f"drop --dspark-from")
+        raise ConvertError(
+            f"--dspark-from {dspark_from}: {src} holds the DSpark tensors (mtp.*) itself; drop --dspark-from"
+        )
     if not dspark_from.exists():
         raise ConvertError(f"--dspark-from {dspark_from}: no such file or directory; {DSPARK_HINT}")
     origin = SafetensorsCheckpoint(dspark_from, allow_missing=True)
@@ -156,11 +163,19 @@ def _check_no_missing_shard(src: Path, ckpt: SafetensorsCheckpoint) -> None:
 
 
 def _tokenizer_file(src: Path, engram_from: Path | None) -> Path:
-    tokenizer = next((d / "tokenizer.json" for d in (src, engram_from)
-                      if d is not None and d.is_dir() and (d / "tokenizer.json").is_file()), None)
+    tokenizer = next(
+        (
+            d / "tokenizer.json"
+            for d in (src, engram_from)
+            if d is not None and d.is_dir() and (d / "tokenizer.json").is_file()
+        ),
+        None,
+    )
     if tokenizer is None:
-        raise ConvertError(f"{src}: no tokenizer.json (needed for the tokenizer and the Engram "
-                           f"token map); copy it from the official release")
+        raise ConvertError(
+            f"{src}: no tokenizer.json (needed for the tokenizer and the Engram "
+            f"token map); copy it from the official release"
+        )
     return tokenizer
 
 
@@ -168,16 +183,30 @@ def _fingerprints(src: Path, ckpt: SafetensorsCheckpoint, tables, origin, dspark
     """(source, Engram tables, DSpark head) fingerprints: what a resumed conversion must match."""
     config_bytes = (src / layout.CONFIG).read_bytes()
     fingerprint = hashlib.sha256(config_bytes + shard_fingerprint(ckpt.shards()).encode()).hexdigest()
-    engram_fp = "" if origin is None else shard_fingerprint(
-        sorted({origin.weight_map[_ENGRAM_TABLE.format(layer, part)]
-                for layer in tables for part in ("weight", "scale")}))
-    dspark_fp = "" if dspark is None or dspark is ckpt else shard_fingerprint(
-        sorted({f for n, f in dspark.weight_map.items() if MTP.match(n)}))
+    engram_fp = (
+        ""
+        if origin is None
+        else shard_fingerprint(
+            sorted(
+                {
+                    origin.weight_map[_ENGRAM_TABLE.format(layer, part)]
+                    for layer in tables
+                    for part in ("weight", "scale")
+                }
+            )
+        )
+    )
+    dspark_fp = (
+        ""
+        if dspark is None or dspark is ckpt
+        else shard_fingerprint(sorted({f for n, f in dspark.weight_map.items() if MTP.match(n)}))
+    )
     return fingerprint, engram_fp, dspark_fp
 
 
-def open_source(src: str | os.PathLike, engram_from: str | os.PathLike | None = None,
-                dspark_from: str | os.PathLike | None = None) -> Source:
+def open_source(
+    src: str | os.PathLike, engram_from: str | os.PathLike | None = None, dspark_from: str | os.PathLike | None = None
+) -> Source:
     """Everything the converter needs to know about ``src``, checked from headers."""
     src = Path(src)
     engram_from = None if engram_from is None else Path(engram_from)
@@ -204,7 +233,19 @@ def open_source(src: str | os.PathLike, engram_from: str | os.PathLike | None = 
     except BaseException:
         ckpt.close()
         raise
-    return Source(src, kind, config, args, ckpt, tables, origin, engram_from if origin is not ckpt else src,
-                  tokenizer, fingerprint, engram_fp, dspark, None if dspark is None else
-                  (src if dspark is ckpt else dspark_from), dspark_fp)
-
+    return Source(
+        src,
+        kind,
+        config,
+        args,
+        ckpt,
+        tables,
+        origin,
+        engram_from if origin is not ckpt else src,
+        tokenizer,
+        fingerprint,
+        engram_fp,
+        dspark,
+        None if dspark is None else (src if dspark is ckpt else dspark_from),
+        dspark_fp,
+    )

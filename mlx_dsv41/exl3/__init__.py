@@ -32,15 +32,32 @@ def grouped_from_stored(tensors, prefix: str, groups: int, in_features: int, out
     return EXL3GroupedLinear.from_slices(slices, in_features, out_features)
 
 
-def experts_from_stored(tensors, prefix: str, n_experts: int, dim: int, intermediate: int,
-                        swiglu_limit: float, expert_range=None) -> EXL3Experts:
+def experts_from_stored(
+    tensors, prefix: str, n_experts: int, dim: int, intermediate: int, swiglu_limit: float, expert_range=None
+) -> EXL3Experts:
     """EXL3Experts from ``{prefix}.{e}.{w1,w3,w2}.*`` (the entry point of mlx_dsv41.quant.make_experts)."""
     return EXL3Experts.from_tensors(tensors, prefix, n_experts, expert_range, dim, intermediate, swiglu_limit)
 
 
 __all__ = [
-    "CODEBOOKS", "EXL3ExpertProjection", "EXL3Experts", "EXL3GroupedLinear", "EXL3Linear", "check_linear", "codebook_from_markers",
-    "codebook_table", "decode_states", "dequantize", "experts_from_stored", "grouped_from_stored", "hadamard_128", "has_exl3",
-    "input_transform", "k2_from_trellis_shape", "linear_from_stored", "linear_tensors", "output_transform",
+    "CODEBOOKS",
+    "EXL3ExpertProjection",
+    "EXL3Experts",
+    "EXL3GroupedLinear",
+    "EXL3Linear",
+    "check_linear",
+    "codebook_from_markers",
+    "codebook_table",
+    "decode_states",
+    "dequantize",
+    "experts_from_stored",
+    "grouped_from_stored",
+    "hadamard_128",
+    "has_exl3",
+    "input_transform",
+    "k2_from_trellis_shape",
+    "linear_from_stored",
+    "linear_tensors",
+    "output_transform",
     "reconstruct",
 ]

@@ -47,8 +47,9 @@ class EXL3ExpertProjection(nn.Module):
     """One projection (w1, w3 or w2) of a contiguous range of experts: suh [E, k], svh [E, n] and
     the trellises in groups of equal (K, codebook)."""
 
-    def __init__(self, suh: mx.array, svh: mx.array, groups: Sequence[EXL3ExpertGroup], in_features: int,
-                 out_features: int):
+    def __init__(
+        self, suh: mx.array, svh: mx.array, groups: Sequence[EXL3ExpertGroup], in_features: int, out_features: int
+    ):
         super().__init__()
         self.suh = suh.astype(mx.float16)
         self.svh = svh.astype(mx.float16)
@@ -89,8 +90,9 @@ class EXL3ExpertProjection(nn.Module):
         return cls(suh, svh, groups, in_f, out_f)
 
     @classmethod
-    def from_stacked(cls, trellis: mx.array, suh: mx.array, svh: mx.array, codebook: str, in_features=None,
-                     out_features=None):
+    def from_stacked(
+        cls, trellis: mx.array, suh: mx.array, svh: mx.array, codebook: str, in_features=None, out_features=None
+    ):
         """All experts at one K and codebook, already stacked: trellis [E, k/16, n/16, 16K]."""
         _, _, k2, in_f, out_f = check_linear(trellis[0], suh[0], svh[0], codebook, None, in_features, out_features)
         n_local = trellis.shape[0]
@@ -116,8 +118,15 @@ class EXL3Experts(nn.Module):
     ``expert_range`` = [lo, hi) are held; slots routed to other experts are exactly 0.
     """
 
-    def __init__(self, w1: EXL3ExpertProjection, w3: EXL3ExpertProjection, w2: EXL3ExpertProjection,
-                 n_experts: int, expert_range=None, swiglu_limit: float = 10.0):
+    def __init__(
+        self,
+        w1: EXL3ExpertProjection,
+        w3: EXL3ExpertProjection,
+        w2: EXL3ExpertProjection,
+        n_experts: int,
+        expert_range=None,
+        swiglu_limit: float = 10.0,
+    ):
         super().__init__()
         lo, hi = check_expert_range(expert_range, n_experts)
         if any(p.n_local != hi - lo for p in (w1, w3, w2)):
@@ -126,7 +135,9 @@ class EXL3Experts(nn.Module):
                 f"{[p.n_local for p in (w1, w3, w2)]} experts held"
             )
         if (w1.in_features, w1.out_features) != (w3.in_features, w3.out_features) or (
-            w2.in_features, w2.out_features) != (w1.out_features, w1.in_features):
+            w2.in_features,
+            w2.out_features,
+        ) != (w1.out_features, w1.in_features):
             raise ValueError(
                 "EXL3 expert shapes disagree: w1 "
                 f"{w1.in_features}->{w1.out_features}, w3 {w3.in_features}->{w3.out_features}, "
@@ -138,8 +149,16 @@ class EXL3Experts(nn.Module):
         self.swiglu_limit = float(swiglu_limit)
 
     @classmethod
-    def from_tensors(cls, tensors: Mapping, prefix: str, n_experts: int, expert_range=None,
-                     hidden_size=None, intermediate_size=None, swiglu_limit: float = 10.0):
+    def from_tensors(
+        cls,
+        tensors: Mapping,
+        prefix: str,
+        n_experts: int,
+        expert_range=None,
+        hidden_size=None,
+        intermediate_size=None,
+        swiglu_limit: float = 10.0,
+    ):
         """From per-expert stored tensors ``{prefix}.{e}.{w1,w3,w2}.*`` for e in expert_range."""
         lo, hi = check_expert_range(expert_range, n_experts)
 
@@ -156,13 +175,13 @@ class EXL3Experts(nn.Module):
             projection("w1", hidden_size, intermediate_size),
             projection("w3", hidden_size, intermediate_size),
             projection("w2", intermediate_size, hidden_size),
-            n_experts, (lo, hi), swiglu_limit,
+            n_experts,
+            (lo, hi),
+            swiglu_limit,
         )
 
     def __call__(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
-        return ops.experts(
-            x, indices, weights, self.w1, self.w3, self.w2, self.expert_range, self.swiglu_limit
-        )
+        return ops.experts(x, indices, weights, self.w1, self.w3, self.w2, self.expert_range, self.swiglu_limit)
 
 
 class EXL3GroupedLinear(nn.Module):

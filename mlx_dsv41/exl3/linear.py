@@ -47,8 +47,14 @@ class EXL3Linear(nn.Module):
             raise ValueError(f"EXL3Linear expects [..., {self.in_features}], got {x.shape}")
         lead = x.shape[:-1]
         y = ops.linear(
-            x.reshape(-1, self.in_features), self.trellis, self.suh, self.svh, self.codebook,
-            bias=self.get("bias"), out_features=self.out_features, owner=self,
+            x.reshape(-1, self.in_features),
+            self.trellis,
+            self.suh,
+            self.svh,
+            self.codebook,
+            bias=self.get("bias"),
+            out_features=self.out_features,
+            owner=self,
         )
         return y.reshape(*lead, self.out_features)
 
@@ -57,6 +63,6 @@ class EXL3Linear(nn.Module):
         that the fused expert kernels can serve it (ops.swiglu_mlp: the shared expert)."""
         if getattr(self, "_single_expert", None) is None:
             self._single_expert = EXL3ExpertProjection.from_stacked(
-                self.trellis[None], self.suh[None], self.svh[None], self.codebook, self.in_features,
-                self.out_features)
+                self.trellis[None], self.suh[None], self.svh[None], self.codebook, self.in_features, self.out_features
+            )
         return self._single_expert

@@ -79,8 +79,7 @@ def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, ou
     # Prefill: W̃ once per call, then the product in fp32 between the two transforms: an fp16 GEMM
     # would round its fp32 sums to fp16 before the output transform (a second rounding; issue 15).
     w = reconstruct(trellis, codebook).astype(mx.float32)
-    return reference.with_transforms(lambda xh: xh.astype(mx.float32) @ w, x, suh, svh, bias, out_features,
-                                     out_dtype)
+    return reference.with_transforms(lambda xh: xh.astype(mx.float32) @ w, x, suh, svh, bias, out_features, out_dtype)
 
 
 def _gemv(x, trellis, suh, svh, codebook, bias, out_dtype):
@@ -106,8 +105,7 @@ def experts(x, indices, weights, w1, w3, w2, expert_range, limit: float):
             return reference.experts_gathered(x, indices, weights, w1, w3, w2, expert_range, limit, tildes)
         return reference.experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit, reference.linear)
     if x.shape[0] > FUSED_MAX_TOKENS:
-        return reference.experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit,
-                                           linear_row_invariant)
+        return reference.experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit, linear_row_invariant)
     return launch.run_experts(x, indices, weights, w1, w3, w2, expert_range[0], limit)
 
 
@@ -136,8 +134,18 @@ def grouped(x, proj) -> mx.array:
         raise ValueError(f"exl3 grouped: x must be [T, {proj.n_local}, {proj.in_features}], got {x.shape}")
     if backend() == "cpu":
         stack = _stacked_weight(proj)
-        return mx.stack([reference.linear(x[:, g], *proj.expert(g), out_features=proj.out_features,
-                                          w_tilde=None if stack is None else stack[g]) for g in range(G)], axis=1)
+        return mx.stack(
+            [
+                reference.linear(
+                    x[:, g],
+                    *proj.expert(g),
+                    out_features=proj.out_features,
+                    w_tilde=None if stack is None else stack[g],
+                )
+                for g in range(G)
+            ],
+            axis=1,
+        )
     if T == 0:
         return mx.zeros((0, G, proj.out_features), x.dtype)
     return launch.run_grouped(x, proj)
@@ -182,5 +190,10 @@ def linear_row_invariant(x, trellis, suh, svh, codebook: str, **kw):
     those it gets alone (the prefill GEMM path's would depend on the row count)."""
     if x.shape[0] <= GEMV_MAX_ROWS:
         return linear(x, trellis, suh, svh, codebook, **kw)
-    return mx.concatenate([linear(x[i : i + GEMV_MAX_ROWS], trellis, suh, svh, codebook, **kw)
-                           for i in range(0, x.shape[0], GEMV_MAX_ROWS)], axis=0)
+    return mx.concatenate(
+        [
+            linear(x[i : i + GEMV_MAX_ROWS], trellis, suh, svh, codebook, **kw)
+            for i in range(0, x.shape[0], GEMV_MAX_ROWS)
+        ],
+        axis=0,
+    )

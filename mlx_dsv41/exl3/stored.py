@@ -32,9 +32,7 @@ def codebook_from_markers(tensors: Mapping, prefix: str) -> str:
     name = present[0]
     marker = np.asarray(tensors[f"{prefix}.{name}"])
     if marker.size != 1 or marker.dtype.kind not in "iu":
-        raise ValueError(
-            f"EXL3 marker {prefix}.{name} must be a 0-dim int32, got {marker.dtype} {marker.shape}"
-        )
+        raise ValueError(f"EXL3 marker {prefix}.{name} must be a 0-dim int32, got {marker.dtype} {marker.shape}")
     value = int(marker.reshape(())) & 0xFFFFFFFF
     if value != MARKER_VALUES[name]:
         raise ValueError(
@@ -79,15 +77,11 @@ def check_linear(trellis, suh, svh, codebook, bias=None, in_features=None, out_f
     """
     k2, k, n = check_trellis(trellis, codebook, BLOCK)
     if suh.shape != (k,) or svh.shape != (n,):
-        raise ValueError(
-            f"EXL3 suh/svh must be ({k},)/({n},) for trellis {trellis.shape}, got {suh.shape}/{svh.shape}"
-        )
+        raise ValueError(f"EXL3 suh/svh must be ({k},)/({n},) for trellis {trellis.shape}, got {suh.shape}/{svh.shape}")
     if bias is not None and bias.shape not in ((n,), (out_features or n,)):
         raise ValueError(f"EXL3 bias must have shape ({out_features or n},), got {bias.shape}")
     in_features = k if in_features is None else int(in_features)
     out_features = n if out_features is None else int(out_features)
     if not (k - BLOCK < in_features <= k) or not (n - BLOCK < out_features <= n):
-        raise ValueError(
-            f"EXL3 true dims {in_features}x{out_features} do not pad to the stored {k}x{n}"
-        )
+        raise ValueError(f"EXL3 true dims {in_features}x{out_features} do not pad to the stored {k}x{n}")
     return k, n, k2, in_features, out_features

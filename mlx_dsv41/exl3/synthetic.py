@@ -26,8 +26,16 @@ def _signed(rng, size: int, true_size: int, scale: float, spread: float) -> np.n
     return v.astype(np.float16)
 
 
-def random_linear_tensors(in_features: int, out_features: int, bits: float, codebook: str = "mul1", *,
-                          seed: int = 0, bias: bool = False, prefix: str | None = None) -> dict:
+def random_linear_tensors(
+    in_features: int,
+    out_features: int,
+    bits: float,
+    codebook: str = "mul1",
+    *,
+    seed: int = 0,
+    bias: bool = False,
+    prefix: str | None = None,
+) -> dict:
     """Stored tensors of one EXL3 linear (in -> out, padded to 128) at K = ``bits`` (1..8 or
     1.5/2.5/3.5). Keys are ``prefix.trellis`` etc., or bare names without a prefix."""
     k, n = _padded(in_features), _padded(out_features)
@@ -49,13 +57,15 @@ def random_linear_tensors(in_features: int, out_features: int, bits: float, code
     return out if prefix is None else {f"{prefix}.{name}": v for name, v in out.items()}
 
 
-def random_experts_tensors(n_experts: int, hidden: int, intermediate: int, bits=3, codebook="mul1", *,
-                           seed: int = 0, prefix: str = "experts") -> dict:
+def random_experts_tensors(
+    n_experts: int, hidden: int, intermediate: int, bits=3, codebook="mul1", *, seed: int = 0, prefix: str = "experts"
+) -> dict:
     """Stored tensors ``{prefix}.{e}.{w1,w3,w2}.*`` of a routed-experts layer.
 
     ``bits`` and ``codebook`` are one value, or a mapping projection -> value or sequence of values
     cycled over the experts (e.g. ``bits={"w2": (2, 3)}``: mixed K within w2).
     """
+
     def pick(spec, proj, e):
         v = spec.get(proj, 3 if spec is bits else "mul1") if isinstance(spec, Mapping) else spec
         return v[e % len(v)] if isinstance(v, (tuple, list)) else v
@@ -64,8 +74,14 @@ def random_experts_tensors(n_experts: int, hidden: int, intermediate: int, bits=
     out = {}
     for e in range(n_experts):
         for i, (proj, (d_in, d_out)) in enumerate(shapes.items()):
-            out.update(random_linear_tensors(
-                d_in, d_out, pick(bits, proj, e), pick(codebook, proj, e),
-                seed=seed * 100_003 + e * 3 + i, prefix=f"{prefix}.{e}.{proj}",
-            ))
+            out.update(
+                random_linear_tensors(
+                    d_in,
+                    d_out,
+                    pick(bits, proj, e),
+                    pick(codebook, proj, e),
+                    seed=seed * 100_003 + e * 3 + i,
+                    prefix=f"{prefix}.{e}.{proj}",
+                )
+            )
     return out

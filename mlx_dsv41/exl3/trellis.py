@@ -30,9 +30,7 @@ def k2_from_trellis_shape(shape) -> int:
         raise ValueError(f"EXL3 trellis must have shape (k/16, n/16, 16*K), got {shape}")
     last = shape[2]
     if last % 8 or last // 8 not in VALID_K2:
-        raise ValueError(
-            f"EXL3 trellis last dim {last} is not 16*K for K in 1..8 or 1.5/2.5/3.5 (shape {shape})"
-        )
+        raise ValueError(f"EXL3 trellis last dim {last} is not 16*K for K in 1..8 or 1.5/2.5/3.5 (shape {shape})")
     return last // 8
 
 

@@ -112,18 +112,26 @@ class Kernel:
                 header=header,
             )
             if backend_name == "metal":
-                self._built[backend_name] = mx.fast.metal_kernel(
-                    **common, compile_options={"math_mode": "safe"}
-                )
+                self._built[backend_name] = mx.fast.metal_kernel(**common, compile_options={"math_mode": "safe"})
             elif backend_name == "cuda":
                 self._built[backend_name] = mx.fast.cuda_kernel(**common)
             else:
                 raise RuntimeError(f"kernel {self.name} needs a GPU backend, not {backend_name!r}")
         return self._built[backend_name]
 
-    def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
-                 template=None, init_value=None, backend_name: str | None = None,
-                 verbose: bool = False):
+    def __call__(
+        self,
+        *,
+        inputs,
+        output_shapes,
+        output_dtypes,
+        grid,
+        threadgroup,
+        template=None,
+        init_value=None,
+        backend_name: str | None = None,
+        verbose: bool = False,
+    ):
         threads = math.prod(threadgroup)
         if threads > self.max_threads:
             raise ValueError(

@@ -92,10 +92,20 @@ class Tuning:
     def __post_init__(self):
         for warps in (self.warps, self.gate_up_warps, self.down_warps):
             if warps not in (4, 8, 16) or self.nc not in (2, 4, 8) or warps * self.nc > 64:
-                raise ValueError(f"exl3 tuning: warps {warps} x nc {self.nc} is not one of (4, 8) x (2, 4, 8), "
-                                 f"16 x (2, 4)")
-        if min(self.ring_words, self.dense_split_warps, self.dense_single_blocks, self.gate_up_split_warps,
-               self.down_split_warps, self.plan_slots) < 1:
+                raise ValueError(
+                    f"exl3 tuning: warps {warps} x nc {self.nc} is not one of (4, 8) x (2, 4, 8), 16 x (2, 4)"
+                )
+        if (
+            min(
+                self.ring_words,
+                self.dense_split_warps,
+                self.dense_single_blocks,
+                self.gate_up_split_warps,
+                self.down_split_warps,
+                self.plan_slots,
+            )
+            < 1
+        ):
             raise ValueError(f"exl3 tuning: sizes must be positive, got {self}")
 
     def stages(self, k2: int) -> int:
@@ -115,8 +125,10 @@ class Tuning:
         ys_words = warps * self.nc // 8 * rows * 128
         ring_words = ys_words if backend_name == "metal" else max(self.stages(k2) * 256 * k2, ys_words)
         if ring_words + xs_words > _SHARED_WORDS.get(backend_name, _SHARED_WORDS["cuda"]):
-            raise ValueError(f"exl3 tuning {self}: {warps} SIMD groups x {rows} rows need "
-                             f"{4 * (ring_words + xs_words)} bytes of threadgroup memory on {backend_name}")
+            raise ValueError(
+                f"exl3 tuning {self}: {warps} SIMD groups x {rows} rows need "
+                f"{4 * (ring_words + xs_words)} bytes of threadgroup memory on {backend_name}"
+            )
         return [("NC", self.nc), ("NW", warps), ("STAGES", self.stages(k2)), ("XSW", xs_words)]
 
 
@@ -126,39 +138,91 @@ _HEADERS = ("exl3_decode.h", "exl3_matmul.h")
 _EXPERT_HEADERS = _HEADERS + ("exl3_experts.h",)
 
 # The example launches (CI) are defined at the end of this module, hence the lambdas.
-RECONSTRUCT = register(Kernel(
-    "exl3_reconstruct", ("trellis",), ("out",), includes=("exl3_decode.h",), max_threads=256,
-    examples=lambda: _example_reconstruct(),
-))
-GEMV = register(Kernel(
-    "exl3_gemv", ("x", "suh", "trellis", "svh", "bias"), ("out",), includes=_HEADERS,
-    max_threads=512, examples=lambda: _example_gemv(),
-))
-GEMV_OUT = register(Kernel(
-    "exl3_gemv_out", ("partial", "svh", "bias"), ("out",), includes=_HEADERS, max_threads=256,
-    examples=lambda: _example_gemv_out(),
-))
-EXPERT_GATE_UP = register(Kernel(
-    "exl3_expert_gate_up",
-    ("x", "indices", "suh1", "t1", "p1", "suh3", "t3", "p3", "prev"), ("out",),
-    includes=_EXPERT_HEADERS, defines=SLOT_DEFINES, max_threads=512, examples=lambda: _example_gate_up(),
-))
-EXPERT_SWIGLU = register(Kernel(
-    "exl3_expert_swiglu", ("gu", "weights", "indices", "svh1", "svh3", "suh2"), ("xh",),
-    includes=_EXPERT_HEADERS, defines=SLOT_DEFINES, max_threads=256, examples=lambda: _example_swiglu(),
-))
-EXPERT_DOWN = register(Kernel(
-    "exl3_expert_down", ("xh", "indices", "t2", "p2", "prev"), ("out",), includes=_EXPERT_HEADERS, defines=SLOT_DEFINES, max_threads=512,
-    examples=lambda: _example_down(),
-))
-EXPERT_DOWN_FINISH = register(Kernel(
-    "exl3_expert_down_finish", ("partial", "indices", "svh2"), ("out",), includes=_EXPERT_HEADERS, defines=SLOT_DEFINES, max_threads=256,
-    examples=lambda: _example_down_finish(),
-))
-EXPERT_INPUT = register(Kernel(
-    "exl3_expert_input", ("x", "indices", "suh"), ("xh",), includes=_EXPERT_HEADERS, defines=SLOT_DEFINES, max_threads=256,
-    examples=lambda: _example_input(),
-))
+RECONSTRUCT = register(
+    Kernel(
+        "exl3_reconstruct",
+        ("trellis",),
+        ("out",),
+        includes=("exl3_decode.h",),
+        max_threads=256,
+        examples=lambda: _example_reconstruct(),
+    )
+)
+GEMV = register(
+    Kernel(
+        "exl3_gemv",
+        ("x", "suh", "trellis", "svh", "bias"),
+        ("out",),
+        includes=_HEADERS,
+        max_threads=512,
+        examples=lambda: _example_gemv(),
+    )
+)
+GEMV_OUT = register(
+    Kernel(
+        "exl3_gemv_out",
+        ("partial", "svh", "bias"),
+        ("out",),
+        includes=_HEADERS,
+        max_threads=256,
+        examples=lambda: _example_gemv_out(),
+    )
+)
+EXPERT_GATE_UP = register(
+    Kernel(
+        "exl3_expert_gate_up",
+        ("x", "indices", "suh1", "t1", "p1", "suh3", "t3", "p3", "prev"),
+        ("out",),
+        includes=_EXPERT_HEADERS,
+        defines=SLOT_DEFINES,
+        max_threads=512,
+        examples=lambda: _example_gate_up(),
+    )
+)
+EXPERT_SWIGLU = register(
+    Kernel(
+        "exl3_expert_swiglu",
+        ("gu", "weights", "indices", "svh1", "svh3", "suh2"),
+        ("xh",),
+        includes=_EXPERT_HEADERS,
+        defines=SLOT_DEFINES,
+        max_threads=256,
+        examples=lambda: _example_swiglu(),
+    )
+)
+EXPERT_DOWN = register(
+    Kernel(
+        "exl3_expert_down",
+        ("xh", "indices", "t2", "p2", "prev"),
+        ("out",),
+        includes=_EXPERT_HEADERS,
+        defines=SLOT_DEFINES,
+        max_threads=512,
+        examples=lambda: _example_down(),
+    )
+)
+EXPERT_DOWN_FINISH = register(
+    Kernel(
+        "exl3_expert_down_finish",
+        ("partial", "indices", "svh2"),
+        ("out",),
+        includes=_EXPERT_HEADERS,
+        defines=SLOT_DEFINES,
+        max_threads=256,
+        examples=lambda: _example_down_finish(),
+    )
+)
+EXPERT_INPUT = register(
+    Kernel(
+        "exl3_expert_input",
+        ("x", "indices", "suh"),
+        ("xh",),
+        includes=_EXPERT_HEADERS,
+        defines=SLOT_DEFINES,
+        max_threads=256,
+        examples=lambda: _example_input(),
+    )
+)
 
 
 # --------------------------------------------------------------------------------- launch plans
@@ -212,8 +276,19 @@ def reconstruct_args(trellis, codebook: str, guard_rows: int = 0, init_value=Non
     )
 
 
-def gemv_args(x, trellis, suh, svh, codebook: str, bias=None, out_dtype=None, splits=None, tuning=None,
-              guard_rows: int = 0, init_value=None) -> list[dict]:
+def gemv_args(
+    x,
+    trellis,
+    suh,
+    svh,
+    codebook: str,
+    bias=None,
+    out_dtype=None,
+    splits=None,
+    tuning=None,
+    guard_rows: int = 0,
+    init_value=None,
+) -> list[dict]:
     """Call kwargs of exl3_gemv (and exl3_gemv_out when k is split); the second call's partial
     input is filled in by the caller. Tests: ``splits`` / ``tuning`` override the plan;
     ``guard_rows`` adds never-written rows to y (splits to the partial sums)."""
@@ -233,10 +308,16 @@ def gemv_args(x, trellis, suh, svh, codebook: str, bias=None, out_dtype=None, sp
         output_dtypes=[out_dtype if fused else mx.float32],
         grid=(n_blocks * _LANES * t.warps, splits, 1),
         threadgroup=(_LANES * t.warps, 1, 1),
-        template=[("K2", k2), ("CB", CODEBOOK_IDS[codebook]), ("M", rows_t),
-                  *t.template(t.warps, k2, rows_t, per_split, backend()),
-                  ("FUSED", fused), ("HAS_BIAS", has_bias), ("OUT", _OUT_KIND[out_dtype] if fused else 0),
-                  ("PER_SPLIT", per_split)],
+        template=[
+            ("K2", k2),
+            ("CB", CODEBOOK_IDS[codebook]),
+            ("M", rows_t),
+            *t.template(t.warps, k2, rows_t, per_split, backend()),
+            ("FUSED", fused),
+            ("HAS_BIAS", has_bias),
+            ("OUT", _OUT_KIND[out_dtype] if fused else 0),
+            ("PER_SPLIT", per_split),
+        ],
         init_value=init_value,
     )
     if fused:
@@ -287,9 +368,15 @@ def gate_up_args(x, indices, w1, w3, key, lo: int, prev=None, tuning=None, guard
         output_dtypes=[mx.float32],
         grid=(w1.n // BLOCK * _LANES * t.gate_up_warps, splits, 2 * slots),
         threadgroup=(_LANES * t.gate_up_warps, 1, 1),
-        template=[("K2", key[0]), ("CB", CODEBOOK_IDS[key[1]]),
-                  *t.template(t.gate_up_warps, key[0], 1, per_split, backend()),
-                  ("HAS_PREV", prev is not None), ("LO", int(lo)), ("PER_SPLIT", per_split), ("SPLITS", splits)],
+        template=[
+            ("K2", key[0]),
+            ("CB", CODEBOOK_IDS[key[1]]),
+            *t.template(t.gate_up_warps, key[0], 1, per_split, backend()),
+            ("HAS_PREV", prev is not None),
+            ("LO", int(lo)),
+            ("PER_SPLIT", per_split),
+            ("SPLITS", splits),
+        ],
         init_value=init_value,
     )
 
@@ -297,8 +384,9 @@ def gate_up_args(x, indices, w1, w3, key, lo: int, prev=None, tuning=None, guard
 def _block_per_simd_group_launch(blocks: int, slots: int) -> dict:
     """grid / threadgroup of exl3_expert_swiglu and exl3_expert_down_finish: one SIMD group per
     128-block (x, _SMALL_WARPS per threadgroup, the last ones possibly idle) and slot (y)."""
-    return dict(grid=(-(-blocks // _SMALL_WARPS) * _SMALL_WARPS * _LANES, slots, 1),
-                threadgroup=(_SMALL_WARPS * _LANES, 1, 1))
+    return dict(
+        grid=(-(-blocks // _SMALL_WARPS) * _SMALL_WARPS * _LANES, slots, 1), threadgroup=(_SMALL_WARPS * _LANES, 1, 1)
+    )
 
 
 def swiglu_args(gu, weights, indices, w1, w3, w2, lo: int, limit: float, guard: int = 0, init_value=None) -> dict:
@@ -310,8 +398,12 @@ def swiglu_args(gu, weights, indices, w1, w3, w2, lo: int, limit: float, guard: 
         output_shapes=[(slots + guard, w1.n // 2)],
         output_dtypes=[mx.uint32],
         **_block_per_simd_group_launch(w1.n // BLOCK, slots),
-        template=[("LO", int(lo)), ("INTER", w1.out_features), ("LIMIT_BITS", float_bits(limit if limit > 0 else 0.0)),
-                  ("SPLITS", gu.shape[2])],
+        template=[
+            ("LO", int(lo)),
+            ("INTER", w1.out_features),
+            ("LIMIT_BITS", float_bits(limit if limit > 0 else 0.0)),
+            ("SPLITS", gu.shape[2]),
+        ],
         init_value=init_value,
     )
 
@@ -328,9 +420,15 @@ def down_args(xh, indices, w2, group, lo: int, prev=None, tuning=None, guard: in
         output_dtypes=[mx.float32],
         grid=(w2.n // BLOCK * _LANES * t.down_warps, splits, slots),
         threadgroup=(_LANES * t.down_warps, 1, 1),
-        template=[("K2", group.k2), ("CB", CODEBOOK_IDS[group.codebook]),
-                  *t.template(t.down_warps, group.k2, 1, per_split, backend()),
-                  ("HAS_PREV", prev is not None), ("LO", int(lo)), ("PER_SPLIT", per_split), ("SPLITS", splits)],
+        template=[
+            ("K2", group.k2),
+            ("CB", CODEBOOK_IDS[group.codebook]),
+            *t.template(t.down_warps, group.k2, 1, per_split, backend()),
+            ("HAS_PREV", prev is not None),
+            ("LO", int(lo)),
+            ("PER_SPLIT", per_split),
+            ("SPLITS", splits),
+        ],
         init_value=init_value,
     )
 
@@ -404,7 +502,6 @@ def run_experts(x, indices, weights, w1, w3, w2, lo, limit):
     return y.reshape(T, top_k, w2.out_features)
 
 
-
 def run_grouped(x, proj) -> mx.array:
     """exl3_expert_input, exl3_expert_down (one launch per (K, codebook) group) and
     exl3_expert_down_finish for x [T, G, in] with group g as expert g of ``proj``: [T, G, out] in
@@ -417,7 +514,6 @@ def run_grouped(x, proj) -> mx.array:
         partial = EXPERT_DOWN(**down_args(xh, indices, proj, group, 0, prev=partial))[0]
     y = EXPERT_DOWN_FINISH(**down_finish_args(partial, indices, proj, 0))[0]  # bf16-valued float32
     return y[:, : proj.out_features].reshape(T, G, proj.out_features).astype(x.dtype)
-
 
 
 # ------------------------------------------------------------------------------ CI examples
@@ -480,32 +576,47 @@ def _example_gate_up():
     first = gate_up_args(x, indices, ex.w1, ex.w3, key, 1)
     splits = first["output_shapes"][0][2]
     prev = mx.zeros((indices.size, 2, splits, ex.w1.n), mx.float32)
-    return [first, gate_up_args(x, indices, ex.w1, ex.w3, key, 1, prev=prev),
-            gate_up_args(x, indices, ex.w1, ex.w3, key, 1, tuning=Tuning(gate_up_warps=4, nc=8))]
+    return [
+        first,
+        gate_up_args(x, indices, ex.w1, ex.w3, key, 1, prev=prev),
+        gate_up_args(x, indices, ex.w1, ex.w3, key, 1, tuning=Tuning(gate_up_warps=4, nc=8)),
+    ]
 
 
 def _example_swiglu():
     ex, x, indices, weights = _example_experts()
     splits = expert_plan(ex.w1)[0]
     gu = mx.zeros((indices.size, 2, splits, ex.w1.n), mx.float32)
-    return [swiglu_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, 1, 10.0),
-            swiglu_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, 1, 0.0)]
+    return [
+        swiglu_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, 1, 10.0),
+        swiglu_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, 1, 0.0),
+    ]
 
 
 def _example_down():
     ex, x, indices, weights = _example_experts()
     xh = mx.zeros((indices.size, ex.w1.n // 2), mx.uint32)
     calls = [down_args(xh, indices, ex.w2, g, 1) for g in ex.w2.groups]
-    calls.append(down_args(xh, indices, ex.w2, ex.w2.groups[0], 1,
-                           prev=mx.zeros((indices.size, down_plan(ex.w2)[0], ex.w2.n), mx.float32)))
+    calls.append(
+        down_args(
+            xh,
+            indices,
+            ex.w2,
+            ex.w2.groups[0],
+            1,
+            prev=mx.zeros((indices.size, down_plan(ex.w2)[0], ex.w2.n), mx.float32),
+        )
+    )
     calls.append(down_args(xh, indices, ex.w2, ex.w2.groups[0], 1, tuning=Tuning(nc=2, down_warps=16)))
     return calls
 
 
 def _example_input():
     ex, x, indices, weights = _example_experts()
-    return [input_args(mx.zeros((indices.size, ex.w2.in_features), mx.bfloat16), indices, ex.w2, 1),
-            input_args(mx.zeros((indices.size, 200), mx.float32), indices, ex.w1, 0)]
+    return [
+        input_args(mx.zeros((indices.size, ex.w2.in_features), mx.bfloat16), indices, ex.w2, 1),
+        input_args(mx.zeros((indices.size, 200), mx.float32), indices, ex.w1, 0),
+    ]
 
 
 def _example_down_finish():

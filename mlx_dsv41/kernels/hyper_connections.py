@@ -29,12 +29,35 @@ from mlx_dsv41.kernels import Kernel, backend, float_bits, register
 _THREADS = 256  # hc_mix / hc_collapse_norm: one threadgroup of this many threads per token
 _FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
-MIX = register(Kernel("hc_mix", ("mm", "streams", "base", "scale"), ("out",), includes=("hc.h",),
-                      max_threads=_THREADS, examples=lambda: _example_mix()))
-COLLAPSE_NORM = register(Kernel("hc_collapse_norm", ("streams", "pre", "weight"), ("out",), includes=("hc.h",),
-                                max_threads=_THREADS, examples=lambda: _example_collapse_norm()))
-EXPAND = register(Kernel("hc_expand", ("y", "residual", "post", "comb"), ("out",), max_threads=_THREADS,
-                         examples=lambda: _example_expand()))
+MIX = register(
+    Kernel(
+        "hc_mix",
+        ("mm", "streams", "base", "scale"),
+        ("out",),
+        includes=("hc.h",),
+        max_threads=_THREADS,
+        examples=lambda: _example_mix(),
+    )
+)
+COLLAPSE_NORM = register(
+    Kernel(
+        "hc_collapse_norm",
+        ("streams", "pre", "weight"),
+        ("out",),
+        includes=("hc.h",),
+        max_threads=_THREADS,
+        examples=lambda: _example_collapse_norm(),
+    )
+)
+EXPAND = register(
+    Kernel(
+        "hc_expand",
+        ("y", "residual", "post", "comb"),
+        ("out",),
+        max_threads=_THREADS,
+        examples=lambda: _example_expand(),
+    )
+)
 
 
 # ------------------------------------------------------------------------------- reference
@@ -115,8 +138,10 @@ def mixes(streams, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: floa
     hc, dim = _check_streams(streams, "hc mixes")
     mix = (2 + hc) * hc
     if fn.shape != (mix, hc * dim) or base.shape != (mix,) or scale.shape != (3,):
-        raise ValueError(f"hc mixes: fn [{mix}, {hc * dim}], base [{mix}], scale [3] expected, got "
-                         f"{fn.shape}, {base.shape}, {scale.shape}")
+        raise ValueError(
+            f"hc mixes: fn [{mix}, {hc * dim}], base [{mix}], scale [3] expected, got "
+            f"{fn.shape}, {base.shape}, {scale.shape}"
+        )
     if iters < 1:
         raise ValueError(f"hc mixes: need at least one Sinkhorn iteration, got {iters}")
     if backend() == "cpu":
@@ -132,8 +157,9 @@ def collapse_norm(streams, pre, weight, eps: float) -> mx.array:
     """rms_norm(collapse(streams, pre), weight) in the stream dtype: [..., HC, D] -> [..., D]."""
     hc, dim = _check_streams(streams, "hc collapse_norm")
     if pre.shape != streams.shape[:-1] or weight.shape != (dim,):
-        raise ValueError(f"hc collapse_norm: pre {streams.shape[:-1]} and weight [{dim}] expected, got "
-                         f"{pre.shape}, {weight.shape}")
+        raise ValueError(
+            f"hc collapse_norm: pre {streams.shape[:-1]} and weight [{dim}] expected, got {pre.shape}, {weight.shape}"
+        )
     if backend() == "cpu":
         return collapse_norm_reference(streams, pre, weight, eps)
     lead = streams.shape[:-2]
@@ -147,14 +173,21 @@ def expand(y, residual, post, comb) -> mx.array:
     hc, dim = _check_streams(residual, "hc expand")
     lead = residual.shape[:-2]
     if y.shape != (*lead, dim) or post.shape != (*lead, hc) or comb.shape != (*lead, hc, hc):
-        raise ValueError(f"hc expand: y {(*lead, dim)}, post {(*lead, hc)}, comb {(*lead, hc, hc)} expected, "
-                         f"got {y.shape}, {post.shape}, {comb.shape}")
+        raise ValueError(
+            f"hc expand: y {(*lead, dim)}, post {(*lead, hc)}, comb {(*lead, hc, hc)} expected, "
+            f"got {y.shape}, {post.shape}, {comb.shape}"
+        )
     if backend() == "cpu":
         return expand_reference(y, residual, post, comb)
     rows = _rows(lead)
-    out = EXPAND(**expand_args(y.reshape(rows, dim), residual.reshape(rows, hc, dim),
-                               post.astype(mx.float32).reshape(rows, hc),
-                               comb.astype(mx.float32).reshape(rows, hc * hc)))[0]
+    out = EXPAND(
+        **expand_args(
+            y.reshape(rows, dim),
+            residual.reshape(rows, hc, dim),
+            post.astype(mx.float32).reshape(rows, hc),
+            comb.astype(mx.float32).reshape(rows, hc * hc),
+        )
+    )[0]
     return out.reshape(residual.shape)
 
 
@@ -165,26 +198,46 @@ def mix_args(mm, z, base, scale, iters: int, hc_eps: float, norm_eps: float, ini
     """hc_mix call kwargs: one threadgroup per row of z [T, HC·D]; ``guard`` extra output rows (tests)."""
     T, mix = mm.shape
     hc = int(round((math.sqrt(4 + 4 * mix) - 2) / 2))
-    return dict(inputs=[mm, z, base.astype(mx.float32), scale.astype(mx.float32)],
-                output_shapes=[(T + guard, mix)], output_dtypes=[mx.float32],
-                grid=(_THREADS * T, 1, 1), threadgroup=(_THREADS, 1, 1),
-                template=[("HC", hc), ("ITERS", int(iters)), ("HC_EPS_BITS", float_bits(hc_eps)),
-                          ("NORM_EPS_BITS", float_bits(norm_eps))],
-                init_value=init_value)
+    return dict(
+        inputs=[mm, z, base.astype(mx.float32), scale.astype(mx.float32)],
+        output_shapes=[(T + guard, mix)],
+        output_dtypes=[mx.float32],
+        grid=(_THREADS * T, 1, 1),
+        threadgroup=(_THREADS, 1, 1),
+        template=[
+            ("HC", hc),
+            ("ITERS", int(iters)),
+            ("HC_EPS_BITS", float_bits(hc_eps)),
+            ("NORM_EPS_BITS", float_bits(norm_eps)),
+        ],
+        init_value=init_value,
+    )
 
 
 def collapse_norm_args(streams, pre, weight, eps: float, init_value=None, guard: int = 0) -> dict:
     T, hc, dim = streams.shape
-    return dict(inputs=[streams, pre, weight], output_shapes=[(T + guard, dim)], output_dtypes=[streams.dtype],
-                grid=(_THREADS * T, 1, 1), threadgroup=(_THREADS, 1, 1),
-                template=[("T", streams.dtype), ("HC", hc), ("EPS_BITS", float_bits(eps))], init_value=init_value)
+    return dict(
+        inputs=[streams, pre, weight],
+        output_shapes=[(T + guard, dim)],
+        output_dtypes=[streams.dtype],
+        grid=(_THREADS * T, 1, 1),
+        threadgroup=(_THREADS, 1, 1),
+        template=[("T", streams.dtype), ("HC", hc), ("EPS_BITS", float_bits(eps))],
+        init_value=init_value,
+    )
 
 
 def expand_args(y, residual, post, comb, init_value=None, guard: int = 0) -> dict:
     T, hc, dim = residual.shape
-    return dict(inputs=[y, residual, post, comb], output_shapes=[(T + guard, hc, dim)],
-                output_dtypes=[residual.dtype], grid=(-(-dim // _THREADS) * _THREADS, T, 1),
-                threadgroup=(_THREADS, 1, 1), template=[("T", residual.dtype), ("HC", hc)], init_value=init_value)
+    return dict(
+        inputs=[y, residual, post, comb],
+        output_shapes=[(T + guard, hc, dim)],
+        output_dtypes=[residual.dtype],
+        grid=(-(-dim // _THREADS) * _THREADS, T, 1),
+        threadgroup=(_THREADS, 1, 1),
+        template=[("T", residual.dtype), ("HC", hc)],
+        init_value=init_value,
+    )
 
 
 # ------------------------------------------------------------------------------- CI examples
@@ -199,18 +252,24 @@ def _example_mix():
     T, hc, dim = s.shape
     mix = (2 + hc) * hc
     z = s.reshape(T, hc * dim)
-    return [mix_args(mx.zeros((T, mix)), z, mx.zeros((mix,)), mx.ones((3,)), 20, 1e-6, 1e-20),
-            mix_args(mx.zeros((T, 8)), mx.zeros((T, 2 * dim), mx.float32), mx.zeros((8,)), mx.ones((3,)), 3, 1e-6, 1e-20)]
+    return [
+        mix_args(mx.zeros((T, mix)), z, mx.zeros((mix,)), mx.ones((3,)), 20, 1e-6, 1e-20),
+        mix_args(mx.zeros((T, 8)), mx.zeros((T, 2 * dim), mx.float32), mx.zeros((8,)), mx.ones((3,)), 3, 1e-6, 1e-20),
+    ]
 
 
 def _example_collapse_norm():
     s = _example_streams()
-    return [collapse_norm_args(s, mx.ones((s.shape[0], s.shape[1])), mx.ones((s.shape[2],), mx.bfloat16), 1e-20),
-            collapse_norm_args(s.astype(mx.float32), mx.ones((s.shape[0], s.shape[1])), mx.ones((s.shape[2],)), 1e-6)]
+    return [
+        collapse_norm_args(s, mx.ones((s.shape[0], s.shape[1])), mx.ones((s.shape[2],), mx.bfloat16), 1e-20),
+        collapse_norm_args(s.astype(mx.float32), mx.ones((s.shape[0], s.shape[1])), mx.ones((s.shape[2],)), 1e-6),
+    ]
 
 
 def _example_expand():
     s = _example_streams()
     T, hc, dim = s.shape
-    return [expand_args(mx.zeros((T, dim), mx.bfloat16), s, mx.ones((T, hc)), mx.ones((T, hc * hc))),
-            expand_args(mx.zeros((T, dim), mx.float32), s.astype(mx.float32), mx.ones((T, hc)), mx.ones((T, hc * hc)))]
+    return [
+        expand_args(mx.zeros((T, dim), mx.bfloat16), s, mx.ones((T, hc)), mx.ones((T, hc * hc))),
+        expand_args(mx.zeros((T, dim), mx.float32), s.astype(mx.float32), mx.ones((T, hc)), mx.ones((T, hc * hc))),
+    ]

@@ -23,8 +23,16 @@ from mlx_dsv41.kernels import Kernel, backend, float_bits, register
 RENORM_EPS = 1e-20  # a literal of the reference, not rms_norm_eps
 _THREADS, _MAX_EXPERTS, _MAX_K = 256, 1024, 16
 
-ROUTE = register(Kernel("moe_route", ("logits", "bias"), ("indices", "weights"), includes=("moe.h",),
-                        max_threads=_THREADS, examples=lambda: _examples()))
+ROUTE = register(
+    Kernel(
+        "moe_route",
+        ("logits", "bias"),
+        ("indices", "weights"),
+        includes=("moe.h",),
+        max_threads=_THREADS,
+        examples=lambda: _examples(),
+    )
+)
 
 
 def route_reference(logits, bias, top_k: int, temperature: float, scale: float):
@@ -41,17 +49,23 @@ def route_reference(logits, bias, top_k: int, temperature: float, scale: float):
 
 def route_args(logits, bias, top_k: int, temperature: float, scale: float, init_value=None, guard: int = 0) -> dict:
     T, E = logits.shape
-    return dict(inputs=[logits, bias.astype(mx.float32)], output_shapes=[(T + guard, top_k), (T + guard, top_k)],
-                output_dtypes=[mx.int32, mx.float32], grid=(_THREADS * T, 1, 1), threadgroup=(_THREADS, 1, 1),
-                template=[("K", int(top_k)), ("TEMP_BITS", float_bits(temperature)), ("SCALE_BITS", float_bits(scale))],
-                init_value=init_value)
+    return dict(
+        inputs=[logits, bias.astype(mx.float32)],
+        output_shapes=[(T + guard, top_k), (T + guard, top_k)],
+        output_dtypes=[mx.int32, mx.float32],
+        grid=(_THREADS * T, 1, 1),
+        threadgroup=(_THREADS, 1, 1),
+        template=[("K", int(top_k)), ("TEMP_BITS", float_bits(temperature)), ("SCALE_BITS", float_bits(scale))],
+        init_value=init_value,
+    )
 
 
 def route(logits, bias, top_k: int, temperature: float, scale: float):
     """See the module docstring. logits [T, E] float32."""
     if logits.ndim != 2 or logits.dtype != mx.float32 or bias.shape != (logits.shape[1],):
-        raise ValueError(f"moe route: logits must be float32 [T, E] and bias [E], got {logits.dtype} "
-                         f"{logits.shape} and {bias.shape}")
+        raise ValueError(
+            f"moe route: logits must be float32 [T, E] and bias [E], got {logits.dtype} {logits.shape} and {bias.shape}"
+        )
     if not 0 < top_k <= logits.shape[1]:
         raise ValueError(f"moe route: top_k {top_k} must be in 1..{logits.shape[1]}")
     if backend() == "cpu" or logits.shape[1] > _MAX_EXPERTS or top_k > _MAX_K or logits.shape[0] == 0:

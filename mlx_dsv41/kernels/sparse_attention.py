@@ -68,8 +68,7 @@ def _check(q, window, pool, indices, sinks, scale):
     if pool.ndim != 3 or pool.shape[0] != B or pool.shape[2] != D:
         raise ValueError(f"sparse_attention: pool must be [B={B}, T, D={D}], got {pool.shape}")
     if indices.ndim != 3 or indices.shape[:2] != (B, S):
-        raise ValueError(
-            f"sparse_attention: indices must be [B={B}, S={S}, N], got {indices.shape}")
+        raise ValueError(f"sparse_attention: indices must be [B={B}, S={S}, N], got {indices.shape}")
     if indices.dtype != mx.int32:
         raise ValueError(f"sparse_attention: indices must be int32, got {indices.dtype}")
     if sinks.shape != (H,):
@@ -80,11 +79,9 @@ def _check(q, window, pool, indices, sinks, scale):
         raise ValueError(f"sparse_attention: q must be float32 or bfloat16, got {q.dtype}")
     if window.dtype not in (mx.float32, mx.bfloat16) or pool.dtype not in (mx.float32, mx.bfloat16):
         raise ValueError(
-            f"sparse_attention: window and pool must be float32 or bfloat16, got {window.dtype} "
-            f"and {pool.dtype}"
+            f"sparse_attention: window and pool must be float32 or bfloat16, got {window.dtype} and {pool.dtype}"
         )
-    if (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
-            or scale < 0):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale < 0:
         raise ValueError(f"sparse_attention: scale must be a finite, non-negative Python float, got {scale!r}")
 
 
@@ -147,8 +144,14 @@ def _launch_args(q, window, pool, indices, sinks, scale: float, variant: str) ->
         grid=(B * S * H * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         # Launch constants are template values, never small arrays (docs/design.md).
-        template=[("DIM", D), *sorted(_TUNING[variant].items()), ("HAS_WINDOW", W > 0), ("HAS_POOL", T > 0),
-                  ("HAS_INDICES", N > 0), ("SCALE_BITS", float_bits(abs(scale)))],
+        template=[
+            ("DIM", D),
+            *sorted(_TUNING[variant].items()),
+            ("HAS_WINDOW", W > 0),
+            ("HAS_POOL", T > 0),
+            ("HAS_INDICES", N > 0),
+            ("SCALE_BITS", float_bits(abs(scale))),
+        ],
     )
 
 
@@ -156,9 +159,13 @@ def _examples(variant: str) -> list[dict]:
     """Small launches for the CI compile checks: both q dtypes, bf16 and fp32 keys, every D."""
     key = mx.random.key(7)
     calls = []
-    for q_dtype, kv_dtype, H, D in ((mx.float32, mx.bfloat16, 3, 512), (mx.bfloat16, mx.bfloat16, 8, 512),
-                                    (mx.float32, mx.float32, 2, 512), (mx.bfloat16, mx.bfloat16, 2, 256),
-                                    (mx.bfloat16, mx.bfloat16, 2, 1024)):
+    for q_dtype, kv_dtype, H, D in (
+        (mx.float32, mx.bfloat16, 3, 512),
+        (mx.bfloat16, mx.bfloat16, 8, 512),
+        (mx.float32, mx.float32, 2, 512),
+        (mx.bfloat16, mx.bfloat16, 2, 256),
+        (mx.bfloat16, mx.bfloat16, 2, 1024),
+    ):
         B, S, W, T, N = 1, 2, 4, 5, 6
         q = mx.random.normal((B, S, H, D), key=key).astype(q_dtype)
         window = mx.random.normal((B, W, D), key=key).astype(kv_dtype)
@@ -169,14 +176,26 @@ def _examples(variant: str) -> list[dict]:
     return calls
 
 
-SERIAL = register(Kernel(
-    "sparse_attention_serial", _INPUTS, ("out",), includes=("sparse_attention.h",),
-    max_threads=_GROUPS["serial"] * _LANES, examples=lambda: _examples("serial"),
-))
-PARALLEL = register(Kernel(
-    "sparse_attention_parallel", _INPUTS, ("out",), includes=("sparse_attention.h",),
-    max_threads=_GROUPS["parallel"] * _LANES, examples=lambda: _examples("parallel"),
-))
+SERIAL = register(
+    Kernel(
+        "sparse_attention_serial",
+        _INPUTS,
+        ("out",),
+        includes=("sparse_attention.h",),
+        max_threads=_GROUPS["serial"] * _LANES,
+        examples=lambda: _examples("serial"),
+    )
+)
+PARALLEL = register(
+    Kernel(
+        "sparse_attention_parallel",
+        _INPUTS,
+        ("out",),
+        includes=("sparse_attention.h",),
+        max_threads=_GROUPS["parallel"] * _LANES,
+        examples=lambda: _examples("parallel"),
+    )
+)
 _KERNELS = {"serial": SERIAL, "parallel": PARALLEL}
 
 
@@ -199,8 +218,7 @@ def parse_variant(name: str, source: str = "variant") -> str:
     """'serial' | 'parallel' | 'auto' from user text (case and surrounding blanks ignored)."""
     value = str(name).strip().lower()
     if value not in VARIANTS:
-        raise ValueError(
-            f"sparse_attention: {source} must be one of {', '.join(VARIANTS)}; got {name!r}")
+        raise ValueError(f"sparse_attention: {source} must be one of {', '.join(VARIANTS)}; got {name!r}")
     return value
 
 
@@ -217,8 +235,9 @@ def set_tuning(variant: str, **constants: int) -> None:
         raise ValueError(f"sparse_attention: tuning is per kernel, serial or parallel; got {variant!r}")
     for name, value in constants.items():
         if name not in TUNABLE or value not in TUNABLE[name]:
-            raise ValueError(f"sparse_attention: tuning {name}={value!r} is not one of "
-                             f"{ {k: list(v) for k, v in TUNABLE.items()} }")
+            raise ValueError(
+                f"sparse_attention: tuning {name}={value!r} is not one of { {k: list(v) for k, v in TUNABLE.items()} }"
+            )
     _TUNING[variant].update(constants)
     _auto_choices.clear()
     _auto_timings.clear()
@@ -352,14 +371,17 @@ def _auto_variant(q, window, pool, indices) -> str:
         _auto_choices[shape_class] = "serial"
         return "serial"
     *_, rows, key_tiles = shape_class
-    args = (*_synthetic(1, min(rows, _AUTO_MAX_ROWS), H, D, W, min(T, _AUTO_MAX_POOL), 64 * key_tiles,
-                        q.dtype, window.dtype), D**-0.5)
+    args = (
+        *_synthetic(
+            1, min(rows, _AUTO_MAX_ROWS), H, D, W, min(T, _AUTO_MAX_POOL), 64 * key_tiles, q.dtype, window.dtype
+        ),
+        D**-0.5,
+    )
     variants = ("parallel", "serial")
     for v in variants:
         _chain_seconds(v, args, _AUTO_WARMUP_CALLS)
     probe = min(_chain_seconds(v, args, _AUTO_PROBE_CALLS) for v in variants)
-    calls = int(min(max(math.ceil(_AUTO_CHAIN_SECONDS / max(probe, 1e-9)), _AUTO_MIN_CALLS),
-                    _AUTO_MAX_CALLS))
+    calls = int(min(max(math.ceil(_AUTO_CHAIN_SECONDS / max(probe, 1e-9)), _AUTO_MIN_CALLS), _AUTO_MAX_CALLS))
     for v in variants:  # the timed chains' own graph shapes, once untimed
         _chain_seconds(v, args, calls)
     samples = {v: [] for v in variants}

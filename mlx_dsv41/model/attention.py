@@ -36,8 +36,10 @@ from mlx_dsv41.quant import GroupedLinear
 def _read(shared: dict, kind: str, source: int, reader: int):
     key = f"{kind}.{source}"
     if key not in shared:
-        raise KeyError(f"layer {reader} reads {key!r}, but layer {source} has not run in this forward "
-                       f"pass (shared holds {sorted(shared)}); pass the same dict to every layer in order")
+        raise KeyError(
+            f"layer {reader} reads {key!r}, but layer {source} has not run in this forward "
+            f"pass (shared holds {sorted(shared)}); pass the same dict to every layer in order"
+        )
     return shared[key]
 
 
@@ -73,9 +75,11 @@ class Attention(nn.Module):
         if x.ndim != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"Attention {self.layer_id}: x must be [B, S, {self.hidden_size}], got {x.shape}")
         if (cache.ratio, cache.owns_kv) != (self.role.ratio, self.role.owns_kv):
-            raise ValueError(f"Attention {self.layer_id}: its cache must come from make_layer_cache(args, "
-                             f"{self.layer_id}) (ratio {self.role.ratio}, owner {self.role.owns_kv}); got ratio "
-                             f"{cache.ratio}, owner {cache.owns_kv}")
+            raise ValueError(
+                f"Attention {self.layer_id}: its cache must come from make_layer_cache(args, "
+                f"{self.layer_id}) (ratio {self.role.ratio}, owner {self.role.owns_kv}); got ratio "
+                f"{cache.ratio}, owner {cache.owns_kv}"
+            )
         B, S, _ = x.shape
         cache.reserve(B, S, self.head_dim, self.indexer.head_dim if self.role.owns_kv else 0, x.dtype)
         position = cache.position  # an int32 array: a compiled step is not specialised on it
@@ -126,8 +130,14 @@ class Attention(nn.Module):
         pool = _read(shared, "kv", role.kv_source, me)
         if role.runs_indexer:
             candidates = _read(shared, "candidates", self.candidate_source, me) if role.uses_candidates else None
-            topk, blocks = self.indexer(x, qr, _read(shared, "index_keys", role.kv_source, me), position,
-                                        candidates=candidates, build_candidates=role.builds_candidates)
+            topk, blocks = self.indexer(
+                x,
+                qr,
+                _read(shared, "index_keys", role.kv_source, me),
+                position,
+                candidates=candidates,
+                build_candidates=role.builds_candidates,
+            )
             shared[f"topk.{me}"] = topk
             if role.builds_candidates:
                 shared[f"candidates.{me}"] = blocks

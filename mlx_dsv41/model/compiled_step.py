@@ -57,8 +57,14 @@ class CompiledStep:
         buffers = [c.step_arrays() for c in caches]
         layout = tuple(tuple(a is not None for a in b) for b in buffers)
         engram = tuple(sorted(rows))
-        static = (tuple(c.step_key() for c in caches), layout, engram, embeddings is not None, live is not None,
-                  capture)
+        static = (
+            tuple(c.step_key() for c in caches),
+            layout,
+            engram,
+            embeddings is not None,
+            live is not None,
+            capture,
+        )
         flat = [inputs, mx.array(caches[0].offset, mx.int32), *(rows[k] for k in engram)]
         flat += [a for a in (embeddings, live) if a is not None]
         flat += [a for b in buffers for a in b if a is not None]

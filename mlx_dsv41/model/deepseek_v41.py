@@ -67,13 +67,25 @@ class Block(nn.Module):
             self.engram = Engram(args)
 
     def _mixes(self, streams: mx.array, site: str):
-        return hc_mixes(streams, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                        getattr(self, f"hc_{site}_scale"), iters=self.hc_iters, hc_eps=self.hc_eps,
-                        norm_eps=self.norm_eps)
+        return hc_mixes(
+            streams,
+            getattr(self, f"hc_{site}_fn"),
+            getattr(self, f"hc_{site}_base"),
+            getattr(self, f"hc_{site}_scale"),
+            iters=self.hc_iters,
+            hc_eps=self.hc_eps,
+            norm_eps=self.norm_eps,
+        )
 
-    def __call__(self, streams: mx.array, pre: mx.array, cache: LayerCache, shared: dict,
-                 engram_rows: mx.array | None = None, engram_live: mx.array | None = None
-                 ) -> tuple[mx.array, mx.array]:
+    def __call__(
+        self,
+        streams: mx.array,
+        pre: mx.array,
+        cache: LayerCache,
+        shared: dict,
+        engram_rows: mx.array | None = None,
+        engram_live: mx.array | None = None,
+    ) -> tuple[mx.array, mx.array]:
         """streams [B, S, HC, D] bf16, pre [B, S, HC] fp32 (from the previous site) -> (streams, pre
         for the next block's attention). Engram, if any, runs first (docs/model.md#top-level)."""
         if engram_rows is not None:
@@ -135,8 +147,9 @@ class Model(nn.Module):
         missing = sorted(set(self._engram_layers) - set(row_sources))
         extra = sorted(set(row_sources) - set(self._engram_layers))
         if missing or extra:
-            raise ValueError(f"set_engram: row sources needed for Engram layers {self._engram_layers}, "
-                             f"got {sorted(row_sources)}")
+            raise ValueError(
+                f"set_engram: row sources needed for Engram layers {self._engram_layers}, got {sorted(row_sources)}"
+            )
         self._engram_hash, self._engram_map = layout, token_map
         self._engram_rows = dict(row_sources)
 
@@ -192,8 +205,14 @@ class Model(nn.Module):
             raise ValueError(f"this model cannot draft: {self.dspark_unavailable}")
         return make_draft_cache(self.args)
 
-    def __call__(self, inputs: mx.array, cache: list | None = None,
-                 input_embeddings: mx.array | None = None, *, capture: bool = False):
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: list | None = None,
+        input_embeddings: mx.array | None = None,
+        *,
+        capture: bool = False,
+    ):
         """inputs [B, S] token ids -> logits [B, S, vocab] fp32.
 
         `input_embeddings` [B, S, D] replaces the embedding lookup (the ids still drive Engram).
@@ -215,8 +234,10 @@ class Model(nn.Module):
         cache = self.make_cache() if cache is None else cache
         expected = n + (1 if self._engram_layers else 0)
         if len(cache) != expected:
-            raise ValueError(f"cache has {len(cache)} entries; this model needs {expected} "
-                             f"(one per layer{', then the Engram history' if self._engram_layers else ''})")
+            raise ValueError(
+                f"cache has {len(cache)} entries; this model needs {expected} "
+                f"(one per layer{', then the Engram history' if self._engram_layers else ''})"
+            )
         layer_caches = cache[:n]
         offsets = {c.offset for c in layer_caches}
         if len(offsets) != 1:
@@ -230,11 +251,20 @@ class Model(nn.Module):
             if self._compiled is None:
                 self._compiled = compiled_step.CompiledStep(self._forward)
             return self._compiled(layer_caches, inputs, input_embeddings, rows, live, capture)
-        return self._forward(layer_caches, mx.array(offsets.pop(), mx.int32), inputs, input_embeddings, rows, live,
-                             capture)
+        return self._forward(
+            layer_caches, mx.array(offsets.pop(), mx.int32), inputs, input_embeddings, rows, live, capture
+        )
 
-    def _forward(self, caches: list, position: mx.array, inputs: mx.array, input_embeddings, rows: dict,
-                 live, capture: bool = False):
+    def _forward(
+        self,
+        caches: list,
+        position: mx.array,
+        inputs: mx.array,
+        input_embeddings,
+        rows: dict,
+        live,
+        capture: bool = False,
+    ):
         """The forward at `position` (an int32 array: the caches' common offset) -> logits (and the
         captured rows with `capture`)."""
         for c in caches:
@@ -282,12 +312,17 @@ class Model(nn.Module):
             if isinstance(module, nn.Linear):
                 built = quant.make_linear(out, name, module.weight.shape[1], module.weight.shape[0])
             elif isinstance(module, quant.GroupedLinear):
-                built = quant.make_grouped_linear(out, name, module.groups, module.in_features,
-                                                  module.out_features)
+                built = quant.make_grouped_linear(out, name, module.groups, module.in_features, module.out_features)
             elif name.endswith(".ffn.experts"):
-                built = quant.make_experts(experts.pop(name, {}), name, module.n_experts,
-                                           args.hidden_size, args.moe_intermediate_size,
-                                           args.swiglu_limit, module.expert_range)
+                built = quant.make_experts(
+                    experts.pop(name, {}),
+                    name,
+                    module.n_experts,
+                    args.hidden_size,
+                    args.moe_intermediate_size,
+                    args.swiglu_limit,
+                    module.expert_range,
+                )
             else:
                 continue
             for k in [k for k in out if k.startswith(name + ".")]:
@@ -317,6 +352,6 @@ class Model(nn.Module):
     @property
     def cast_predicate(self):
         """mlx-lm convert --dtype: keep the fp32 tensors fp32."""
-        return lambda k: not re.search(r"hc_(attn|ffn)_|attn_sink|\.gate\.|compressor\.|^head\.", k) \
-            and not _DSPARK_FP32.search(k)
-
+        return lambda k: (
+            not re.search(r"hc_(attn|ffn)_|attn_sink|\.gate\.|compressor\.|^head\.", k) and not _DSPARK_FP32.search(k)
+        )

@@ -91,8 +91,11 @@ class DSparkStage(Block):
 
     def __init__(self, args: ModelArgs, stage: int, expert_range: tuple[int, int] | None = None):
         stage_args = args.dspark_stage_args()
-        super().__init__(stage_args, args.num_hidden_layers + stage,
-                         scaled_expert_range(expert_range, args.n_routed_experts, stage_args.n_routed_experts))
+        super().__init__(
+            stage_args,
+            args.num_hidden_layers + stage,
+            scaled_expert_range(expert_range, args.n_routed_experts, stage_args.n_routed_experts),
+        )
         d, eps = args.hidden_size, args.rms_norm_eps
         if stage == 0:
             self.main_proj = nn.Linear(len(args.dspark_target_layer_ids) * d, d, bias=False)
@@ -110,8 +113,10 @@ def scaled_expert_range(expert_range: tuple[int, int] | None, n_from: int, n_to:
         return expert_range
     lo, hi = expert_range
     if (lo * n_to) % n_from or (hi * n_to) % n_from:
-        raise ValueError(f"expert_range {expert_range} of {n_from} experts is no whole share of the "
-                         f"{n_to} DSpark experts; use another rank count or partition")
+        raise ValueError(
+            f"expert_range {expert_range} of {n_from} experts is no whole share of the "
+            f"{n_to} DSpark experts; use another rank count or partition"
+        )
     return lo * n_to // n_from, hi * n_to // n_from
 
 
@@ -134,8 +139,7 @@ def greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logits, axis=-1).astype(mx.int32)
 
 
-def draft_block(model, cache: DraftCache, token: mx.array,
-                choose: Callable[[mx.array], mx.array] = greedy) -> Draft:
+def draft_block(model, cache: DraftCache, token: mx.array, choose: Callable[[mx.array], mx.array] = greedy) -> Draft:
     """Draft one block after position p = cache.offset - 1 (the main model's last position), from
     the chosen token x_{p+1} (`token` [B] int). `choose(logits [B, V]) -> [B]` picks each slot's
     token from its biased logits (argmax, or a sample: its distribution is the Q of speculative

@@ -46,8 +46,7 @@ class MemoryRowSource:
     def __init__(self, table: np.ndarray):
         table = np.ascontiguousarray(table)
         if table.dtype != np.uint8 or table.ndim != 2:
-            raise ValueError(f"MemoryRowSource: table must be uint8 [rows, row_bytes], got "
-                             f"{table.dtype} {table.shape}")
+            raise ValueError(f"MemoryRowSource: table must be uint8 [rows, row_bytes], got {table.dtype} {table.shape}")
         self.table = table
         self._stats = RowStats()
 
@@ -88,8 +87,7 @@ def decode_rows(raw: mx.array, head_dim: int) -> mx.array:
     value = e4m3(byte) · 2^(scale byte - 127), one scale per 32 values, in fp32, then cast to bf16.
     """
     if raw.dtype != mx.uint8 or raw.shape[-1] != head_dim + head_dim // 32:
-        raise ValueError(f"Engram rows must be uint8 [..., {head_dim + head_dim // 32}], got "
-                         f"{raw.dtype} {raw.shape}")
+        raise ValueError(f"Engram rows must be uint8 [..., {head_dim + head_dim // 32}], got {raw.dtype} {raw.shape}")
     lead = raw.shape[:-1]
     values = mx.from_fp8(raw[..., :head_dim], mx.float32).reshape(*lead, head_dim // 32, 32)
     scales = _e8m0_table()[raw[..., head_dim:]]  # [..., head_dim/32]
@@ -120,8 +118,9 @@ class Engram(nn.Module):
         h = streams.astype(mx.float32)
         return (h + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)
 
-    def gate_and_value(self, streams: mx.array, rows: mx.array, live: mx.array | None = None
-                       ) -> tuple[mx.array, mx.array]:
+    def gate_and_value(
+        self, streams: mx.array, rows: mx.array, live: mx.array | None = None
+    ) -> tuple[mx.array, mx.array]:
         """(gate [B, S, HC] fp32 per stream, value [B, S, D] fp32 shared by the streams)."""
         B, S = streams.shape[:2]
         e = decode_rows(rows, self.head_dim).reshape(B, S, -1)  # [B, S, columns·head_dim] bf16

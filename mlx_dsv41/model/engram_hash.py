@@ -35,16 +35,18 @@ _SENTINEL = "\ue000"
 def _normalizer():
     from tokenizers import Regex, normalizers
 
-    return normalizers.Sequence([
-        normalizers.NFKC(),
-        normalizers.NFD(),
-        normalizers.StripAccents(),
-        normalizers.Lowercase(),
-        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
-        normalizers.Replace(Regex(r"^ $"), _SENTINEL),
-        normalizers.Strip(),
-        normalizers.Replace(_SENTINEL, " "),
-    ])
+    return normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            normalizers.NFD(),
+            normalizers.StripAccents(),
+            normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+            normalizers.Replace(Regex(r"^ $"), _SENTINEL),
+            normalizers.Strip(),
+            normalizers.Replace(_SENTINEL, " "),
+        ]
+    )
 
 
 def compressed_keys(tokenizer) -> list[str]:
@@ -75,8 +77,7 @@ class CompressedTokenMap:
     @classmethod
     def from_tokenizer(cls, tokenizer, expected_size: int) -> CompressedTokenMap:
         first_seen: dict[str, int] = {}
-        ids = np.array([first_seen.setdefault(k, len(first_seen)) for k in compressed_keys(tokenizer)],
-                       dtype=np.int64)
+        ids = np.array([first_seen.setdefault(k, len(first_seen)) for k in compressed_keys(tokenizer)], dtype=np.int64)
         return cls._checked(ids, len(first_seen), expected_size, "the tokenizer")
 
     @classmethod
@@ -90,8 +91,9 @@ class CompressedTokenMap:
         return cls(ids=ids, size=size)
 
     @classmethod
-    def load_or_build(cls, tokenizer_file: str | os.PathLike, expected_size: int,
-                      cache_file: str | os.PathLike | None = None) -> CompressedTokenMap:
+    def load_or_build(
+        cls, tokenizer_file: str | os.PathLike, expected_size: int, cache_file: str | os.PathLike | None = None
+    ) -> CompressedTokenMap:
         """Read the JSON cache (default: `engram_token_map.json` next to tokenizer.json, the file a
         converted directory holds) if it was built from this exact tokenizer file; otherwise build
         the map and write the cache."""
@@ -106,8 +108,7 @@ class CompressedTokenMap:
         from tokenizers import Tokenizer
 
         tmap = cls.from_tokenizer(Tokenizer.from_file(str(tokenizer_file)), expected_size)
-        payload = {"format": TOKEN_MAP_FORMAT, "tokenizer_sha256": digest, "size": tmap.size,
-                   "ids": tmap.ids.tolist()}
+        payload = {"format": TOKEN_MAP_FORMAT, "tokenizer_sha256": digest, "size": tmap.size, "ids": tmap.ids.tolist()}
         tmp = cache_file.with_name(cache_file.name + ".tmp")
         tmp.write_text(json.dumps(payload, separators=(",", ":")))
         os.replace(tmp, cache_file)
@@ -118,8 +119,9 @@ class CompressedTokenMap:
         token_ids = np.asarray(token_ids, dtype=np.int64)
         bad = (token_ids < 0) | (token_ids >= len(self.ids))
         if bad.any():
-            raise ValueError(f"token id {int(token_ids[bad][0])} is outside the Engram token map "
-                             f"(0..{len(self.ids) - 1})")
+            raise ValueError(
+                f"token id {int(token_ids[bad][0])} is outside the Engram token map (0..{len(self.ids) - 1})"
+            )
         out = self.ids[token_ids]
         if dead_token_id is not None:
             out = np.where(token_ids == dead_token_id, DEAD, out)
@@ -158,8 +160,7 @@ def bucket_primes(args: ModelArgs) -> np.ndarray:
     per n, per head, the next prime above the previous candidate, restarting at engram_vocab_size -
     1 for every n, never reusing a prime (one seen set across all layers)."""
     seen: set[int] = set()
-    out = np.zeros((len(args.engram_layer_ids), len(args.engram_ngram_sizes), args.engram_n_heads),
-                   dtype=np.int64)
+    out = np.zeros((len(args.engram_layer_ids), len(args.engram_ngram_sizes), args.engram_n_heads), dtype=np.int64)
     for li in range(out.shape[0]):
         for ni in range(out.shape[1]):
             candidate = args.engram_vocab_size - 1
@@ -176,7 +177,8 @@ def hash_multipliers(args: ModelArgs, layer_id: int) -> np.ndarray:
     """int64 [max_ngram] odd multipliers of one Engram layer (docs/model.md#engram-multipliers)."""
     bound = (2**63 - 1) // args.engram_compressed_vocab_size // 2
     draws = np.random.default_rng(seed=10007 * layer_id).integers(
-        low=0, high=bound, size=args.engram_max_ngram_size, dtype=np.int64)
+        low=0, high=bound, size=args.engram_max_ngram_size, dtype=np.int64
+    )
     return draws * 2 + 1
 
 
@@ -194,8 +196,10 @@ class EngramHashLayout:
     @classmethod
     def from_args(cls, args: ModelArgs, token_map: CompressedTokenMap) -> EngramHashLayout:
         if token_map.size != args.engram_compressed_vocab_size:
-            raise ConfigError(f"token map has {token_map.size} compressed ids, config says "
-                              f"engram_compressed_vocab_size = {args.engram_compressed_vocab_size}")
+            raise ConfigError(
+                f"token map has {token_map.size} compressed ids, config says "
+                f"engram_compressed_vocab_size = {args.engram_compressed_vocab_size}"
+            )
         primes = bucket_primes(args)
         for li, layer in enumerate(args.engram_layer_ids):
             total = int(primes[li].sum())
@@ -207,11 +211,13 @@ class EngramHashLayout:
                 )
         flat = primes.reshape(len(args.engram_layer_ids), -1)
         offsets = np.concatenate([np.zeros_like(flat[:, :1]), np.cumsum(flat, axis=1)[:, :-1]], axis=1)
-        mults = np.stack([hash_multipliers(args, layer) for layer in args.engram_layer_ids]) \
-            if args.engram_layer_ids else np.zeros((0, args.engram_max_ngram_size), np.int64)
+        mults = (
+            np.stack([hash_multipliers(args, layer) for layer in args.engram_layer_ids])
+            if args.engram_layer_ids
+            else np.zeros((0, args.engram_max_ngram_size), np.int64)
+        )
         pad = int(token_map.ids[args.engram_pad_token_id])
-        return cls(tuple(args.engram_layer_ids), primes, offsets, mults,
-                   args.engram_max_ngram_size, pad)
+        return cls(tuple(args.engram_layer_ids), primes, offsets, mults, args.engram_max_ngram_size, pad)
 
     @property
     def history_length(self) -> int:
@@ -230,8 +236,9 @@ class EngramHashLayout:
         history = np.asarray(history, dtype=np.int64)
         k = self.history_length
         if compressed.ndim != 2 or history.shape != (compressed.shape[0], k):
-            raise ValueError(f"row_ids: compressed must be [B, S] and history [B, {k}], "
-                             f"got {compressed.shape} and {history.shape}")
+            raise ValueError(
+                f"row_ids: compressed must be [B, S] and history [B, {k}], got {compressed.shape} and {history.shape}"
+            )
         B, S = compressed.shape
         ext = np.concatenate([history, compressed], axis=1)  # [B, k + S]
         alive = np.ones((B, S), dtype=bool)

@@ -20,8 +20,9 @@ from mlx_dsv41.kernels.hyper_connections import collapse, collapse_norm, expand,
 __all__ = ["collapse", "collapse_norm", "expand", "hc_mixes", "initial_pre"]
 
 
-def hc_mixes(streams: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, iters: int, hc_eps: float,
-             norm_eps: float) -> tuple[mx.array, mx.array, mx.array]:
+def hc_mixes(
+    streams: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, iters: int, hc_eps: float, norm_eps: float
+) -> tuple[mx.array, mx.array, mx.array]:
     """streams [B, S, HC, D] -> pre [B, S, HC], post [B, S, HC], comb [B, S, HC, HC] (all fp32).
 
     fn [(2+HC)·HC, HC·D], base [(2+HC)·HC], scale [3] are one site's fp32 parameters.

@@ -109,9 +109,16 @@ class Indexer(nn.Module):
         k = self.rope(self.k_norm(self.wk(latent)), first, step=self.ratio)
         return fake_quant_fp4(k, 32)
 
-    def __call__(self, x: mx.array, qr: mx.array, keys: mx.array | None, position: mx.array, *,
-                 candidates: mx.array | None = None, build_candidates: bool = False
-                 ) -> tuple[mx.array, mx.array | None]:
+    def __call__(
+        self,
+        x: mx.array,
+        qr: mx.array,
+        keys: mx.array | None,
+        position: mx.array,
+        *,
+        candidates: mx.array | None = None,
+        build_candidates: bool = False,
+    ) -> tuple[mx.array, mx.array | None]:
         """x [B, S, D_model], qr [B, S, q_lora_rank] (the q_norm output), keys [B, T, Di] or None.
 
         Returns (top-k [B, S, min(index_topk, T)] int32, -1 = none; the candidate block mask
@@ -135,8 +142,7 @@ class Indexer(nn.Module):
             scores = index_scores(q[:, s0:s1], weights[:, s0:s1], keys, visible[s0:s1])
             if build_candidates:
                 # The candidate source's own top-k is over its unmasked scores.
-                blocks.append(
-                    select_candidate_blocks(scores, visible[s0:s1], self.block_size, self.topk_blocks))
+                blocks.append(select_candidate_blocks(scores, visible[s0:s1], self.block_size, self.topk_blocks))
             elif candidates is not None:
                 scores = apply_candidate_blocks(scores, candidates[:, s0:s1], self.block_size)
             topks.append(select_topk(scores, k, visible[s0:s1]))

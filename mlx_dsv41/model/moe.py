@@ -59,8 +59,9 @@ class MoE(nn.Module):
         super().__init__()
         self.dim = args.hidden_size
         self.gate = Gate(args)
-        self.experts = DenseExperts(args.n_routed_experts, args.hidden_size,
-                                    args.moe_intermediate_size, args.swiglu_limit, expert_range)
+        self.experts = DenseExperts(
+            args.n_routed_experts, args.hidden_size, args.moe_intermediate_size, args.swiglu_limit, expert_range
+        )
         self.shared_experts = SharedExpert(args)
         # Expert parallelism (mlx_dsv41.distributed.apply): computes this rank's routed slots and
         # returns every rank's, [T, k, D] fp32. None in one process: no collective runs.

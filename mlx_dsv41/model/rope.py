@@ -19,8 +19,9 @@ import numpy as np
 from mlx_dsv41.config import ConfigError, ModelArgs
 
 
-def yarn_correction_range(dims: int, theta: float, beta_fast: float, beta_slow: float,
-                          original_max_positions: int) -> tuple[int, int]:
+def yarn_correction_range(
+    dims: int, theta: float, beta_fast: float, beta_slow: float, original_max_positions: int
+) -> tuple[int, int]:
     """(low, high) frequency indices of the YaRN ramp, floored / ceiled and clamped to the dims."""
 
     def corr(rotations: float) -> float:
@@ -34,8 +35,9 @@ def rope_frequencies(dims: int, theta: float, yarn: dict | None = None) -> np.nd
     freqs = theta ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)
     if yarn is None:
         return freqs
-    low, high = yarn_correction_range(dims, theta, yarn["beta_fast"], yarn["beta_slow"],
-                                      yarn["original_max_position_embeddings"])
+    low, high = yarn_correction_range(
+        dims, theta, yarn["beta_fast"], yarn["beta_slow"], yarn["original_max_position_embeddings"]
+    )
     ramp = np.clip((np.arange(dims // 2) - low) / max(high - low, 1e-3), 0.0, 1.0)
     return freqs * (1 - ramp) + freqs / yarn["factor"] * ramp
 
@@ -60,8 +62,15 @@ class RoPE:
         tail = x[..., -d:].astype(mx.float32)
         if x.ndim == 4:  # mx.fast.rope wants positions on axis -2
             tail = tail.swapaxes(1, 2)
-        tail = mx.fast.rope(tail, d, traditional=True, base=None, scale=float(-step if inverse else step),
-                            offset=offset, freqs=self._periods)
+        tail = mx.fast.rope(
+            tail,
+            d,
+            traditional=True,
+            base=None,
+            scale=float(-step if inverse else step),
+            offset=offset,
+            freqs=self._periods,
+        )
         if x.ndim == 4:
             tail = tail.swapaxes(1, 2)
         return mx.concatenate([x[..., :-d], tail.astype(x.dtype)], axis=-1)
@@ -77,8 +86,9 @@ def make_rope(args: ModelArgs, layer_id: int) -> RoPE:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind != "yarn":
             raise ConfigError(f"rope_scaling: only rope_type 'yarn' is supported, got {kind!r}")
-        missing = [k for k in ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings")
-                   if k not in scaling]
+        missing = [
+            k for k in ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings") if k not in scaling
+        ]
         if missing:
             raise ConfigError(f"rope_scaling (yarn) is missing {', '.join(missing)}")
     return RoPE(args.qk_rope_head_dim, args.compress_rope_theta, scaling)

@@ -36,9 +36,21 @@ from mlx_dsv41.quant.mx_experts import MXExperts, MXProjection
 from mlx_dsv41.quant.official import MODES as MX_MODES
 
 __all__ = [
-    "DenseExperts", "DenseLinear", "FormatError", "GroupSlices", "GroupedLinear", "MXExperts", "check_expert_range",
-    "make_experts", "make_grouped_linear", "make_linear", "module_tensors", "mx_parts",
-    "stored_format", "swiglu", "swiglu_mlp",
+    "DenseExperts",
+    "DenseLinear",
+    "FormatError",
+    "GroupSlices",
+    "GroupedLinear",
+    "MXExperts",
+    "check_expert_range",
+    "make_experts",
+    "make_grouped_linear",
+    "make_linear",
+    "module_tensors",
+    "mx_parts",
+    "stored_format",
+    "swiglu",
+    "swiglu_mlp",
 ]
 
 
@@ -103,8 +115,10 @@ def stored_format(tensors: Mapping[str, mx.array], prefix: str) -> str:
             return "fp8"
         if weight.dtype == _FP4:
             return "fp4"
-        raise FormatError(f"{prefix}.weight has a .scale but dtype {weight.dtype} "
-                          "(expected F8_E4M3 for official FP8 or I8 for official FP4)")
+        raise FormatError(
+            f"{prefix}.weight has a .scale but dtype {weight.dtype} "
+            "(expected F8_E4M3 for official FP8 or I8 for official FP4)"
+        )
     if f"{prefix}.scales" in tensors:
         return "mlx_quantized"
     if mx.issubdtype(weight.dtype, mx.floating):
@@ -123,14 +137,17 @@ def mx_mode(prefix: str, weight: mx.array, in_features: int) -> str:
     """'mxfp4' or 'mxfp8' of a stored MLX MX weight (uint32 [..., in·bits/32]), from its width."""
     bits = 32 * weight.shape[-1] // in_features if weight.ndim >= 2 else 0
     if weight.dtype != mx.uint32 or 32 * weight.shape[-1] != bits * in_features or bits not in (4, 8):
-        raise FormatError(f"{prefix}.weight: expected uint32 [..., {in_features // 8}] (mxfp4) or "
-                          f"[..., {in_features // 4}] (mxfp8) for {in_features} inputs, got "
-                          f"{weight.dtype} {list(weight.shape)}")
+        raise FormatError(
+            f"{prefix}.weight: expected uint32 [..., {in_features // 8}] (mxfp4) or "
+            f"[..., {in_features // 4}] (mxfp8) for {in_features} inputs, got "
+            f"{weight.dtype} {list(weight.shape)}"
+        )
     return {4: "mxfp4", 8: "mxfp8"}[bits]
 
 
-def mx_parts(tensors: Mapping[str, mx.array], prefix: str, in_features: int,
-             out_features: int) -> tuple[mx.array, mx.array, str]:
+def mx_parts(
+    tensors: Mapping[str, mx.array], prefix: str, in_features: int, out_features: int
+) -> tuple[mx.array, mx.array, str]:
     """(weight uint32, scales uint8, mode) of the linear under `prefix` stored as official FP8
     (32x32 tile scales, re-laid per row: exact), official FP4 (already mxfp4) or MLX mxfp4/mxfp8."""
     fmt = stored_format(tensors, prefix)
@@ -144,8 +161,7 @@ def mx_parts(tensors: Mapping[str, mx.array], prefix: str, in_features: int,
     if fmt != "mlx_quantized":
         raise FormatError(f"{prefix}: stored as {fmt}, expected an MX format (official FP8/FP4 or mxfp4/mxfp8)")
     if f"{prefix}.biases" in tensors:
-        raise FormatError(f"{prefix}: affine-quantized weights (.biases) are not supported; "
-                          "only mxfp4 / mxfp8")
+        raise FormatError(f"{prefix}: affine-quantized weights (.biases) are not supported; only mxfp4 / mxfp8")
     mode = mx_mode(prefix, weight, in_features)
     w_shape, s_shape = official.mx_shapes(out_features, in_features, MX_MODES[mode])
     scales = tensors[f"{prefix}.scales"]
@@ -158,8 +174,7 @@ def mx_parts(tensors: Mapping[str, mx.array], prefix: str, in_features: int,
 # ------------------------------------------------------------------------------- constructors
 
 
-def make_linear(tensors: Mapping[str, mx.array], prefix: str, in_features: int,
-                out_features: int) -> nn.Module:
+def make_linear(tensors: Mapping[str, mx.array], prefix: str, in_features: int, out_features: int) -> nn.Module:
     """The linear stored under `prefix` (no bias); W has [out, in] semantics."""
     fmt = stored_format(tensors, prefix)
     if fmt == "dense":
@@ -173,8 +188,9 @@ def make_linear(tensors: Mapping[str, mx.array], prefix: str, in_features: int,
     return official.mx_quantized_linear(*mx_parts(tensors, prefix, in_features, out_features))
 
 
-def make_grouped_linear(tensors: Mapping[str, mx.array], prefix: str, groups: int,
-                        in_features: int, out_features: int) -> nn.Module:
+def make_grouped_linear(
+    tensors: Mapping[str, mx.array], prefix: str, groups: int, in_features: int, out_features: int
+) -> nn.Module:
     """`P.weight [groups·out, in]` (dense, or official FP8 dequantized to bf16 with its scales:
     docs/checkpoint.md#official-conversion says `wo_a` runs unquantized) or `P.slice.{g}` linears of
     any format."""
@@ -192,11 +208,14 @@ def make_grouped_linear(tensors: Mapping[str, mx.array], prefix: str, groups: in
         lin.weight = _shape_checked(tensors, f"{prefix}.weight", shape)
     elif fmt == "fp8":
         _shape_checked(tensors, f"{prefix}.weight", shape)
-        lin.weight = official.dequantize_fp8_block(tensors[f"{prefix}.weight"], tensors[f"{prefix}.scale"],
-                                                   mx.bfloat16, f"{prefix}.weight")
+        lin.weight = official.dequantize_fp8_block(
+            tensors[f"{prefix}.weight"], tensors[f"{prefix}.scale"], mx.bfloat16, f"{prefix}.weight"
+        )
     else:
-        raise FormatError(f"{prefix}: a grouped linear is stored dense, as official FP8 or as "
-                          f"{prefix}.slice.{{g}} linears, not as {fmt}")
+        raise FormatError(
+            f"{prefix}: a grouped linear is stored dense, as official FP8 or as "
+            f"{prefix}.slice.{{g}} linears, not as {fmt}"
+        )
     return lin
 
 
@@ -212,34 +231,46 @@ def swiglu_mlp(x: mx.array, w1: nn.Module, w3: nn.Module, w2: nn.Module, limit: 
     return w2(swiglu(w1(x), w3(x), limit, dtype=x.dtype))
 
 
-def make_experts(tensors: Mapping[str, mx.array], prefix: str, n_experts: int, dim: int,
-                 intermediate: int, swiglu_limit: float,
-                 expert_range: tuple[int, int] | None = None) -> nn.Module:
+def make_experts(
+    tensors: Mapping[str, mx.array],
+    prefix: str,
+    n_experts: int,
+    dim: int,
+    intermediate: int,
+    swiglu_limit: float,
+    expert_range: tuple[int, int] | None = None,
+) -> nn.Module:
     """Routed experts stored per expert as `P.{e}.{w1,w2,w3}` (official layout; the format decided
     from expert `lo`'s w1, shared by every expert of the layer), or stacked dense `P.{w1,w2,w3}`
     (DenseExperts' own parameters, as a converted or re-saved model holds them)."""
     lo, hi = check_expert_range(expert_range, n_experts)
     if f"{prefix}.w1" in tensors:  # already stacked: this module's own parameters, saved
-        return DenseExperts.from_stacked(tensors, prefix, n_experts, dim, intermediate,
-                                         swiglu_limit, (lo, hi))
+        return DenseExperts.from_stacked(tensors, prefix, n_experts, dim, intermediate, swiglu_limit, (lo, hi))
     if f"{prefix}.w1.scales" in tensors:  # MXExperts' own parameters, saved
         return _stacked_mx_experts(tensors, prefix, n_experts, dim, intermediate, swiglu_limit, (lo, hi))
     fmt = stored_format(tensors, f"{prefix}.{lo}.w1")
     if fmt == "dense":
-        return DenseExperts.from_tensors(tensors, prefix, n_experts, dim, intermediate,
-                                         swiglu_limit, (lo, hi))
+        return DenseExperts.from_tensors(tensors, prefix, n_experts, dim, intermediate, swiglu_limit, (lo, hi))
     if fmt == "exl3":
         from mlx_dsv41 import exl3
 
-        return exl3.experts_from_stored(tensors, prefix, n_experts, dim, intermediate,
-                                        swiglu_limit, (lo, hi))
-    parts = {proj: [mx_parts(tensors, f"{prefix}.{e}.{proj}", d_in, d_out) for e in range(lo, hi)]
-             for proj, (d_in, d_out) in expert_projections(dim, intermediate).items()}
+        return exl3.experts_from_stored(tensors, prefix, n_experts, dim, intermediate, swiglu_limit, (lo, hi))
+    parts = {
+        proj: [mx_parts(tensors, f"{prefix}.{e}.{proj}", d_in, d_out) for e in range(lo, hi)]
+        for proj, (d_in, d_out) in expert_projections(dim, intermediate).items()
+    }
     return MXExperts.from_parts(parts, n_experts, dim, intermediate, swiglu_limit, (lo, hi))
 
 
-def _stacked_mx_experts(tensors: Mapping[str, mx.array], prefix: str, n_experts: int, dim: int,
-                        intermediate: int, swiglu_limit: float, expert_range: tuple[int, int]) -> MXExperts:
+def _stacked_mx_experts(
+    tensors: Mapping[str, mx.array],
+    prefix: str,
+    n_experts: int,
+    dim: int,
+    intermediate: int,
+    swiglu_limit: float,
+    expert_range: tuple[int, int],
+) -> MXExperts:
     """`P.{w1,w3,w2}.{weight,scales}` stacked over all experts or exactly the experts in range."""
     lo, hi = expert_range
     projections = {}
@@ -251,8 +282,7 @@ def _stacked_mx_experts(tensors: Mapping[str, mx.array], prefix: str, n_experts:
         if weight.ndim == 3 and weight.shape[0] == n_experts and hi - lo != n_experts:
             weight, scales = weight[lo:hi], scales[lo:hi]
         projections[proj] = MXProjection(weight, scales, mx_mode(p, weight, d_in), d_in, d_out)
-    return MXExperts(projections["w1"], projections["w3"], projections["w2"], n_experts,
-                     swiglu_limit, expert_range)
+    return MXExperts(projections["w1"], projections["w3"], projections["w2"], n_experts, swiglu_limit, expert_range)
 
 
 def module_tensors(module: nn.Module, prefix: str) -> dict[str, mx.array]:

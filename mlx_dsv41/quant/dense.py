@@ -26,8 +26,14 @@ from mlx_dsv41.quant.experts import (
 class DenseExperts(nn.Module):
     """Experts lo..hi-1 of a layer: w1, w3 [n, inter, D] (gate, up), w2 [n, D, inter] (down)."""
 
-    def __init__(self, n_experts: int, dim: int, intermediate: int, swiglu_limit: float,
-                 expert_range: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        n_experts: int,
+        dim: int,
+        intermediate: int,
+        swiglu_limit: float,
+        expert_range: tuple[int, int] | None = None,
+    ):
         super().__init__()
         self.n_experts, self.dim, self.intermediate = n_experts, dim, intermediate
         self.swiglu_limit = swiglu_limit
@@ -39,9 +45,16 @@ class DenseExperts(nn.Module):
         self.w2 = mx.random.uniform(-s_mid, s_mid, (n, dim, intermediate))
 
     @classmethod
-    def from_tensors(cls, tensors: Mapping[str, mx.array], prefix: str, n_experts: int, dim: int,
-                     intermediate: int, swiglu_limit: float,
-                     expert_range: tuple[int, int] | None = None) -> DenseExperts:
+    def from_tensors(
+        cls,
+        tensors: Mapping[str, mx.array],
+        prefix: str,
+        n_experts: int,
+        dim: int,
+        intermediate: int,
+        swiglu_limit: float,
+        expert_range: tuple[int, int] | None = None,
+    ) -> DenseExperts:
         """Stack `{prefix}.{e}.{w1,w2,w3}.weight` for the experts in range (others are not read)."""
         module = cls(n_experts, dim, intermediate, swiglu_limit, expert_range)
         lo, hi = module.expert_range
@@ -53,16 +66,24 @@ class DenseExperts(nn.Module):
                     raise FormatError(f"missing tensor {key} (dense expert {e} of {n_experts})")
                 w = tensors[key]
                 if tuple(w.shape) != shape or not mx.issubdtype(w.dtype, mx.floating):
-                    raise FormatError(f"{key}: expected a float tensor of shape {list(shape)}, "
-                                     f"got {w.dtype} {list(w.shape)}")
+                    raise FormatError(
+                        f"{key}: expected a float tensor of shape {list(shape)}, got {w.dtype} {list(w.shape)}"
+                    )
                 stack.append(w)
             setattr(module, proj, mx.stack(stack).astype(mx.float32))
         return module
 
     @classmethod
-    def from_stacked(cls, tensors: Mapping[str, mx.array], prefix: str, n_experts: int, dim: int,
-                     intermediate: int, swiglu_limit: float,
-                     expert_range: tuple[int, int] | None = None) -> DenseExperts:
+    def from_stacked(
+        cls,
+        tensors: Mapping[str, mx.array],
+        prefix: str,
+        n_experts: int,
+        dim: int,
+        intermediate: int,
+        swiglu_limit: float,
+        expert_range: tuple[int, int] | None = None,
+    ) -> DenseExperts:
         """`{prefix}.{w1,w2,w3}` stacked over all experts or over exactly the experts in range."""
         module = cls(n_experts, dim, intermediate, swiglu_limit, expert_range)
         lo, hi = module.expert_range
@@ -74,8 +95,10 @@ class DenseExperts(nn.Module):
             if w.ndim == 3 and w.shape[0] == n_experts and w.shape[1:] == want[1:] and hi - lo != n_experts:
                 w = w[lo:hi]
             if w.shape != want or not mx.issubdtype(w.dtype, mx.floating):
-                raise FormatError(f"{key}: expected a float tensor of shape {list(want)} (experts "
-                                 f"{lo}..{hi - 1}) or [{n_experts}, ...], got {w.dtype} {list(w.shape)}")
+                raise FormatError(
+                    f"{key}: expected a float tensor of shape {list(want)} (experts "
+                    f"{lo}..{hi - 1}) or [{n_experts}, ...], got {w.dtype} {list(w.shape)}"
+                )
             setattr(module, proj, w.astype(mx.float32))
         return module
 

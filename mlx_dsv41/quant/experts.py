@@ -15,8 +15,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
-def swiglu(g: mx.array, u: mx.array, limit: float, weights: mx.array | None = None,
-           dtype: mx.Dtype = mx.bfloat16) -> mx.array:
+def swiglu(
+    g: mx.array, u: mx.array, limit: float, weights: mx.array | None = None, dtype: mx.Dtype = mx.bfloat16
+) -> mx.array:
     """The clamped SwiGLU of docs/model.md#moe in fp32, optionally times the routing weight, cast to
     `dtype`.
 
@@ -72,6 +73,4 @@ def check_routing(x: mx.array, indices: mx.array, weights: mx.array, dim: int) -
     if indices.dtype != mx.int32:
         raise ValueError(f"experts: indices must be int32, got {indices.dtype}")
     if weights.shape != indices.shape or weights.dtype != mx.float32:
-        raise ValueError(
-            f"experts: weights must be float32 {indices.shape}, got {weights.dtype} {weights.shape}"
-        )
+        raise ValueError(f"experts: weights must be float32 {indices.shape}, got {weights.dtype} {weights.shape}")

@@ -40,11 +40,13 @@ class MXProjection(nn.Module):
         n = weight.shape[0]
         w_shape, s_shape = mx_shapes(out_features, in_features, MODES[mode])
         if weight.dtype != mx.uint32 or tuple(weight.shape) != (n, *w_shape):
-            raise FormatError(f"MX experts: {mode} weight must be uint32 {[n, *w_shape]}, "
-                              f"got {weight.dtype} {list(weight.shape)}")
+            raise FormatError(
+                f"MX experts: {mode} weight must be uint32 {[n, *w_shape]}, got {weight.dtype} {list(weight.shape)}"
+            )
         if scales.dtype != mx.uint8 or tuple(scales.shape) != (n, *s_shape):
-            raise FormatError(f"MX experts: {mode} scales must be uint8 {[n, *s_shape]}, "
-                              f"got {scales.dtype} {list(scales.shape)}")
+            raise FormatError(
+                f"MX experts: {mode} scales must be uint8 {[n, *s_shape]}, got {scales.dtype} {list(scales.shape)}"
+            )
         self.weight, self.scales = weight, scales
         self.mode, self.bits = mode, MODES[mode]
         self.in_features, self.out_features = in_features, out_features
@@ -53,8 +55,17 @@ class MXProjection(nn.Module):
         """x [T, k or 1, 1, in] -> [T, k, 1, out] in x.dtype, expert `local[t, s]` per slot: fp32
         sums, one rounding (quant/accumulation.py)."""
         xs = quantized_input(x, "gather_qmm", self.bits, local.size)
-        y = mx.gather_qmm(xs, self.weight, self.scales, None, rhs_indices=local, transpose=True,
-                          group_size=GROUP, bits=self.bits, mode=self.mode)
+        y = mx.gather_qmm(
+            xs,
+            self.weight,
+            self.scales,
+            None,
+            rhs_indices=local,
+            transpose=True,
+            group_size=GROUP,
+            bits=self.bits,
+            mode=self.mode,
+        )
         return y.astype(x.dtype)
 
 
@@ -62,25 +73,42 @@ class MXExperts(nn.Module):
     """experts(x [T, D], indices [T, k] int32, weights [T, k] float32) -> [T, k, D] float32, for
     the experts in `expert_range` (slots routed elsewhere are exactly 0)."""
 
-    def __init__(self, w1: MXProjection, w3: MXProjection, w2: MXProjection, n_experts: int,
-                 swiglu_limit: float, expert_range: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        w1: MXProjection,
+        w3: MXProjection,
+        w2: MXProjection,
+        n_experts: int,
+        swiglu_limit: float,
+        expert_range: tuple[int, int] | None = None,
+    ):
         super().__init__()
         self.n_experts, self.swiglu_limit = n_experts, swiglu_limit
         self.expert_range = check_expert_range(expert_range, n_experts)
         held = self.expert_range[1] - self.expert_range[0]
         if any(p.weight.shape[0] != held for p in (w1, w3, w2)):
-            raise FormatError(f"MX experts: expert_range {self.expert_range} holds {held} experts, "
-                              f"the stacks hold {[p.weight.shape[0] for p in (w1, w3, w2)]}")
-        if (w1.in_features, w1.out_features) != (w3.in_features, w3.out_features) or \
-                (w2.in_features, w2.out_features) != (w1.out_features, w1.in_features):
+            raise FormatError(
+                f"MX experts: expert_range {self.expert_range} holds {held} experts, "
+                f"the stacks hold {[p.weight.shape[0] for p in (w1, w3, w2)]}"
+            )
+        if (w1.in_features, w1.out_features) != (w3.in_features, w3.out_features) or (
+            w2.in_features,
+            w2.out_features,
+        ) != (w1.out_features, w1.in_features):
             raise FormatError("MX experts: w1/w3 [inter, D] and w2 [D, inter] shapes disagree")
         self.w1, self.w3, self.w2 = w1, w3, w2
         self.dim = w1.in_features
 
     @classmethod
-    def from_parts(cls, parts: Mapping[str, Sequence[tuple[mx.array, mx.array, str]]], n_experts: int,
-                   dim: int, intermediate: int, swiglu_limit: float,
-                   expert_range: tuple[int, int] | None = None) -> MXExperts:
+    def from_parts(
+        cls,
+        parts: Mapping[str, Sequence[tuple[mx.array, mx.array, str]]],
+        n_experts: int,
+        dim: int,
+        intermediate: int,
+        swiglu_limit: float,
+        expert_range: tuple[int, int] | None = None,
+    ) -> MXExperts:
         """From per-expert `(weight, scales, mode)` of each projection ("w1", "w3", "w2"), in
         expert order over the range; every expert of a projection must share the mode."""
         projections = {}
@@ -88,11 +116,14 @@ class MXExperts(nn.Module):
             modes = sorted({mode for _, _, mode in parts[proj]})
             if len(modes) != 1:
                 raise FormatError(f"MX experts: {proj} mixes modes {modes} across experts")
-            projections[proj] = MXProjection(mx.stack([w for w, _, _ in parts[proj]]),
-                                             mx.stack([s for _, s, _ in parts[proj]]),
-                                             modes[0], d_in, d_out)
-        return cls(projections["w1"], projections["w3"], projections["w2"], n_experts,
-                   swiglu_limit, expert_range)
+            projections[proj] = MXProjection(
+                mx.stack([w for w, _, _ in parts[proj]]),
+                mx.stack([s for _, s, _ in parts[proj]]),
+                modes[0],
+                d_in,
+                d_out,
+            )
+        return cls(projections["w1"], projections["w3"], projections["w2"], n_experts, swiglu_limit, expert_range)
 
     def __call__(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
         check_routing(x, indices, weights, self.dim)

@@ -57,7 +57,9 @@ def fp8_block_to_mxfp8(weight: mx.array, scale: mx.array, name: str = "fp8 weigh
         raise FormatError(f"{name}: input dim {inp} is not a multiple of {GROUP}")
     want = fp8_shapes(out, inp)[1]
     if tuple(scale.shape) != want:
-        raise FormatError(f"{name}: scale shape {tuple(scale.shape)} does not tile weight {weight.shape} by 32x32 (want {want})")
+        raise FormatError(
+            f"{name}: scale shape {tuple(scale.shape)} does not tile weight {weight.shape} by 32x32 (want {want})"
+        )
     _check_scales(scale, name)
     rows = mx.repeat(scale, GROUP, axis=0)[:out]
     return weight.view(mx.uint32), rows
@@ -95,9 +97,15 @@ class MXLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1] if x.ndim else 1
-        y = mx.quantized_matmul(quantized_input(x, "quantized_matmul", self.bits, rows), self["weight"],
-                                scales=self["scales"], transpose=True, group_size=self.group_size,
-                                bits=self.bits, mode=self.mode)
+        y = mx.quantized_matmul(
+            quantized_input(x, "quantized_matmul", self.bits, rows),
+            self["weight"],
+            scales=self["scales"],
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
         return y.astype(x.dtype)
 
 

@@ -28,12 +28,26 @@ from mlx_dsv41 import metal_ext
 
 HERE = Path(__file__).parent
 _C_TYPES = {
-    mx.float32: "float", mx.float16: "sim_half", mx.bfloat16: "sim_bf16", mx.int32: "int32_t",
-    mx.uint32: "uint32_t", mx.int16: "int16_t", mx.uint16: "uint16_t", mx.int8: "int8_t", mx.uint8: "uint8_t",
+    mx.float32: "float",
+    mx.float16: "sim_half",
+    mx.bfloat16: "sim_bf16",
+    mx.int32: "int32_t",
+    mx.uint32: "uint32_t",
+    mx.int16: "int16_t",
+    mx.uint16: "uint16_t",
+    mx.int8: "int8_t",
+    mx.uint8: "uint8_t",
 }
 _NP_TYPES = {
-    mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: ml_dtypes.bfloat16, mx.int32: np.int32,
-    mx.uint32: np.uint32, mx.int16: np.int16, mx.uint16: np.uint16, mx.int8: np.int8, mx.uint8: np.uint8,
+    mx.float32: np.float32,
+    mx.float16: np.float16,
+    mx.bfloat16: ml_dtypes.bfloat16,
+    mx.int32: np.int32,
+    mx.uint32: np.uint32,
+    mx.int16: np.int16,
+    mx.uint16: np.uint16,
+    mx.int8: np.int8,
+    mx.uint8: np.uint8,
 }
 
 _MAIN = r"""
@@ -148,7 +162,9 @@ def _source(specs, mma: bool) -> str:
         _, args = _signature(kernel, call)
         call_args = [f"(const {_C_TYPES[a.dtype]}*)sim_in[{j}], sim_shape[{j}]" for j, a in enumerate(call["inputs"])]
         call_args += [f"({_C_TYPES[d]}*)sim_out[{j}]" for j, d in enumerate(call["output_dtypes"])]
-        parts.append(f"static void sim_spec_{i}() {{ sim_body_{kernel.name}<{', '.join(args)}>({', '.join(call_args)}); }}")
+        parts.append(
+            f"static void sim_spec_{i}() {{ sim_body_{kernel.name}<{', '.join(args)}>({', '.join(call_args)}); }}"
+        )
     parts.append(f"static void (*sim_specs[])() = {{{', '.join(f'sim_spec_{i}' for i in range(len(specs)))}}};")
     parts.append(_MAIN)
     return "\n".join(parts)
@@ -168,7 +184,12 @@ class Program:
         blob.append(struct.pack("<I", len(call["inputs"])))
         for a in call["inputs"]:
             data = _to_numpy(a).tobytes()
-            blob += [struct.pack("<I", a.ndim), struct.pack(f"<{a.ndim}i", *a.shape), struct.pack("<Q", len(data)), data]
+            blob += [
+                struct.pack("<I", a.ndim),
+                struct.pack(f"<{a.ndim}i", *a.shape),
+                struct.pack("<Q", len(data)),
+                data,
+            ]
         blob.append(struct.pack("<I", len(call["output_shapes"])))
         outs = []
         for shape, dtype in zip(call["output_shapes"], call["output_dtypes"]):
@@ -215,7 +236,9 @@ def build(specs, mma: bool) -> Program:
         src = cache / f"sim_{digest}.cpp"
         src.write_text(source)
         tmp_bin = cache / f"sim_{digest}.tmp"
-        r = subprocess.run([cxx, "-std=c++17", "-O1", "-w", "-o", str(tmp_bin), str(src)], capture_output=True, text=True)
+        r = subprocess.run(
+            [cxx, "-std=c++17", "-O1", "-w", "-o", str(tmp_bin), str(src)], capture_output=True, text=True
+        )
         if r.returncode != 0:
             raise RuntimeError(f"simulator build failed:\n{r.stderr[:6000]}")
         tmp_bin.rename(binary)

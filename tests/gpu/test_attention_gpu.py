@@ -52,9 +52,13 @@ def _spread(shape, seed):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_fake_quant_is_bit_identical_to_cpu(dtype):
     x = _spread((64, 512), 0).astype(dtype)
-    for fn in (lambda a: fake_quant_fp8(a, 32), lambda a: fake_quant_fp4(a, 32),
-               lambda a: fake_quant_fp4(a, 16, scale="e4m3"),
-               lambda a: round_to_grid(a * 64, E4M3), lambda a: round_to_grid(a, E2M1)):
+    for fn in (
+        lambda a: fake_quant_fp8(a, 32),
+        lambda a: fake_quant_fp4(a, 32),
+        lambda a: fake_quant_fp4(a, 16, scale="e4m3"),
+        lambda a: round_to_grid(a * 64, E4M3),
+        lambda a: round_to_grid(a, E2M1),
+    ):
         gpu, cpu = _both(lambda a: fn(a).astype(mx.float32), x)
         assert np.array_equal(gpu.view(np.uint32), cpu.view(np.uint32))
 

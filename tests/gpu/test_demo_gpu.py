@@ -28,15 +28,14 @@ VOCAB, L = 809, 40  # the demo tokenizer's size; 40 tokens cross the window (16)
 
 
 def _model() -> Model:
-    args = tiny_args(**DEMO_CONFIG, vocab_size=VOCAB, image_token_id=VOCAB - 1,
-                     engram_compressed_vocab_size=600)
+    args = tiny_args(**DEMO_CONFIG, vocab_size=VOCAB, image_token_id=VOCAB - 1, engram_compressed_vocab_size=600)
     stored, _ = exl3_tensors(args)
-    tensors = {k: mx.array(a).view(mx.bfloat16) if label == "BF16" else mx.array(a)
-               for k, (label, a) in stored.items()}
+    tensors = {k: mx.array(a).view(mx.bfloat16) if label == "BF16" else mx.array(a) for k, (label, a) in stored.items()}
     model = Model(args)
     model.load_weights(list(model.sanitize(tensors).items()), strict=True)
-    model.set_engram(synthetic_token_map(args),
-                     {k: MemoryRowSource(v) for k, v in random_engram_tables(args, 0).items()})
+    model.set_engram(
+        synthetic_token_map(args), {k: MemoryRowSource(v) for k, v in random_engram_tables(args, 0).items()}
+    )
     mx.eval(model.parameters())
     return model
 

@@ -76,8 +76,19 @@ def test_reconstruct_bit_exact(bits, codebook):
 
 def gemv_run(x, trellis, suh, svh, codebook, bias, out_dtype, splits, tuning, guard_rows=2):
     """exl3_gemv (+ exl3_gemv_out) with poisoned, guard-padded outputs; returns (y, partial)."""
-    calls = launch.gemv_args(x, trellis, suh, svh, codebook, bias, out_dtype, splits=splits, tuning=tuning,
-                          guard_rows=guard_rows, init_value=NAN)
+    calls = launch.gemv_args(
+        x,
+        trellis,
+        suh,
+        svh,
+        codebook,
+        bias,
+        out_dtype,
+        splits=splits,
+        tuning=tuning,
+        guard_rows=guard_rows,
+        init_value=NAN,
+    )
     out = launch.GEMV(**calls[0])[0]
     partial = None
     if len(calls) == 2:
@@ -117,8 +128,19 @@ T = launch.Tuning
 def test_gemv_every_k_and_codebook(bits, codebook):
     # One fused launch; MUL1 with the default launch shape, the others with 16 SIMD groups x 2 tile
     # columns (more k groups).
-    check_gemv(1, 1024, 768, bits, codebook, mx.bfloat16, mx.float32, 1, None if codebook == "mul1" else T(warps=16, nc=2),
-               False, seed=int(bits * 4) + len(codebook))
+    check_gemv(
+        1,
+        1024,
+        768,
+        bits,
+        codebook,
+        mx.bfloat16,
+        mx.float32,
+        1,
+        None if codebook == "mul1" else T(warps=16, nc=2),
+        False,
+        seed=int(bits * 4) + len(codebook),
+    )
 
 
 @pytest.mark.parametrize(
@@ -166,8 +188,9 @@ EXPERT_CASES = [
 def make_experts(case, seed):
     n_experts, hidden, inter, bits, codebook, expert_range, T, top_k = case
     tensors = random_experts_tensors(n_experts, hidden, inter, bits, codebook, seed=seed, prefix="e")
-    ex = EXL3Experts.from_tensors({k: mx.array(v) for k, v in tensors.items()}, "e", n_experts, expert_range,
-                                  hidden, inter)
+    ex = EXL3Experts.from_tensors(
+        {k: mx.array(v) for k, v in tensors.items()}, "e", n_experts, expert_range, hidden, inter
+    )
     rng = np.random.default_rng(seed)
     x = mx.array(rng.normal(0, 2, (T, hidden)).astype(np.float32)).astype(mx.bfloat16)
     indices = np.stack([rng.permutation(n_experts)[:top_k] for _ in range(T)]).astype(np.int32)
@@ -190,8 +213,20 @@ def test_experts_vs_float64(case):
     assert rel_err(y[~outside], y64[~outside]) < 2.5e-3 + 2**-8
     for t, s in zip(*np.nonzero(~outside)):  # per slot: bf16 flips of h weigh more on one row
         assert rel_err(y[t, s], y64[t, s]) < 1e-2 + 2**-8
-    want = to_np(on_cpu(reference.experts_by_expert, x, mx.array(indices), mx.array(weights), ex.w1, ex.w3, ex.w2,
-                        ex.expert_range, ex.swiglu_limit, reference.linear))
+    want = to_np(
+        on_cpu(
+            reference.experts_by_expert,
+            x,
+            mx.array(indices),
+            mx.array(weights),
+            ex.w1,
+            ex.w3,
+            ex.w2,
+            ex.expert_range,
+            ex.swiglu_limit,
+            reference.linear,
+        )
+    )
     # More than FUSED_MAX_TOKENS tokens run expert by expert through the GEMV (8 rows at a time).
     assert rel_err(y, want) < 1e-3 + 2**-8
 
@@ -199,28 +234,41 @@ def test_experts_vs_float64(case):
 XH_POISON = 0x7E007E00  # two fp16 NaNs: no finite input makes this xh word
 
 
-@pytest.mark.parametrize("case,tuning", [(0, None), (1, None), (2, None), (0, T(gate_up_warps=16, down_warps=16, nc=2)),
-                                         (1, T(nc=8, gate_up_warps=4, down_warps=4, gate_up_split_warps=32, down_split_warps=32))])
+@pytest.mark.parametrize(
+    "case,tuning",
+    [
+        (0, None),
+        (1, None),
+        (2, None),
+        (0, T(gate_up_warps=16, down_warps=16, nc=2)),
+        (1, T(nc=8, gate_up_warps=4, down_warps=4, gate_up_split_warps=32, down_split_warps=32)),
+    ],
+)
 def test_expert_kernels_poisoned_and_guarded(case, tuning):
     tensors, ex, x, indices, weights = make_experts(EXPERT_CASES[case], seed=40 + case)
     indices, weights = mx.array(indices), mx.array(weights)
     lo = ex.expert_range[0]
     gu = None
     for key in launch.gate_up_keys(ex.w1, ex.w3):
-        out = launch.EXPERT_GATE_UP(**launch.gate_up_args(x, indices, ex.w1, ex.w3, key, lo, prev=gu, tuning=tuning,
-                                                    guard=1, init_value=NAN))[0]
+        out = launch.EXPERT_GATE_UP(
+            **launch.gate_up_args(x, indices, ex.w1, ex.w3, key, lo, prev=gu, tuning=tuning, guard=1, init_value=NAN)
+        )[0]
         o = to_np(out)
         assert np.all(np.isnan(o[-1])) and not np.any(np.isnan(o[:-1]))
         gu = out[:-1]
-    out = launch.EXPERT_SWIGLU(**launch.swiglu_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, lo, ex.swiglu_limit,
-                                              guard=1, init_value=float(XH_POISON)))[0]
+    out = launch.EXPERT_SWIGLU(
+        **launch.swiglu_args(
+            gu, weights, indices, ex.w1, ex.w3, ex.w2, lo, ex.swiglu_limit, guard=1, init_value=float(XH_POISON)
+        )
+    )[0]
     o = to_np(out)
     assert np.all(o[-1] == XH_POISON) and not np.any(o[:-1] == XH_POISON)  # guard untouched; all written
     xh = out[:-1]
     partial = None
     for group in ex.w2.groups:
-        out = launch.EXPERT_DOWN(**launch.down_args(xh, indices, ex.w2, group, lo, prev=partial, tuning=tuning, guard=1,
-                                              init_value=NAN))[0]
+        out = launch.EXPERT_DOWN(
+            **launch.down_args(xh, indices, ex.w2, group, lo, prev=partial, tuning=tuning, guard=1, init_value=NAN)
+        )[0]
         o = to_np(out)
         assert np.all(np.isnan(o[-1])) and not np.any(np.isnan(o[:-1]))
         partial = out[:-1]
@@ -271,8 +319,9 @@ def test_gemv_row_bytes_do_not_depend_on_the_other_rows(shape, bits):
     for m in (1, 3):
         for i in range(0, 8, m):
             assert np.array_equal(to_np(ops.linear(x[i : i + m], *args)), rows[i : i + m]), (m, i)
-    assert np.array_equal(to_np(ops.linear_row_invariant(mx.concatenate([x, x[:3]]), *args)),
-                          np.concatenate([rows, rows[:3]]))
+    assert np.array_equal(
+        to_np(ops.linear_row_invariant(mx.concatenate([x, x[:3]]), *args)), np.concatenate([rows, rows[:3]])
+    )
 
 
 # ------------------------------------------------------------------------------ grouped linear (wo_a)
@@ -286,20 +335,32 @@ def test_grouped_linear_on_the_gpu_matches_each_group_and_its_contract():
     from mlx_dsv41.exl3.stored import linear_tensors
 
     for groups, d_in, d_out, bits in ((8, 4096, 1024, (5,) * 8), (3, 300, 200, (2, 3, 4))):
-        slices = [linear_tensors({k: mx.array(v) for k, v in random_linear_tensors(
-            d_in, d_out, b, "mul1", seed=60 + g, prefix="s").items()}, "s") for g, b in enumerate(bits)]
+        slices = [
+            linear_tensors(
+                {
+                    k: mx.array(v)
+                    for k, v in random_linear_tensors(d_in, d_out, b, "mul1", seed=60 + g, prefix="s").items()
+                },
+                "s",
+            )
+            for g, b in enumerate(bits)
+        ]
         layer = EXL3GroupedLinear.from_slices(slices, d_in, d_out)
         x = (mx.random.normal((4, groups, d_in), key=mx.random.key(groups)) * 2).astype(mx.bfloat16)
         y = to_np(layer(x))
         assert y.shape == (4, groups, d_out)
         for g in range(groups):
-            want = to_np(EXL3Linear(*(slices[g][k] for k in ("trellis", "suh", "svh", "codebook")),
-                                    in_features=d_in, out_features=d_out)(x[:, g]))
+            want = to_np(
+                EXL3Linear(
+                    *(slices[g][k] for k in ("trellis", "suh", "svh", "codebook")), in_features=d_in, out_features=d_out
+                )(x[:, g])
+            )
             assert rel_err(y[:, g], want) < 1e-3 + 2**-8, g
         runs = [to_np(layer(x)) for _ in range(5)]
         assert all(np.array_equal(r, runs[0]) for r in runs)
         assert np.array_equal(to_np(layer(x[1:2])), y[1:2])
         indices = mx.broadcast_to(mx.arange(groups, dtype=mx.int32), (4, groups))
-        xh = launch.EXPERT_INPUT(**launch.input_args(x.reshape(4 * groups, d_in), indices, layer.proj, 0, guard=2,
-                                               init_value=7.0))[0]
-        assert np.all(to_np(xh)[4 * groups:] == 7) and not np.any(to_np(xh)[: 4 * groups] == 7)
+        xh = launch.EXPERT_INPUT(
+            **launch.input_args(x.reshape(4 * groups, d_in), indices, layer.proj, 0, guard=2, init_value=7.0)
+        )[0]
+        assert np.all(to_np(xh)[4 * groups :] == 7) and not np.any(to_np(xh)[: 4 * groups] == 7)

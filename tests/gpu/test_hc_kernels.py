@@ -87,9 +87,13 @@ def test_collapse_norm_contract():
     rng = np.random.default_rng(4)
     pre = mx.array(rng.uniform(0.1, 1, (6, HC)).astype(np.float32))
     w = mx.array((1 + 0.1 * rng.standard_normal(D)).astype(np.float32)).astype(mx.bfloat16)
+
     def call(x, guard=2):
-        return np.array(hc.COLLAPSE_NORM(**hc.collapse_norm_args(
-            x, pre[: x.shape[0]], w, NORM_EPS, NAN, guard))[0].astype(mx.float32))
+        return np.array(
+            hc.COLLAPSE_NORM(**hc.collapse_norm_args(x, pre[: x.shape[0]], w, NORM_EPS, NAN, guard))[0].astype(
+                mx.float32
+            )
+        )
 
     runs = [call(s) for _ in range(5)]
     assert all(_same_bytes(r, runs[0]) for r in runs) and np.all(np.isnan(runs[0][6:]))

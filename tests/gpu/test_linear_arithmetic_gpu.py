@@ -69,8 +69,9 @@ def test_gather_kernels_left_on_bf16_inputs_sum_in_fp32(tokens):
     stacked_w, stacked_s = layer.weight[None], layer.scales[None]
     x = activations(tokens, seed=tokens)[:, None, None, :]
     local = mx.zeros((tokens, 6), mx.int32)
-    raw = mx.gather_qmm(x, stacked_w, stacked_s, None, rhs_indices=local, transpose=True, group_size=32, bits=4,
-                        mode="mxfp4")
+    raw = mx.gather_qmm(
+        x, stacked_w, stacked_s, None, rhs_indices=local, transpose=True, group_size=32, bits=4, mode="mxfp4"
+    )
     want = f64(x[:, 0, 0]) @ w.T
     err = rel_err(f64(raw[:, 0, 0]), want)
     cast = accumulation.needs_fp32_activations("gather_qmm", 4, local.size)

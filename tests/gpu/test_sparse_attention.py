@@ -103,6 +103,7 @@ def test_other_head_dims(D):
 # nonfinite inputs: B=1, S=3, H=4, W=T=64, N=100 (two tiles); every row selects window rows
 # 0..49 and pool rows 0..49 in order; window row 60 and pool row 60 are never selected.
 
+
 def _selected_indices():
     return np.tile(np.concatenate([np.arange(50), 64 + np.arange(50)]).astype(np.int32), (1, 3, 1))
 
@@ -110,6 +111,7 @@ def _selected_indices():
 def _set(where, value, at):
     def mutate(q, window, pool, sinks, indices):
         {"q": q, "window": window, "pool": pool, "sinks": sinks}[where][at] = value
+
     return mutate
 
 
@@ -135,14 +137,27 @@ def _no_keys_minus_inf_sink(q, window, pool, sinks, indices):
 
 # (name, mutate, whether float64 has nonfinite outputs): a never-selected row (60) must change
 # nothing; a -inf sink only drops the sink's term.
-NONFINITE = [(f"{where}{at[1] if where in ('window', 'pool') else ''}_{name}", _set(where, v, at),
-              not (at[1:2] == (60,) or (where == "sinks" and v == -np.inf)))
-             for where, at in (("q", (0, 1, 2, 5)), ("window", (0, 7, 9)), ("pool", (0, 30, 400)),
-                               ("window", (0, 60, 9)), ("pool", (0, 60, 9)), ("sinks", (1,)))
-             for name, v in (("nan", np.nan), ("pinf", np.inf), ("ninf", -np.inf))]
-NONFINITE += [("first_tile_all_skipped", _first_tile_all_skipped, False),
-              ("first_tile_minus_inf_logits", _first_tile_minus_inf_logits, True),
-              ("no_keys_minus_inf_sink", _no_keys_minus_inf_sink, True)]
+NONFINITE = [
+    (
+        f"{where}{at[1] if where in ('window', 'pool') else ''}_{name}",
+        _set(where, v, at),
+        not (at[1:2] == (60,) or (where == "sinks" and v == -np.inf)),
+    )
+    for where, at in (
+        ("q", (0, 1, 2, 5)),
+        ("window", (0, 7, 9)),
+        ("pool", (0, 30, 400)),
+        ("window", (0, 60, 9)),
+        ("pool", (0, 60, 9)),
+        ("sinks", (1,)),
+    )
+    for name, v in (("nan", np.nan), ("pinf", np.inf), ("ninf", -np.inf))
+]
+NONFINITE += [
+    ("first_tile_all_skipped", _first_tile_all_skipped, False),
+    ("first_tile_minus_inf_logits", _first_tile_minus_inf_logits, True),
+    ("no_keys_minus_inf_sink", _no_keys_minus_inf_sink, True),
+]
 
 
 @pytest.mark.parametrize("name,mutate,nonfinite", NONFINITE, ids=[c[0] for c in NONFINITE])
@@ -232,6 +247,7 @@ def test_tuning_never_changes_bytes(monkeypatch):
 # --------------------------------------------------------------------------------------------
 # exact arithmetic at 640 keys
 
+
 def _nearest_f32(x: Fraction) -> np.float32:
     """The float32 nearest to x (ties to even), decided exactly."""
     f = np.float32(float(x))
@@ -257,10 +273,16 @@ def test_exact_sums_at_640_keys():
     logit = c * float(multiset.sum()) * scale  # exact in float32
     sinks = np.where(np.arange(H) % 2 == 0, -np.inf, logit).astype(np.float32)
     # Realistic selection: the whole window in order, then 512 distinct pool rows, per row.
-    indices = np.stack([np.concatenate([np.arange(W), W + rng.choice(T, N - W, replace=False)])
-                        for _ in range(S)])[None].astype(np.int32)
-    inputs = [mx.array(q), mx.array(keys[None, :W]).astype(BF16), mx.array(keys[None, W:]).astype(BF16),
-              mx.array(indices), mx.array(sinks)]
+    indices = np.stack([np.concatenate([np.arange(W), W + rng.choice(T, N - W, replace=False)]) for _ in range(S)])[
+        None
+    ].astype(np.int32)
+    inputs = [
+        mx.array(q),
+        mx.array(keys[None, :W]).astype(BF16),
+        mx.array(keys[None, W:]).astype(BF16),
+        mx.array(indices),
+        mx.array(sinks),
+    ]
     sums = keys[indices[0]].astype(np.int64).sum(axis=1)  # [S, D] exact integer value sums
     expected = np.empty((1, S, H, D), np.float32)
     for h in range(H):
@@ -273,6 +295,7 @@ def test_exact_sums_at_640_keys():
 
 # --------------------------------------------------------------------------------------------
 # dispatch through sparse_attention
+
 
 def test_dispatch_counts_and_auto(clean_selection, monkeypatch):
     inputs = make_inputs(16, 1, 1, 64, 512, 128, 512, 640, BF16, BF16)
