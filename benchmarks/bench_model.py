@@ -78,27 +78,11 @@ from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flash_model  # noqa: E402 (benchmarks/ is not a package)
+from count_ops import VIEWS  # noqa: E402
 
 from mlx_dsv41.kernels import backend  # noqa: E402
 from mlx_dsv41.model import compiled_step  # noqa: E402
 from mlx_dsv41.synthetic import hf_config  # noqa: E402
-
-VIEWS = {
-    "Reshape",
-    "Broadcast",
-    "Slice",
-    "Squeeze",
-    "ExpandDims",
-    "Transpose",
-    "AsStrided",
-    "Depends",
-    "StopGradient",
-    "Split",
-    "Flatten",
-    "Unflatten",
-    "View",
-}
-
 
 # ------------------------------------------------------------------------------- models
 

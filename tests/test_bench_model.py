@@ -18,28 +18,12 @@ from mlx_dsv41.exl3.experts import EXL3Experts, EXL3GroupedLinear
 from mlx_dsv41.speculative import SpeculativeDecoder
 
 sys.path.insert(0, str(REPO / "benchmarks"))
+import bench_distributed  # noqa: E402
 import bench_model  # noqa: E402
 import flash_model  # noqa: E402
 
-# bench_distributed.py's --smoke dimensions, with a noise id inside its vocabulary
-SMALL = dict(
-    vocab_size=512,
-    hidden_size=256,
-    num_attention_heads=4,
-    head_dim=128,
-    q_lora_rank=64,
-    o_lora_rank=64,
-    o_groups=2,
-    moe_intermediate_size=128,
-    index_n_heads=2,
-    index_head_dim=64,
-    index_topk=8,
-    sliding_window=16,
-    candidate_topk_blocks=2,
-    candidate_block_size=4,
-    num_experts_per_tok=2,
-    dspark_noise_token_id=500,
-)
+# bench_distributed.py's --smoke dimensions (the expert count is each test's), with a noise id in its vocabulary
+SMALL = {k: v for k, v in bench_distributed.SMOKE.items() if k != "n_routed_experts"} | {"dspark_noise_token_id": 500}
 
 
 @pytest.fixture(autouse=True)
