@@ -96,3 +96,38 @@ def test_gpus_compile_by_default_and_a_bad_setting_is_refused(monkeypatch):
     monkeypatch.setenv(compiled_step.ENV_VAR, "yes")
     with pytest.raises(ValueError, match="MLX_DSV41_COMPILE must be 0 or 1; got 'yes'"):
         compiled_step.compiles(1)
+
+
+def test_exl3_weights_are_decoded_outside_the_trace(loaded, monkeypatch):
+    """The CPU reference keeps each small EXL3 layer's decoded W̃. A trace must find it held: decoded
+    inside the trace, W̃ would be part of the replayed graph and decoded again at every step (the
+    demo with a 2-token prompt decoded 6x slower compiled than eagerly). The steps still give the
+    eager bytes."""
+    from mlx_dsv41.exl3 import ops
+
+    model = loaded[0]
+    tracing, decoded_in_trace = [False], []
+    traced, decode = compiled_step.CompiledStep._traced, ops.cpu_weight
+
+    def in_trace(self, *a):
+        tracing[0] = True
+        try:
+            return traced(self, *a)
+        finally:
+            tracing[0] = False
+
+    monkeypatch.setattr(compiled_step.CompiledStep, "_traced", in_trace)
+    monkeypatch.setattr(ops, "cpu_weight", lambda *a: decoded_in_trace.append(tracing[0]) or decode(*a))
+    for module in model.modules():  # as loaded: nothing decoded yet
+        module.pop("_w_tilde", None)
+    model._compiled = None
+    ids = mx.array(np.random.default_rng(5).integers(3, model.args.vocab_size, (1, 7)))
+    out = {}
+    for compiled in (True, False):
+        monkeypatch.setenv(compiled_step.ENV_VAR, "1" if compiled else "0")
+        cache = model.make_cache()
+        out[compiled] = [np.array(model(ids[:, :2], cache))]  # a short prompt: the first trace
+        out[compiled] += [np.array(model(ids[:, t : t + 1], cache)) for t in range(2, 7)]
+    assert decoded_in_trace and not any(decoded_in_trace)
+    for a, b in zip(out[True], out[False]):
+        assert a.tobytes() == b.tobytes()

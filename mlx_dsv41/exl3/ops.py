@@ -160,9 +160,13 @@ def cpu_weight(trellis, codebook: str) -> mx.array:
     return reference.reconstruct(trellis, codebook).astype(mx.float32)
 
 
+def _held(trellis) -> bool:
+    return trellis.size // trellis.shape[-1] * 256 <= CPU_HELD_WEIGHTS  # k·n weights
+
+
 def _held_weight(owner, key, trellis, codebook: str):
     """W̃ of ``trellis`` in float32, kept on ``owner`` (under an underscore name: not a parameter)."""
-    if trellis.size // trellis.shape[-1] * 256 > CPU_HELD_WEIGHTS:  # k·n weights
+    if not _held(trellis):
         return cpu_weight(trellis, codebook)
     held = getattr(owner, "_w_tilde", None)
     if held is None:
@@ -183,6 +187,24 @@ def _stacked_weight(proj):
     if "stack" not in held:
         held["stack"] = mx.stack([cpu_weight(t, cb) for t, _, _, cb in (proj.expert(e) for e in range(proj.n_local))])
     return held["stack"]
+
+
+def hold_cpu_weights(root) -> None:
+    """On the CPU, decode and keep now every W̃ the reference path keeps on first use, for each EXL3
+    layer under `root`. A compiled step must find them held: decoded inside its trace, W̃ becomes
+    part of the replayed graph and is decoded again at every step."""
+    if backend() != "cpu":
+        return
+    from mlx_dsv41.exl3.experts import EXL3ExpertProjection  # they call this module
+    from mlx_dsv41.exl3.linear import EXL3Linear
+
+    held = []
+    for module in root.modules():
+        if isinstance(module, EXL3Linear) and _held(module.trellis):
+            held.append(_held_weight(module, "linear", module.trellis, module.codebook))
+        elif isinstance(module, EXL3ExpertProjection):
+            held.append(_stacked_weight(module))
+    mx.eval([w for w in held if w is not None])
 
 
 def linear_row_invariant(x, trellis, suh, svh, codebook: str, **kw):

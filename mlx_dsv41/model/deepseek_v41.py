@@ -249,6 +249,7 @@ class Model(nn.Module):
             c.reserve(B, S, self.args.head_dim, self.args.index_head_dim, dtype)
         if compiled_step.compiles(B * S):
             if self._compiled is None:
+                quant.hold_cpu_weights(self)  # decoded weights outside the trace, not in every replay
                 self._compiled = compiled_step.CompiledStep(self._forward)
             return self._compiled(layer_caches, inputs, input_embeddings, rows, live, capture)
         return self._forward(

@@ -39,6 +39,7 @@ __all__ = [
     "DenseExperts",
     "DenseLinear",
     "FormatError",
+    "hold_cpu_weights",
     "GroupSlices",
     "GroupedLinear",
     "MXExperts",
@@ -283,6 +284,14 @@ def _stacked_mx_experts(
             weight, scales = weight[lo:hi], scales[lo:hi]
         projections[proj] = MXProjection(weight, scales, mx_mode(p, weight, d_in), d_in, d_out)
     return MXExperts(projections["w1"], projections["w3"], projections["w2"], n_experts, swiglu_limit, expert_range)
+
+
+def hold_cpu_weights(module: nn.Module) -> None:
+    """Before a compiled step's first trace: layers whose CPU path keeps decoded weights (EXL3's
+    W̃) decode them now, so the trace captures them as they are instead of their decoding."""
+    from mlx_dsv41.exl3 import ops
+
+    ops.hold_cpu_weights(module)
 
 
 def module_tensors(module: nn.Module, prefix: str) -> dict[str, mx.array]:
