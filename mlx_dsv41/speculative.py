@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from mlx_dsv41.model.dspark import Draft, draft_block
+from mlx_dsv41.model.dspark import Draft, draft_block, greedy
 
 AUTO = "auto"
 DEFAULT_CONFIDENCE = 0.5  # --draft auto: verify the slots whose sigmoid(confidence) reaches this
@@ -265,7 +265,8 @@ class SpeculativeDecoder:
     def draft(self) -> Draft:
         """One draft block from the current state (lazy). Repeating it drafts the same block: it
         rewrites only the ring entry of p, which is idempotent."""
-        return draft_block(self.model, self.draft_cache, mx.array([self.token]), self.sampling.choose)
+        choose = greedy if self.sampling.greedy else self.sampling.choose  # the same argmax; `greedy` compiles
+        return draft_block(self.model, self.draft_cache, mx.array([self.token]), choose)
 
     def verify(self, drafted: mx.array) -> tuple[mx.array, mx.array]:
         """One main forward over [x_{p+1}, drafted [1, k]] (lazy): (logits [1, 1+k, V], hidden

@@ -17,6 +17,10 @@ MAX_TOKENS tokens and the CPU runs eagerly (its bytes are the project's CPU refe
 step gives the same bytes there: tests/test_compiled_step.py); MLX_DSV41_COMPILE=1 / 0 forces it
 on / off. On the H200 it gives the eager greedy tokens and takes a Flash-shaped token from 135.5
 to 60.9 ms (docs/benchmarks.md, eighth session).
+
+The DSpark draft block (model/dspark.py) replays through the same `CompiledStep.run`, but only
+when MLX_DSV41_COMPILE=1 is set explicitly (`compiles_draft`): it gives the eager bytes on the CPU
+(tests/test_compiled_draft.py) and has not yet been run on a GPU (docs/dspark.md#compiled-draft).
 """
 
 from __future__ import annotations
@@ -31,20 +35,36 @@ MAX_TOKENS = 10  # batch x tokens: decode and DSpark verify steps (the EXL3 fuse
 ENV_VAR = "MLX_DSV41_COMPILE"
 
 
-def compiles(tokens: int) -> bool:
-    """Whether a forward over `tokens` (batch x length) tokens is run compiled."""
+def _setting() -> str:
     setting = os.environ.get(ENV_VAR, "").strip()
     if setting not in ("", "0", "1"):
         raise ValueError(f"{ENV_VAR} must be 0 or 1; got {setting!r}")
+    return setting
+
+
+def compiles(tokens: int) -> bool:
+    """Whether a forward over `tokens` (batch x length) tokens is run compiled."""
+    setting = _setting()
     if setting:
         return setting == "1" and tokens <= MAX_TOKENS
     return backend() != "cpu" and tokens <= MAX_TOKENS
 
 
+def compiles_draft() -> bool:
+    """Whether a DSpark draft block (model/dspark.py) is run compiled: only when MLX_DSV41_COMPILE=1
+    is set explicitly. The compiled draft gives the eager bytes on the CPU
+    (tests/test_compiled_draft.py) but is not yet proven on a GPU, so no backend compiles it by
+    default (docs/design.md, "Compiled decode step")."""
+    return _setting() == "1"
+
+
 class CompiledStep:
     """`step(caches, inputs, embeddings, rows, live, capture)`: `forward(caches, position, inputs,
     embeddings, rows, live, capture)` run compiled (`forward` reads and updates the caches' arrays
-    and advances them; it returns the logits, and with `capture` also the captured rows)."""
+    and advances them; it returns the logits, and with `capture` also the captured rows).
+
+    `run` is the mechanism any replayable forward over LayerCaches uses (the model's step here, the
+    DSpark draft block in model/dspark.py): a subclass says in `call_forward` what a trace runs."""
 
     def __init__(self, forward):
         self._forward = forward
@@ -52,25 +72,34 @@ class CompiledStep:
         self._caches: list | None = None
 
     def __call__(self, caches, inputs, embeddings, rows: dict, live, capture: bool = False):
-        tokens = inputs.shape[0] * inputs.shape[1]
+        engram = tuple(sorted(rows))
+        static = (engram, embeddings is not None, live is not None, capture)
+        arrays = [inputs, *(rows[k] for k in engram), *(a for a in (embeddings, live) if a is not None)]
+        result = self.run(caches, static, arrays, inputs.shape[1])
+        return tuple(result) if capture else result[0]
+
+    def call_forward(self, caches, position, static, arrays) -> list:
+        """What a trace runs: the forward on `arrays` at `position`; its outputs as a list."""
+        engram, has_embeddings, has_live, capture = static
+        inputs, rest = arrays[0], list(arrays[1:])
+        rows = {k: rest.pop(0) for k in engram}
+        embeddings = rest.pop(0) if has_embeddings else None
+        live = rest.pop(0) if has_live else None
+        result = self._forward(caches, position, inputs, embeddings, rows, live, capture)
+        return list(result) if capture else [result]
+
+    def run(self, caches, static, arrays: list, advance: int) -> list:
+        """`call_forward(caches, position, static, arrays)` compiled, traced once per `static`, the
+        caches' step keys and buffer layout (and the arrays' shapes); the caches then hold the
+        step's buffers and are advanced by `advance` tokens. Returns the forward's outputs."""
         saved = [c.bookkeeping() for c in caches]
         buffers = [c.step_arrays() for c in caches]
         layout = tuple(tuple(a is not None for a in b) for b in buffers)
-        engram = tuple(sorted(rows))
-        static = (
-            tuple(c.step_key() for c in caches),
-            layout,
-            engram,
-            embeddings is not None,
-            live is not None,
-            capture,
-        )
-        flat = [inputs, mx.array(caches[0].offset, mx.int32), *(rows[k] for k in engram)]
-        flat += [a for a in (embeddings, live) if a is not None]
-        flat += [a for b in buffers for a in b if a is not None]
+        key = (tuple(c.step_key() for c in caches), layout, static, len(arrays))
+        flat = [mx.array(caches[0].offset, mx.int32), *arrays, *(a for b in buffers for a in b if a is not None)]
         self._caches = caches
         try:
-            outputs = self._fn(static, *flat)
+            outputs = self._fn(key, *flat)
         except BaseException:
             for c, b in zip(caches, buffers):
                 c.set_step_arrays(b)
@@ -79,23 +108,19 @@ class CompiledStep:
             self._caches = None
             for c, s in zip(caches, saved):
                 c.restore_bookkeeping(s)
-        result, it = outputs[: 1 + capture], iter(outputs[1 + capture :])
+        held = sum(sum(present) for present in layout)
+        result, it = outputs[: len(outputs) - held], iter(outputs[len(outputs) - held :])
         for c, present in zip(caches, layout):
             c.set_step_arrays([next(it) if p else None for p in present])
-            c.advance(tokens // inputs.shape[0])
-        return tuple(result) if capture else result[0]
+            c.advance(advance)
+        return list(result)
 
-    def _traced(self, static, inputs, position, *rest):
-        _, layout, engram, has_embeddings, has_live, capture = static
-        rest = list(rest)
-        rows = {k: rest.pop(0) for k in engram}
-        embeddings = rest.pop(0) if has_embeddings else None
-        live = rest.pop(0) if has_live else None
-        it = iter(rest)
+    def _traced(self, key, position, *rest):
+        _, layout, static, count = key
+        it = iter(rest[count:])
         for c, present in zip(self._caches, layout):
             c.set_step_arrays([next(it) if p else None for p in present])
-        result = self._forward(self._caches, position, inputs, embeddings, rows, live, capture)
-        out = list(result) if capture else [result]
+        out = self.call_forward(self._caches, position, static, list(rest[:count]))
         for c, present in zip(self._caches, layout):
             arrays = c.step_arrays()
             if tuple(a is not None for a in arrays) != present:

@@ -135,6 +135,7 @@ class Model(nn.Module):
         self._engram_map: CompressedTokenMap | None = None
         self._engram_rows: dict[int, RowSource] = {}
         self._compiled: compiled_step.CompiledStep | None = None  # built at the first compiled step
+        self._compiled_draft: compiled_step.CompiledStep | None = None  # the first compiled draft block
 
     # ---------------------------------------------------------------- Engram inputs
 

@@ -27,13 +27,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_dsv41 import quant
 from mlx_dsv41.cache import DraftCache, LayerCache
 from mlx_dsv41.config import ModelArgs
 from mlx_dsv41.kernels.sparse_attention import sparse_attention
+from mlx_dsv41.model import compiled_step
 from mlx_dsv41.model.attention import Attention
 from mlx_dsv41.model.deepseek_v41 import Block
 from mlx_dsv41.model.hyper_connections import collapse, initial_pre
@@ -52,9 +55,10 @@ class StageAttention(Attention):
     def __call__(self, x: mx.array, cache: LayerCache, shared: dict) -> mx.array:
         B, S, _ = x.shape
         main_x = shared[MAIN_X]
-        window, rows = cache.update_window(self.window_keys(main_x, cache.offset))
+        position = cache.position  # an int32 array, as in Attention: a compiled draft replays it
+        window, rows = cache.update_window(self.window_keys(main_x, position))
         cache.advance(main_x.shape[1])
-        start = cache.offset  # p + 1
+        start = position + main_x.shape[1]  # p + 1
         q, _ = self.queries(x, start)  # no fake quant on q (docs/dspark.md#dtypes)
         keys = mx.concatenate([window, self.window_keys(x, start)], axis=1)
         # rows[-1]: where the window of position p sits in `window`; the block keys follow it.
@@ -143,30 +147,61 @@ def draft_block(model, cache: DraftCache, token: mx.array, choose: Callable[[mx.
     """Draft one block after position p = cache.offset - 1 (the main model's last position), from
     the chosen token x_{p+1} (`token` [B] int). `choose(logits [B, V]) -> [B]` picks each slot's
     token from its biased logits (argmax, or a sample: its distribution is the Q of speculative
-    sampling). Writes the rings' missing entries, up to p, and nothing else."""
-    args, stages = model.args, model.mtp
-    if not stages:
+    sampling). Writes the rings' missing entries, up to p, and nothing else.
+
+    With MLX_DSV41_COMPILE=1 a greedy block (`choose` is `greedy`) runs as a compiled step, traced
+    once per number of ring rows to write and replayed (compiled_step.compiles_draft); sampling
+    stays eager (its random draws would have to be threaded through the trace)."""
+    if not model.mtp:
         raise ValueError(f"this model cannot draft: {model.dspark_unavailable}")
     rows = cache.rows_to_write()
-    first, last = stages[0], stages[-1]
-    shared = {MAIN_X: first.main_norm(first.main_proj(rows))}  # docs/dspark.md#main-x
-    B, S, hc = token.shape[0], args.dspark_block_size, args.hc_mult
-    noise = mx.full((B, S - 1), args.dspark_noise_token_id, dtype=mx.int32)
-    h = model.embed(mx.concatenate([token.astype(mx.int32)[:, None], noise], axis=1))
-    streams = mx.broadcast_to(h[:, :, None, :], (B, S, hc, h.shape[-1]))
-    pre = initial_pre(B, S, hc)
-    for stage, ring in zip(stages, cache.rings):
-        streams, pre = stage(streams, pre, ring, shared)
-    z = collapse(streams, pre)  # the last stage's ffn pre; not normed (docs/dspark.md#output)
-    base = model.head(last.norm(z).astype(mx.float32))  # [B, S, V] fp32
-    draft = _markov_chain(last, z, base, token.astype(mx.int32), choose)
+    token = token.astype(mx.int32)
+    if choose is greedy and compiled_step.compiles_draft():
+        for ring in cache.rings:  # every buffer at its final shape before the trace
+            ring.reserve(token.shape[0], rows.shape[1], model.args.head_dim, 0, rows.dtype)
+        if model._compiled_draft is None:
+            quant.hold_cpu_weights(model)  # decoded weights outside the trace, not in every replay
+            model._compiled_draft = CompiledDraft(partial(_draft_forward, model, choose=greedy))
+        static = (rows.shape[1], "greedy")  # the ring rows to write (1 .. block + 1), the choice
+        out = model._compiled_draft.run(cache.rings, static, [rows, token], rows.shape[1])
+    else:
+        out = _draft_forward(model, cache.rings, mx.array(cache.rings[0].offset, mx.int32), rows, token, choose)
+    draft = Draft(*out)
     draft.tokens = mx.depends(draft.tokens, cache.arrays())  # evaluating the tokens writes the rings
     return draft
 
 
-def _markov_chain(last: DSparkStage, z: mx.array, base: mx.array, token: mx.array, choose) -> Draft:
+class CompiledDraft(compiled_step.CompiledStep):
+    """The draft block as a compiled step: `forward(rings, position, rows, token)`."""
+
+    def call_forward(self, caches, position, static, arrays) -> list:
+        return list(self._forward(caches, position, *arrays))
+
+
+def _draft_forward(model, rings: list[LayerCache], position: mx.array, rows: mx.array, token: mx.array, choose):
+    """The block from the rings at `position` (an int32 array: their offset), the hidden rows they
+    write and x_{p+1} (int32 [B]) -> (tokens, logits, confidence) as in `Draft`."""
+    args, stages = model.args, model.mtp
+    for ring in rings:
+        ring.bind(position)
+    first, last = stages[0], stages[-1]
+    shared = {MAIN_X: first.main_norm(first.main_proj(rows))}  # docs/dspark.md#main-x
+    B, S, hc = token.shape[0], args.dspark_block_size, args.hc_mult
+    noise = mx.full((B, S - 1), args.dspark_noise_token_id, dtype=mx.int32)
+    h = model.embed(mx.concatenate([token[:, None], noise], axis=1))
+    streams = mx.broadcast_to(h[:, :, None, :], (B, S, hc, h.shape[-1]))
+    pre = initial_pre(B, S, hc)
+    for stage, ring in zip(stages, rings):
+        streams, pre = stage(streams, pre, ring, shared)
+    z = collapse(streams, pre)  # the last stage's ffn pre; not normed (docs/dspark.md#output)
+    base = model.head(last.norm(z).astype(mx.float32))  # [B, S, V] fp32
+    return _markov_chain(last, z, base, token, choose)
+
+
+def _markov_chain(last: DSparkStage, z: mx.array, base: mx.array, token: mx.array, choose):
     """Slot by slot (docs/dspark.md#output): the bias and the confidence come from the PREVIOUS
-    token (x_{p+1} for slot 0, then the chain's own choices)."""
+    token (x_{p+1} for slot 0, then the chain's own choices). Returns (tokens, logits,
+    confidence) as in `Draft`."""
     out, logits, confidence = [token], [], []
     for i in range(base.shape[1]):
         e = last.markov_head.embed(out[-1])  # [B, R] bf16
@@ -175,4 +210,4 @@ def _markov_chain(last: DSparkStage, z: mx.array, base: mx.array, token: mx.arra
         logits.append(g)
         confidence.append(c[:, 0])
         out.append(choose(g).astype(mx.int32))
-    return Draft(mx.stack(out, axis=1), mx.stack(logits, axis=1), mx.stack(confidence, axis=1))
+    return mx.stack(out, axis=1), mx.stack(logits, axis=1), mx.stack(confidence, axis=1)
