@@ -221,7 +221,9 @@ def dspark_costs(
     from mlx_dsv41.speculative import SpeculativeDecoder
 
     block = model.args.dspark_block_size
-    ks = list(range(block + 1)) if ks is None else [k for k in ks if 0 <= k <= block]
+    if ks is not None and not all(0 <= k <= block for k in ks):
+        raise SystemExit(f"error: --verify-k {ks}: a verify checks 0 .. {block} drafts (the block size)")
+    ks = list(range(block + 1)) if ks is None else ks
     dec = SpeculativeDecoder(model, draft=block)
     t0 = time.perf_counter()
     dec.prefill(np.array(prompt).reshape(-1).tolist())

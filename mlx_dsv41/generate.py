@@ -55,6 +55,7 @@ TOP_P = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling (1
 TOP_K = typer.Option(0, "--top-k", min=0, help="Top-k sampling (0: off).")
 MIN_P = typer.Option(0.0, "--min-p", min=0.0, max=1.0, help="Min-p sampling (0: off).")
 SEED = typer.Option(None, "--seed", help="Random seed for sampling.")
+ENGRAM_MODE = typer.Option(None, "--engram-mode", help="Engram row reads: pread, mmap, ram or auto (default).")
 
 
 class CLIError(Exception):
@@ -517,9 +518,7 @@ def generate(
     moe_partition: Partition = typer.Option(
         Partition.experts, "--moe-partition", help="Under mlx.launch: split routed experts by range or by slot."
     ),
-    engram_mode: str = typer.Option(
-        None, "--engram-mode", help="Engram row reads: pread, mmap, ram or auto (default)."
-    ),
+    engram_mode: str = ENGRAM_MODE,
     convert_to: Path = typer.Option(
         None, "--convert-to", help="Convert an EXL3 / official --model into this directory without asking."
     ),

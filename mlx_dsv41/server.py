@@ -42,6 +42,7 @@ import typer
 from mlx_dsv41 import chat
 from mlx_dsv41.generate import (
     DEMO_MAX_TOKENS,
+    ENGRAM_MODE,
     Attention,
     CLIError,
     check_draft,
@@ -170,7 +171,7 @@ def main_command(
     ),
     prompt_cache_size: int = typer.Option(10, "--prompt-cache-size", min=0, help="Cached conversations."),
     attention: Attention = typer.Option(Attention.auto, "--attention", help="Sparse-attention variant (GPU)."),
-    engram_mode: str = typer.Option(None, "--engram-mode", help="Engram row reads: pread, mmap, ram, auto."),
+    engram_mode: str = ENGRAM_MODE,
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING or ERROR."),
     draft: str = typer.Option(
         None,

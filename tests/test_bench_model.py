@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import sys
+import types
 
 import mlx.core as mx
 import pytest
@@ -120,3 +121,9 @@ def test_flash_dspark_build_formats():
     dec.prefill([5, 9, 33, 7, 100, 3])
     tokens = dec.round()
     assert 1 <= len(tokens) <= 5 and dec.cache[0].offset == 6 + len(tokens)
+
+
+def test_a_verify_size_beyond_the_block_is_refused():
+    model = types.SimpleNamespace(args=types.SimpleNamespace(dspark_block_size=5))
+    with pytest.raises(SystemExit, match=r"--verify-k \[4, 9\]: a verify checks 0 \.\. 5 drafts"):
+        bench_model.dspark_costs(model, None, 1, 0, 0.8, [4, 9])

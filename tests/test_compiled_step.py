@@ -96,6 +96,8 @@ def test_gpus_compile_by_default_and_a_bad_setting_is_refused(monkeypatch):
     monkeypatch.setenv(compiled_step.ENV_VAR, "yes")
     with pytest.raises(ValueError, match="MLX_DSV41_COMPILE must be 0 or 1; got 'yes'"):
         compiled_step.compiles(1)
+    with pytest.raises(ValueError, match="MLX_DSV41_COMPILE must be 0 or 1; got 'yes'"):
+        tiny_model(seed=0)  # refused when the model is made, not at its first decode step
 
 
 def test_exl3_weights_are_decoded_outside_the_trace(loaded, monkeypatch):

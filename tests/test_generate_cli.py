@@ -137,6 +137,13 @@ def test_bad_options_are_one_line_errors(env, args, pattern):
     one_line_error(cli(env, *args), pattern)
 
 
+def test_a_bad_compile_setting_is_a_one_line_error(env):
+    one_line_error(
+        cli({**env, "MLX_DSV41_COMPILE": "yes"}, "--demo", "--prompt", "hi"),
+        r"MLX_DSV41_COMPILE must be 0 or 1; got 'yes'",
+    )
+
+
 def test_a_checkpoint_without_the_draft_head_runs_and_says_so_once(env, tmp_path_factory, tmp_path, loaded):
     from convert_fixtures import edit_tensors
 

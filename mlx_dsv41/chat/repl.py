@@ -27,6 +27,7 @@ import typer
 from mlx_dsv41.chat import encoding as chat
 from mlx_dsv41.generate import (
     DEMO_MAX_TOKENS,
+    ENGRAM_MODE,
     MIN_P,
     SEED,
     TEMP,
@@ -242,7 +243,7 @@ def main_command(
     top_k: int = TOP_K,
     min_p: float = MIN_P,
     seed: int = SEED,
-    engram_mode: str = typer.Option(None, "--engram-mode", help="Engram row reads: pread, mmap, ram, auto."),
+    engram_mode: str = ENGRAM_MODE,
 ):
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler

@@ -35,7 +35,8 @@ MAX_TOKENS = 10  # batch x tokens: decode and DSpark verify steps (the EXL3 fuse
 ENV_VAR = "MLX_DSV41_COMPILE"
 
 
-def _setting() -> str:
+def setting() -> str:
+    """MLX_DSV41_COMPILE as set: "", "0" or "1" (anything else is refused)."""
     setting = os.environ.get(ENV_VAR, "").strip()
     if setting not in ("", "0", "1"):
         raise ValueError(f"{ENV_VAR} must be 0 or 1; got {setting!r}")
@@ -44,9 +45,9 @@ def _setting() -> str:
 
 def compiles(tokens: int) -> bool:
     """Whether a forward over `tokens` (batch x length) tokens is run compiled."""
-    setting = _setting()
-    if setting:
-        return setting == "1" and tokens <= MAX_TOKENS
+    forced = setting()
+    if forced:
+        return forced == "1" and tokens <= MAX_TOKENS
     return backend() != "cpu" and tokens <= MAX_TOKENS
 
 
@@ -55,7 +56,7 @@ def compiles_draft() -> bool:
     is set explicitly. The compiled draft gives the eager bytes on the CPU
     (tests/test_compiled_draft.py) but is not yet proven on a GPU, so no backend compiles it by
     default (docs/design.md, "Compiled decode step")."""
-    return _setting() == "1"
+    return setting() == "1"
 
 
 class CompiledStep:

@@ -117,6 +117,7 @@ class Model(nn.Module):
     def __init__(self, args: ModelArgs, expert_range: tuple[int, int] | None = None):
         super().__init__()
         args.validate()
+        compiled_step.setting()  # a bad MLX_DSV41_COMPILE fails here, not at the first decode step
         self.args = args
         self.model_type = args.model_type
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
