@@ -6,6 +6,7 @@
     ... --no-dspark                                             # without the DSpark costs (on by default)
     ... --dspark-only [--verify-k 2,4,5]                        # only the DSpark costs
     ... --flash [--cpu]                                         # the Flash-shaped model even on the CPU
+    ... --prefill 512 2048 8192 32768 [--prefill-chunk C ...] [--prefill-parts 2048]   # prefill only
 
 --compiled adds a run of our model with the compiled decode step (MLX_DSV41_COMPILE=1; the
 default is eager): its first traces JIT-compile fused kernels (minutes for the Flash shape under
@@ -53,12 +54,45 @@ E = sum_{j=0..k} a^j = (1 - a^(k+1)) / (1 - a) tokens (the accepted drafts plus 
 own next token) in verify(k) + draft ms: tokens/s = 1000 E / (verify_k + draft), against
 1000 / step for plain decoding; the accept / trim host work of a round is not in it.
 
-Results: a markdown table on stdout and bench_model.json in --out.
+Prefill (--prefill N ...; issue 17): only prefill is measured (no decode loop, no DSpark costs;
+the Flash-shaped model is built without its draft head). Our model and mlx-lm's are both loaded and
+each size is run on both in turn, so a run cut short keeps whole comparisons. For each prompt size N
+(random ids, the same for both) and each --prefill-chunk C (default: generate's prefill step,
+2048), a pass is what mlx-lm's generate_step does, and so our generate when it does not draft
+(drafting adds the DSpark capture): the first N - 1 tokens C at a time through `model(ids, cache=)`
+with the model's own caches (ours `make_cache`, mlx-lm `make_prompt_cache`), each chunk's cache
+state evaluated and MLX's buffer cache cleared, then the last token alone and its greedy token
+evaluated. A model's first pass that fits is its cold one (CUDA JIT, the attention variant's
+choice), reported as the first-run cost and left out of the medians; then --repeats (3, --quick 1)
+passes from fresh caches: median prefill s (the N - 1 tokens), median and min time to first token
+(TTFT: the whole pass), prompt tokens/s = N / TTFT (mlx-lm's prompt_tps), ours / mlx-lm per size,
+and the pass's memory (`mx.get_peak_memory` after `mx.reset_peak_memory`: the peak and the peak
+less what was active before, the prefill's own caches and temporaries). A size beyond
+max_position_embeddings, or whose allocation fails (MemoryError, an MLX allocation error), is a
+"did not fit" row with the reason, and the run goes on. Later sizes get no warm-up of their own:
+a new shape's first JIT lands in one repeat, which the median of 3 leaves out.
+--prefill-parts N (our model, the first chunk size): where the time of an N-token prefill goes. An
+unprofiled pass, on CUDA the kernels and device time of one more (CUPTI, as above), then one pass
+with the calls of each part wrapped (class `__call__`s and the functions under the names the model
+looks them up by, put back afterwards): a wrapped call evaluates its array inputs before its clock
+starts and its outputs before it stops (`mx.eval`, `mx.synchronize`), and a wrapped call inside
+another is taken out of the outer one's time, so each part's ms are exclusive and they add up to at
+most the pass: the sparse-attention kernel, the indexer (scores, top-k, keys), the compressor's
+pooling, the rest of attention, every linear (EXL3 / dense GEMMs: attention, indexer, compressor,
+shared expert, head), the MoE router, the routed experts, the rest of the MoE, mHC, Engram, and
+"other" (the pass less the parts). All three passes run eagerly (a compiled step cannot
+synchronise inside), and the synchronisation itself makes the profiled pass slower (reported).
+
+Results: a markdown table on stdout and bench_model.json in --out (prefill: each row printed and
+saved as it is measured, bench_model_prefill.md and bench_model_prefill.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import inspect
 import io
 import json
 import os
@@ -453,6 +487,316 @@ def dspark_table(label: str, d: dict, active_GB: float | None = None) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------- prefill
+
+
+def default_chunk() -> int:
+    """Prompt tokens per forward that our generate prefills with by default."""
+    from mlx_dsv41.speculative import stream_generate
+
+    return inspect.signature(stream_generate).parameters["prefill_step_size"].default
+
+
+def _sync() -> None:
+    if hasattr(mx, "synchronize"):
+        mx.synchronize()
+
+
+def random_prompt(vocab_size: int, n: int) -> mx.array:
+    return mx.array(np.random.default_rng(7).integers(3, vocab_size - 200, (1, n)), mx.int32)
+
+
+def prefill_pass(model, make_cache, ids: mx.array, chunk: int) -> tuple[dict, mx.array]:
+    """One prefill from fresh caches as mlx-lm's generate_step runs it (and so our generate when it
+    does not draft): all but the last token `chunk` at a time, each chunk's caches evaluated and
+    MLX's buffer cache cleared; then the last token alone and its greedy choice evaluated.
+    Returns (timings, the last position's logits)."""
+    cache = make_cache()
+    n = ids.shape[1]
+    _sync()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    for lo in range(0, n - 1, chunk):
+        model(ids[:, lo : min(lo + chunk, n - 1)], cache=cache)
+        mx.eval([c.state for c in cache])
+        mx.clear_cache()
+    t1 = time.perf_counter()
+    logits = model(ids[:, n - 1 :], cache=cache)[:, -1, :]
+    token = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+    mx.eval(token)
+    t2 = time.perf_counter()
+    peak = mx.get_peak_memory()
+    timings = {"prefill_s": t1 - t0, "ttft_s": t2 - t0, "peak_GB": peak / 1e9}
+    return timings | {"prefill_GB": max(0, peak - before) / 1e9}, logits
+
+
+_NO_FIT = re.compile(r"alloc|memory|buffer size|\bOOM\b", re.IGNORECASE)
+
+
+def prefill_row(model, make_cache, ids: mx.array, chunk: int, repeats: int, cold: bool, max_positions=None) -> dict:
+    """Medians of `repeats` prefills of `ids` from fresh caches (when `cold`, after a cold pass: its
+    time is the first-run cost, not in the medians), or why the size did not fit."""
+    n = ids.shape[1]
+    row = {"tokens": n, "chunk": chunk, "repeats": repeats}
+    if max_positions is not None and n > max_positions:
+        return row | {"did_not_fit": f"{n} tokens > max_position_embeddings {max_positions}"}
+    try:
+        if cold:
+            row["first_run_s"] = prefill_pass(model, make_cache, ids, chunk)[0]["ttft_s"]
+        runs = [prefill_pass(model, make_cache, ids, chunk)[0] for _ in range(repeats)]
+    except (MemoryError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and not _NO_FIT.search(str(e)):
+            raise  # a failure, not a size that does not fit
+        mx.clear_cache()
+        return row | {"did_not_fit": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"}
+    mx.clear_cache()
+    ttft = statistics.median(r["ttft_s"] for r in runs)
+    return row | {
+        "prefill_s": statistics.median(r["prefill_s"] for r in runs),
+        "ttft_s": ttft,
+        "ttft_min_s": min(r["ttft_s"] for r in runs),
+        "tokens_per_s": n / ttft,
+        "prefill_GB": max(r["prefill_GB"] for r in runs),
+        "peak_GB": max(r["peak_GB"] for r in runs),
+    }
+
+
+def measure_prefill(models: list[tuple], a):
+    """Yields a row per (size, chunk, model), sizes in order, every model at a size before the next
+    (so a run cut short still holds whole comparisons); a model's first pass that fits is its cold
+    one. The mlx-lm row carries ours / mlx-lm prompt tokens/s."""
+    warm = set()
+    for n in a.prefill:
+        ids = random_prompt(models[0][3].vocab_size, n)
+        for chunk in a.prefill_chunk:
+            tps = {}
+            for label, model, make_cache, args in models:
+                row = {"label": label} | prefill_row(
+                    model, make_cache, ids, chunk, a.repeats, label not in warm, args.max_position_embeddings
+                )
+                if "tokens_per_s" in row:
+                    warm.add(label)
+                    tps[label] = row["tokens_per_s"]
+                ours = models[0][0]
+                if label.startswith("mlx-lm") and ours in tps and label in tps:
+                    row["ours_over_mlx_lm"] = tps[ours] / tps[label]
+                yield row
+
+
+class PartTimer:
+    """Exclusive wall ms per part. A wrapped call evaluates its array inputs before its clock starts
+    (their work belongs to the caller) and its outputs before it stops; the time of a wrapped call
+    inside another is taken out of the outer one's, so nothing counts twice."""
+
+    def __init__(self):
+        self.ms, self.calls, self.stack = Counter(), Counter(), []
+
+    def wrap(self, part: str, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            _settle(args, kwargs)
+            self.stack.append(0.0)  # time of the calls nested in this one
+            t0 = time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+                _settle(out)
+                return out
+            finally:
+                spent = time.perf_counter() - t0
+                self.ms[part] += 1e3 * (spent - self.stack.pop())
+                self.calls[part] += 1
+                if self.stack:
+                    self.stack[-1] += spent
+
+        return timed
+
+
+def _arrays(tree) -> list:
+    if isinstance(tree, mx.array):
+        return [tree]
+    if isinstance(tree, nn.Module):  # the call's own module: its weights are not inputs to wait for
+        return []
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    return [a for t in tree for a in _arrays(t)] if isinstance(tree, (list, tuple)) else []
+
+
+def _settle(*trees) -> None:
+    mx.eval(_arrays(trees))
+    _sync()
+
+
+GEMM = "linear GEMMs, EXL3 / dense (attention, indexer, compressor, shared expert, head)"
+
+
+def part_targets() -> list[tuple[str, object, str]]:
+    """(part, owner, name) of every call the profile times: module methods, and functions under the
+    names the model's code looks them up by at call time."""
+    from mlx_dsv41.exl3 import EXL3Linear
+    from mlx_dsv41.exl3.experts import EXL3Experts, EXL3GroupedLinear
+    from mlx_dsv41.model import attention, deepseek_v41
+    from mlx_dsv41.model.compressor import Compressor
+    from mlx_dsv41.model.engram import Engram
+    from mlx_dsv41.model.indexer import Indexer
+    from mlx_dsv41.model.moe import Gate, MoE
+    from mlx_dsv41.quant import DenseExperts, DenseLinear, GroupedLinear, GroupSlices
+    from mlx_dsv41.quant.mx_experts import MXExperts
+    from mlx_dsv41.quant.official import MXLinear
+
+    linears = (nn.Linear, nn.QuantizedLinear, DenseLinear, MXLinear, GroupedLinear, GroupSlices, EXL3Linear)
+    mhc, engram = "mHC: mixes, collapse + norm, expand", "Engram: host hash, row reads, gate"
+    targets = [
+        ("sparse attention kernel", attention, "sparse_attention"),
+        ("indexer: scores, top-k, keys (its GEMMs apart)", Indexer, "__call__"),
+        ("indexer: scores, top-k, keys (its GEMMs apart)", Indexer, "keys"),
+        ("compressor: pooling (its GEMMs apart)", Compressor, "__call__"),
+        ("attention, the rest: RoPE, norms, FP8/FP4 fake quant, cache writes", attention.Attention, "__call__"),
+        *[(GEMM, cls, "__call__") for cls in (*linears, EXL3GroupedLinear)],
+        ("MoE router", Gate, "__call__"),
+        *[("MoE routed experts", cls, "__call__") for cls in (EXL3Experts, DenseExperts, MXExperts)],
+        ("MoE, the rest: slot sum, shared-expert SwiGLU", MoE, "__call__"),
+        *[(mhc, deepseek_v41, name) for name in ("hc_mixes", "collapse_norm", "expand")],
+        (engram, Engram, "__call__"),
+        (engram, deepseek_v41.Model, "_engram_inputs"),
+    ]
+    return [t for t in targets if t[2] in vars(t[1])]  # an inherited method is timed where it is defined
+
+
+@contextlib.contextmanager
+def timed_parts(timer: PartTimer):
+    saved = []
+    try:
+        for part, owner, name in part_targets():
+            saved.append((owner, name, vars(owner)[name]))
+            setattr(owner, name, timer.wrap(part, vars(owner)[name]))
+        yield timer
+    finally:
+        for owner, name, fn in reversed(saved):
+            setattr(owner, name, fn)
+
+
+def prefill_parts(model, make_cache, ids: mx.array, chunk: int) -> dict:
+    """Where one prefill's time goes: an unprofiled pass (warm-up and reference), on CUDA its kernels
+    and device time (CUPTI), then a pass with every part timed (PartTimer); all eager (a compiled
+    step cannot synchronise inside)."""
+    saved = os.environ.get(compiled_step.ENV_VAR)
+    os.environ[compiled_step.ENV_VAR] = "0"
+    try:
+        reference = prefill_pass(model, make_cache, ids, chunk)[0]
+        cuda = cuda_kernels(lambda: prefill_pass(model, make_cache, ids, chunk))
+        with timed_parts(PartTimer()) as timer:
+            profiled = prefill_pass(model, make_cache, ids, chunk)[0]
+    finally:
+        if saved is None:
+            os.environ.pop(compiled_step.ENV_VAR)
+        else:
+            os.environ[compiled_step.ENV_VAR] = saved
+    total = 1e3 * profiled["ttft_s"]
+    names = list(dict.fromkeys(p for p, _, _ in part_targets()))
+    parts = [{"part": p, "ms": timer.ms[p], "calls": timer.calls[p], "share": timer.ms[p] / total} for p in names]
+    other = total - sum(p["ms"] for p in parts)
+    return {
+        "tokens": ids.shape[1],
+        "chunk": chunk,
+        "total_ms": total,
+        "unprofiled_ms": 1e3 * reference["ttft_s"],
+        "parts": parts,
+        "other_ms": other,
+        "other_share": other / total,
+        "cuda": cuda,
+    }
+
+
+PREFILL_HEADER = [
+    "| model | prompt tokens | chunk | prefill s (all but the last token) | TTFT s (median) | TTFT s (min) "
+    "| prompt tokens/s | ours / mlx-lm | first run s (cold) | prefill GB (peak - before) | peak GB |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+]
+
+
+def prefill_line(r: dict) -> str:
+    head = f"| {r['label']} | {r['tokens']} | {r['chunk']} |"
+    if "did_not_fit" in r:
+        return f"{head} did not fit: {r['did_not_fit']} | | | | | | | |"
+    cells = [
+        _f(r["prefill_s"], ".3f"),
+        _f(r["ttft_s"], ".3f"),
+        _f(r["ttft_min_s"], ".3f"),
+        _f(r["tokens_per_s"], ".1f"),
+        _f(r.get("ours_over_mlx_lm"), ".2f") + ("x" if r.get("ours_over_mlx_lm") else ""),
+        _f(r.get("first_run_s"), ".3f"),
+        _f(r["prefill_GB"], ".3f"),
+        _f(r["peak_GB"], ".3f"),
+    ]
+    return f"{head} {' | '.join(cells)} |"
+
+
+def parts_table(label: str, d: dict) -> str:
+    lines = [
+        f"Where the time goes: {label}, {d['tokens']} tokens, chunk {d['chunk']} (one eager pass, inputs "
+        "and outputs of each part evaluated and synchronised; exclusive times)",
+        "",
+        "| part | ms | share | calls |",
+        "|---|---:|---:|---:|",
+    ]
+    for p in d["parts"]:
+        lines.append(f"| {p['part']} | {p['ms']:.1f} | {100 * p['share']:.1f} % | {p['calls']} |")
+    lines += [
+        f"| other: embedding, final norm's cast, sampling, Python between parts | {d['other_ms']:.1f} "
+        f"| {100 * d['other_share']:.1f} % | |",
+        f"| **total (profiled pass)** | {d['total_ms']:.1f} | 100 % | |",
+        "",
+        f"The same prefill unprofiled: {d['unprofiled_ms']:.1f} ms (the profile's synchronisation adds "
+        f"{100 * (d['total_ms'] / d['unprofiled_ms'] - 1):.0f} %)",
+    ]
+    cu = d.get("cuda")
+    if cu:
+        lines.append(f"Device time of one unprofiled pass (CUPTI): {cu['device_ms']:.1f} ms in {cu['kernels']} kernels")
+    return "\n".join(lines)
+
+
+def prefill_models(a) -> list[tuple]:
+    """(label, model, cache factory, args): ours, then mlx-lm's unless skipped."""
+    if a.cpu and not a.flash:
+        (model, args), label = ours_demo(a), "mlx_dsv41 demo"
+    else:
+        (model, args), label = ours_flash(a), "mlx_dsv41 Flash-shaped EXL3"
+    models = [(label, model, model.make_cache, args)]
+    if a.prefill and not a.skip_mlx_lm:  # (--prefill-parts alone profiles ours only)
+        from mlx_lm.models.cache import make_prompt_cache
+
+        theirs = mlx_lm_model(args, 4, a.seed)
+        dims = " (demo dims)" if a.cpu and not a.flash else ""
+        models.append((f"mlx-lm deepseek_v41 affine 4-bit{dims}", theirs, lambda: make_prompt_cache(theirs), args))
+    return models
+
+
+def prefill_main(a, info: dict) -> int:
+    """--prefill / --prefill-parts: the rows as they are measured, printed and saved after each one."""
+    report = {"info": info, "rows": [], "parts": None}
+    lines: list[str] = []
+
+    def emit(text: str) -> None:
+        print(text, flush=True)
+        lines.append(text)
+        (a.out / "bench_model_prefill.md").write_text("\n".join(lines) + "\n")
+        (a.out / "bench_model_prefill.json").write_text(json.dumps(report | {"table": "\n".join(lines)}, indent=1))
+
+    models = prefill_models(a)
+    if a.prefill:
+        emit("\n".join(PREFILL_HEADER))
+    for row in measure_prefill(models, a):
+        report["rows"].append(row)
+        emit(prefill_line(row))
+    if a.prefill_parts:
+        label, model, make_cache, args = models[0]
+        ids = random_prompt(args.vocab_size, a.prefill_parts)
+        report["parts"] = prefill_parts(model, make_cache, ids, a.prefill_chunk[0]) | {"label": label}
+        emit("\n" + parts_table(label, report["parts"]))
+    return 0
+
+
 def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
     """Our model as the backend runs it by default (GPUs: the compiled step; the CPU: eagerly), or
     with --compiled both ways, eager first."""
@@ -467,6 +811,33 @@ def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
     else:
         os.environ[compiled_step.ENV_VAR] = saved
     return runs
+
+
+def add_prefill_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--prefill", type=int, nargs="+", default=[], metavar="N", help="prompt sizes to prefill")
+    ap.add_argument(
+        "--prefill-chunk",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="C",
+        help=f"prompt tokens per forward (default {default_chunk()}, as generate; several: each timed)",
+    )
+    ap.add_argument("--repeats", type=int, default=None, help="timed prefills per size (default 3, --quick 1)")
+    ap.add_argument("--prefill-parts", type=int, default=None, metavar="N", help="where an N-token prefill's time goes")
+
+
+def check_prefill_args(ap: argparse.ArgumentParser, a) -> None:
+    """Prefill mode measures only prefill: the decode / DSpark options would be silently unused."""
+    a.repeats = a.repeats if a.repeats is not None else 1 if a.quick else 3
+    a.prefill_chunk = a.prefill_chunk or [default_chunk()]
+    if not (a.prefill or a.prefill_parts):
+        return
+    if min(a.prefill + a.prefill_chunk + [a.repeats, a.prefill_parts or 1]) < 1:
+        ap.error("--prefill sizes, --prefill-chunk, --repeats and --prefill-parts must be >= 1")
+    if a.compiled or a.dspark_only:
+        ap.error("--compiled / --dspark-only time decoding; --prefill measures prefill only")
+    a.dspark = False  # the plain prefill never runs the draft head: not built (flash_model)
 
 
 def main() -> int:
@@ -500,7 +871,9 @@ def main() -> int:
         action="store_true",
         help="the Flash-shaped model even on the CPU (slow: a check; use a small --layers)",
     )
+    add_prefill_args(ap)
     a = ap.parse_args()
+    check_prefill_args(ap, a)
     if a.quick:
         a.steps, a.warmup = min(a.steps, 12), min(a.warmup, 2)
     if a.steps < 1 or a.warmup < 0 or a.prompt < 1:
@@ -529,6 +902,8 @@ def main() -> int:
         info["mlx_lm"] = mlx_lm.__version__
     except ImportError:
         a.skip_mlx_lm = True
+    if a.prefill or a.prefill_parts:
+        return prefill_main(a, info | {"prefill_chunk_default": default_chunk()})
     runs = []
     if a.cpu and not a.flash:
         runs += ours_runs("mlx_dsv41 demo", lambda: ours_demo(a), a, min(a.prompt, 32))

@@ -1,18 +1,23 @@
 """benchmarks/bench_model.py's DSpark costs (issue 18 item 6) and flash_model.py's DSpark head, on
 the CPU in seconds: the demo run end to end (--cpu --dspark-only, one repeat), the on-paper
-formula, and the Flash-shaped builder's DSpark formats at small dimensions."""
+formula, and the Flash-shaped builder's DSpark formats at small dimensions. Its prefill mode
+(issue 17 item 1): a demo run beside mlx-lm with the parts profile, the chunked prefill it times
+giving the one-pass logits, and sizes that do not fit."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import sys
 import types
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from demo_helpers import REPO, cache_dir, demo_checkpoint
 
+import mlx_dsv41
 from mlx_dsv41.demo import CACHE_ENV
 from mlx_dsv41.exl3 import EXL3Linear
 from mlx_dsv41.exl3.experts import EXL3Experts, EXL3GroupedLinear
@@ -127,3 +132,128 @@ def test_a_verify_size_beyond_the_block_is_refused():
     model = types.SimpleNamespace(args=types.SimpleNamespace(dspark_block_size=5))
     with pytest.raises(SystemExit, match=r"--verify-k \[4, 9\]: a verify checks 0 \.\. 5 drafts"):
         bench_model.dspark_costs(model, None, 1, 0, 0.8, [4, 9])
+
+
+# ---------------------------------------------------------------- prefill (issue 17 item 1)
+
+
+def test_demo_prefill_beside_mlx_lm_with_parts(tmp_path, tmp_path_factory, monkeypatch, capsys):
+    demo_checkpoint(tmp_path_factory)
+    monkeypatch.setenv(CACHE_ENV, str(cache_dir(tmp_path_factory)))
+    argv = "--cpu --prefill 12 20 --prefill-chunk 8 --repeats 1 --prefill-parts 12 --out".split()
+    monkeypatch.setattr(sys, "argv", ["bench_model.py", *argv, str(tmp_path)])
+    originals = [(owner, name, vars(owner)[name]) for _, owner, name in bench_model.part_targets()]
+    assert bench_model.main() == 0
+    out = json.loads((tmp_path / "bench_model_prefill.json").read_text())
+    rows = out["rows"]
+    assert [(r["label"].split()[0], r["tokens"], r["chunk"]) for r in rows] == [
+        ("mlx_dsv41", 12, 8),
+        ("mlx-lm", 12, 8),
+        ("mlx_dsv41", 20, 8),
+        ("mlx-lm", 20, 8),
+    ]
+    for r in rows:
+        assert 0 < r["prefill_s"] < r["ttft_s"] and r["ttft_min_s"] <= r["ttft_s"] and r["repeats"] == 1
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["ttft_s"]) and r["peak_GB"] > 0
+    assert [("first_run_s" in r) for r in rows] == [True, True, False, False]  # one cold pass per model
+    for ours, theirs in (rows[0:2], rows[2:4]):
+        assert theirs["ours_over_mlx_lm"] == pytest.approx(ours["tokens_per_s"] / theirs["tokens_per_s"])
+    parts = out["parts"]
+    assert parts["tokens"] == 12 and parts["chunk"] == 8 and parts["cuda"] is None  # no CUPTI on the CPU
+    by_name = {p["part"]: p for p in parts["parts"]}
+    assert sum(p["ms"] for p in parts["parts"]) <= parts["total_ms"] and parts["other_ms"] >= 0
+    assert all(p["ms"] >= 0 for p in parts["parts"])
+    # 8 layers x 3 forwards (the first 11 tokens in chunks of 8 and 3, then the last); the demo has Engram layers
+    assert by_name["sparse attention kernel"]["calls"] == 24 and by_name["MoE routed experts"]["calls"] == 24
+    for name in ("indexer", "linear GEMMs", "mHC", "Engram", "MoE router"):
+        assert next(p for n, p in by_name.items() if n.startswith(name))["ms"] > 0, name
+    assert [(o, n, vars(o)[n]) for o, n, _ in originals] == originals  # every wrapped call put back
+    text = capsys.readouterr().out
+    assert (
+        text.count("| mlx_dsv41 demo | ") == 2 and "| mlx-lm deepseek_v41 affine 4-bit (demo dims) | 20 | 8 |" in text
+    )
+    assert "| **total (profiled pass)** |" in text and "ours / mlx-lm" in text
+    assert (tmp_path / "bench_model_prefill.md").read_text().strip() == out["table"].strip()
+
+
+@pytest.mark.parametrize("n, chunk", [(13, 4), (13, 64), (2, 1)])
+def test_the_timed_prefill_gives_the_one_pass_logits(tmp_path_factory, n, chunk):
+    """What the benchmark times is the real prefill: the chunks, then the last token alone, end in
+    the bytes of one forward over the whole prompt."""
+    model, _ = mlx_dsv41.load(demo_checkpoint(tmp_path_factory))
+    ids = bench_model.random_prompt(model.args.vocab_size, n)
+    timings, chunked = bench_model.prefill_pass(model, model.make_cache, ids, chunk)
+    whole = model(ids, cache=model.make_cache())[:, -1, :]
+    assert np.array_equal(np.array(chunked).view(np.uint32), np.array(whole).view(np.uint32))
+    assert 0 <= timings["prefill_s"] <= timings["ttft_s"]
+
+
+def test_parts_of_the_flash_shaped_formats():
+    """flash_model's formats (EXL3 linears, grouped wo_a, EXL3 experts) at small dimensions: the timed
+    prefill gives the one-pass bytes, and the profile finds every part there but Engram (off)."""
+    args = flash_model.flash_args(4, experts=8, **SMALL)
+    model = flash_model.build(args, seed=1)
+    ids = bench_model.random_prompt(args.vocab_size, 17)
+    chunked = bench_model.prefill_pass(model, model.make_cache, ids, 8)[1]
+    whole = model(ids, cache=model.make_cache())[:, -1, :]
+    assert np.array_equal(np.array(chunked).view(np.uint32), np.array(whole).view(np.uint32))
+    d = bench_model.prefill_parts(model, model.make_cache, ids, 8)
+    calls = {p["part"].split(":")[0].split(",")[0]: p["calls"] for p in d["parts"]}
+    assert calls["Engram"] == 0 and all(v > 0 for k, v in calls.items() if k != "Engram"), calls
+    assert sum(p["ms"] for p in d["parts"]) + d["other_ms"] == pytest.approx(d["total_ms"]) and d["other_ms"] >= 0
+
+
+class _Fits:
+    """A model that runs up to `limit` tokens per forward and fails to allocate beyond."""
+
+    def __init__(self, limit: int, message: str = "[malloc] Unable to allocate 1 TB"):
+        self.limit, self.message, self.calls = limit, message, 0
+
+    def __call__(self, ids, cache=None):
+        self.calls += 1
+        if ids.shape[1] > self.limit:
+            raise RuntimeError(self.message)
+        return mx.zeros((1, ids.shape[1], 7))
+
+
+def test_a_size_that_does_not_fit_is_reported_and_the_run_goes_on():
+    args = types.SimpleNamespace(vocab_size=300, max_position_embeddings=40)
+    small = _Fits(limit=8)
+    models = [("ours", small, list, args), ("mlx-lm x", _Fits(limit=100), list, args)]
+    a = types.SimpleNamespace(prefill=[5, 30, 50, 9], prefill_chunk=[16], repeats=2)
+    rows = list(bench_model.measure_prefill(models, a))
+    assert [(r["label"], r["tokens"], "did_not_fit" in r) for r in rows] == [
+        ("ours", 5, False),
+        ("mlx-lm x", 5, False),
+        ("ours", 30, True),
+        ("mlx-lm x", 30, False),
+        ("ours", 50, True),
+        ("mlx-lm x", 50, True),
+        ("ours", 9, False),
+        ("mlx-lm x", 9, False),
+    ]
+    assert rows[2]["did_not_fit"] == "RuntimeError: [malloc] Unable to allocate 1 TB"
+    assert rows[4]["did_not_fit"] == "50 tokens > max_position_embeddings 40"
+    assert "ours_over_mlx_lm" not in rows[3] and rows[7]["ours_over_mlx_lm"] > 0
+    assert "first_run_s" in rows[0] and "first_run_s" not in rows[6]
+    assert "did not fit: RuntimeError" in bench_model.prefill_line(rows[2])
+    with pytest.raises(RuntimeError, match="a bug"):  # a failure that is not about memory is not hidden
+        bench_model.prefill_row(_Fits(0, "a bug"), list, mx.zeros((1, 3), mx.int32), 16, 1, False)
+
+
+def test_prefill_options():
+    ap = argparse.ArgumentParser()
+    a = types.SimpleNamespace(
+        quick=True,
+        repeats=None,
+        prefill_chunk=None,
+        prefill=[64],
+        prefill_parts=None,
+        compiled=False,
+        dspark_only=False,
+    )
+    bench_model.check_prefill_args(ap, a)
+    assert (a.repeats, a.prefill_chunk, a.dspark) == (1, [2048], False)  # generate's --prefill-step-size default
+    a.compiled = True
+    with pytest.raises(SystemExit):
+        bench_model.check_prefill_args(ap, a)
