@@ -1,6 +1,7 @@
 """What fp32 sums cost per linear (issue 15): device time and error of MLX's matmul kernels with the
 activation as it comes (bf16) against fp32 activations, and of our modules (quant/accumulation.py
-picks per backend, op, weight width and rows), at 1 and 512 rows.
+picks per backend, op, weight width and rows), at 1 and 512 rows; and the head held in bf16 and
+summed in fp32 (kernels/fp32_linear.py) against its fp32 copy, at 1, 5 (a DSpark verify) and 512 rows.
 
 Square 5120 x 5120 layers, so each call's output feeds the next (a dependent chain of --chain calls
 between two device clock stamps, medians of --repeats; bench_sparse_attention.device_us), in the
@@ -25,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sparse_attention import device_us  # noqa: E402
 
-from mlx_dsv41.kernels import backend  # noqa: E402
+from mlx_dsv41.kernels import backend, fp32_linear  # noqa: E402
 from mlx_dsv41.quant import make_experts, make_linear, mx_experts  # noqa: E402
 from mlx_dsv41.synthetic_checkpoints import decode_fp4, decode_fp8, quantize_fp4, quantize_fp8  # noqa: E402
 
@@ -145,6 +146,41 @@ def experts(rows_list, chain, repeats) -> list[dict]:
     return out
 
 
+VOCAB = 129280  # Flash's head: [129280, 5120] bf16
+
+
+def head(rows_list, chain, repeats) -> list[dict]:
+    """The head as session 8 held it (an fp32 copy, MLX's fp32 matmul) against the stored bf16
+    through fp32_linear (fp32_gemv up to 8 rows, widened pieces beyond): issue 16 item 5."""
+    wb = (mx.random.normal((VOCAB, K), key=mx.random.key(9)) * K**-0.5).astype(mx.bfloat16)
+    w32 = wb.astype(mx.float32)
+    mx.eval(wb, w32)
+    w = np.array(w32, np.float64)
+    variants = {
+        "fp32-held weight (2.65 GB)": lambda v: v.astype(mx.float32) @ w32.T,
+        "bf16 weight, fp32 sums (ours)": lambda v: fp32_linear.linear(v, wb),
+    }
+    out = []
+    for rows in rows_list:
+        x = mx.array(np.random.default_rng(rows).standard_normal((rows, K)).astype(np.float32)).astype(mx.bfloat16)
+        for name, fn in variants.items():
+            step = lambda i, prev, fn=fn: fn(prev)[:, :K].astype(prev.dtype)  # noqa: E731 (a dependent chain)
+            y = fn(x)
+            want = np.array(x[:ERR_ROWS].astype(mx.float32), np.float64) @ w.T
+            err = float(np.linalg.norm(np.array(y[:ERR_ROWS], np.float64) - want) / np.linalg.norm(want))
+            out.append(
+                {
+                    "what": "head 129280 x 5120",
+                    "rows": rows,
+                    "variant": name,
+                    "us": device_us(step, x, repeats, chain),
+                    "rel_err": err,
+                }
+            )
+            print(_row(out[-1]), flush=True)
+    return out
+
+
 HEADER = "| layer | rows | variant | device µs / call | rel. error vs float64 |\n|---|---|---|---|---|"
 
 
@@ -165,7 +201,8 @@ def main() -> int:
     if backend() != "cuda":
         print("bench_linear_arithmetic: needs MLX's CUDA backend (device clock stamps); nothing measured")
         return 0
-    results = linears(a.rows, a.chain, a.repeats) + experts(a.rows, a.chain, a.repeats)
+    results = head(sorted({*a.rows, 5}), a.chain, a.repeats) + linears(a.rows, a.chain, a.repeats)
+    results += experts(a.rows, a.chain, a.repeats)
     print("\n".join([HEADER, *map(_row, results)]))
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "bench_linear_arithmetic.json").write_text(json.dumps(results, indent=1))

@@ -28,7 +28,9 @@ For each model (same prompt ids, greedy):
   torch.profiler (kernel activity records of the whole process, graph-launched kernels
   included), and their summed device time; MLX primitives per token: the non-view nodes of the
   step's graph (`mx.export_to_dot`, as benchmarks/count_ops.py counts them);
-- memory: MLX active memory after loading, peak during decode, process max RSS.
+- memory: MLX active memory after loading, peak during decode, process max RSS. Loading itself
+  (`--load DIR` or `--load-synthetic`, load_memory.py): the parameters by dtype, the peak while
+  loading over them (target <= 1.05), the head's dtype and bytes.
 
 DSpark (on by default; --no-dspark: off; --dspark-only: only these, no decode loop above): the
 Flash-shaped model is built with Flash's DSpark head (flash_model.py: 3 stages, block 5, 16 of
@@ -840,6 +842,18 @@ def check_prefill_args(ap: argparse.ArgumentParser, a) -> None:
     a.dspark = False  # the plain prefill never runs the draft head: not built (flash_model)
 
 
+def load_main(a, info: dict) -> int:
+    """Loading's memory (issue 16 item 5): parameters, peak, the head's dtype."""
+    import load_memory
+
+    path = a.load or load_memory.synthetic_checkpoint(a.out)
+    result = load_memory.measure(path)
+    text = load_memory.table(result)
+    print(text, flush=True)
+    (a.out / "bench_model_load.json").write_text(json.dumps({"info": info, "load": result, "table": text}, indent=1))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("gpu_out"))
@@ -872,6 +886,17 @@ def main() -> int:
         help="the Flash-shaped model even on the CPU (slow: a check; use a small --layers)",
     )
     add_prefill_args(ap)
+    ap.add_argument(
+        "--load",
+        type=Path,
+        default=None,
+        help="only loading: a converted checkpoint read with lazy=False (load_memory.py)",
+    )
+    ap.add_argument(
+        "--load-synthetic",
+        action="store_true",
+        help="--load on a synthetic ~5.3 GB official checkpoint converted in --out",
+    )
     a = ap.parse_args()
     check_prefill_args(ap, a)
     if a.quick:
@@ -902,6 +927,8 @@ def main() -> int:
         info["mlx_lm"] = mlx_lm.__version__
     except ImportError:
         a.skip_mlx_lm = True
+    if a.load or a.load_synthetic:
+        return load_main(a, info)
     if a.prefill or a.prefill_parts:
         return prefill_main(a, info | {"prefill_chunk_default": default_chunk()})
     runs = []

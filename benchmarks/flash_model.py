@@ -40,7 +40,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_dsv41.config import ModelArgs
 from mlx_dsv41.exl3 import EXL3Linear
 from mlx_dsv41.exl3.experts import EXL3ExpertProjection, EXL3Experts, EXL3GroupedLinear
-from mlx_dsv41.model.deepseek_v41 import _DSPARK_FP32, FP32_STORED, Model
+from mlx_dsv41.model.deepseek_v41 import FP32_STORED, Model
+from mlx_dsv41.quant import DenseLinear
 
 HELD_EXPERTS = 16  # a token's routed work is top-6 of 2304-wide experts whatever the count
 FLASH_LAYERS = 40
@@ -164,8 +165,11 @@ def build(args: ModelArgs, seed: int = 0, held=None) -> Model:
     swaps = []
     for name, module in model.named_modules():
         layer = int(name.split(".")[1]) if name.startswith("layers.") else None
-        if name.endswith((".ffn.gate", "indexer.weights_proj", ".markov_head.head", ".confidence_head.proj")):
+        if name.endswith((".ffn.gate", "indexer.weights_proj")):
             continue  # native in the pack
+        if name.endswith((".markov_head.head", ".confidence_head.proj")):  # native bf16, as sanitize builds them
+            swaps.append((name, DenseLinear(module.weight.shape[1], module.weight.shape[0], bias=False)))
+            continue
         if isinstance(module, nn.Linear):
             out_f, in_f = module.weight.shape
             swaps.append((name, exl3_linear(name, in_f, out_f, _bits(name, layer), seed)))
@@ -206,9 +210,8 @@ def build(args: ModelArgs, seed: int = 0, held=None) -> Model:
             w = mx.random.uniform(0.5, 1.5, v.shape, key=key)
         else:  # [out, in] projections: router, indexer weights_proj, mHC fn
             w = mx.random.normal(v.shape, key=key) * v.shape[-1] ** -0.5
-        # as sanitize holds them (Model._held_dtype)
-        fp32 = bool(FP32_STORED.search(k) or _DSPARK_FP32.search(k)) or k.endswith(".ffn.gate.weight")
-        native.append((k, w.astype(mx.float32 if fp32 else mx.bfloat16)))
+        # as stored and held (docs/numerics.md#dtypes): fp32 only what the release stores in fp32
+        native.append((k, w.astype(mx.float32 if FP32_STORED.search(k) else mx.bfloat16)))
         if len(native) % 64 == 0:
             mx.eval([a for _, a in native[-64:]])
     model.load_weights(native, strict=False)

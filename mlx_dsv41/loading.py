@@ -122,8 +122,13 @@ def load_model(path: str | Path, *, lazy: bool = True, expert_range: tuple[int, 
         raise LoadError(f"{path}: {e}") from None
     check_parameters(model, weights)
     model.load_weights(list(weights.items()), strict=True)
+    # Only the model may hold the stored tensors now, and parameters are read one at a time: a
+    # parameter built from others (a layer's experts stacked) frees its sources as soon as it is
+    # evaluated, so loading peaks at the parameters' bytes plus one such parameter, not two copies.
+    del tensors, weights
     if not lazy:
-        mx.eval(model.parameters())
+        for _, value in tree_flatten(model.parameters()):
+            mx.eval(value)
     return model
 
 

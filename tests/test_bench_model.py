@@ -106,7 +106,7 @@ def test_flash_dspark_config():
 
 def test_flash_dspark_build_formats():
     """The builder's DSpark head at small dimensions: every quantized mtp linear EXL3 at K = 4, the
-    markov / confidence heads native fp32, and a speculative round runs."""
+    markov / confidence heads native bf16, and a speculative round runs."""
     args = flash_model.flash_args(4, experts=8, dspark=True, **SMALL)
     model = flash_model.build(args, seed=1)
     assert len(model.mtp) == 3
@@ -120,7 +120,8 @@ def test_flash_dspark_build_formats():
     last, first = model.mtp[-1], model.mtp[0]
     assert isinstance(first.main_proj, EXL3Linear) and isinstance(first.attn.wo_a, EXL3GroupedLinear)
     assert isinstance(first.ffn.experts, EXL3Experts) and isinstance(first.ffn.shared_experts.w2, EXL3Linear)
-    assert last.markov_head.head.weight.dtype == mx.float32 and last.confidence_head.proj.weight.dtype == mx.float32
+    # native bf16, as stored: an fp32 linear widens it where used (docs/numerics.md#fp32-linears)
+    assert last.markov_head.head.weight.dtype == mx.bfloat16 and last.confidence_head.proj.weight.dtype == mx.bfloat16
     assert last.markov_head.embed.weight.dtype == mx.bfloat16
     dec = SpeculativeDecoder(model, draft=4)
     dec.prefill([5, 9, 33, 7, 100, 3])
@@ -257,3 +258,21 @@ def test_prefill_options():
     a.compiled = True
     with pytest.raises(SystemExit):
         bench_model.check_prefill_args(ap, a)
+
+
+def test_load_reports_the_peak_and_the_head_as_stored(tmp_path, monkeypatch, capsys):
+    """--load (issue 16 item 5) on a converted tiny official checkpoint: the head held bf16 and a
+    peak at the parameters' own bytes (the experts are stacked at load)."""
+    from mlx_dsv41.convert import convert_checkpoint
+    from mlx_dsv41.synthetic_checkpoints import write_official_checkpoint
+
+    ck = write_official_checkpoint(tmp_path / "src")
+    convert_checkpoint(ck.path, tmp_path / "conv", progress=False)
+    monkeypatch.setattr(
+        sys, "argv", ["bench_model.py", "--cpu", "--load", str(tmp_path / "conv"), "--out", str(tmp_path)]
+    )
+    assert bench_model.main() == 0
+    result = json.loads((tmp_path / "bench_model_load.json").read_text())["load"]
+    assert result["head"]["dtype"] == "bfloat16" and result["params_GB"] > 0
+    assert result["peak_over_params"] <= 1.05
+    assert "| peak / parameters |" in capsys.readouterr().out

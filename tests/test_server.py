@@ -139,6 +139,23 @@ def test_repeated_prompt_is_served_from_the_prompt_cache(server):
     assert _stats(server)["generation_restarts"] == 0
 
 
+def test_a_conversations_second_turn_prefills_only_its_new_tokens(server):
+    """Issue 17 item 5: turn 2 (turn 1's messages, the assistant's reply, a new question) finds
+    turn 1's cache, so only what turn 1 did not hold is prefilled; a conversation with another
+    start finds less."""
+    system = {"role": "system", "content": "You answer briefly. " * 12}
+    turn1 = [system, {"role": "user", "content": "Name a colour."}]
+    first = chat_request(server, turn1, max_tokens=3, temperature=0.0)
+    reply = first["choices"][0]["message"]
+    turn2 = [*turn1, {"role": "assistant", "content": reply["content"]}, {"role": "user", "content": "Another?"}]
+    second = chat_request(server, turn2, max_tokens=3, temperature=0.0)
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["prompt_tokens"] - 1  # all of turn 1's prompt at least
+    assert second["usage"]["prompt_tokens"] - cached < second["usage"]["prompt_tokens"] // 2
+    other = chat_request(server, [{"role": "system", "content": "x"}, *turn2[1:]], max_tokens=1)
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] < cached
+
+
 def test_prompt_cache_exact_hits_and_long_trims_stay_usable():
     """In process, on the tiny model: an exact hit gives back a cache one token short and that
     token (mlx-lm alone returns an empty remainder, which kills its generation thread); reusing an

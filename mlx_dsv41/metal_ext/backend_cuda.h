@@ -56,6 +56,16 @@ typedef long long i64;
     (v)[3] = kx_t.w;                                                  \
   } while (0)
 
+// v[0..3] = the 4 words at p (16-byte aligned): one vector load.
+#define KX_LOAD_U32X4(p, v)                                           \
+  do {                                                                \
+    const uint4 kx_t = *reinterpret_cast<const uint4*>(p);            \
+    (v)[0] = kx_t.x;                                                  \
+    (v)[1] = kx_t.y;                                                  \
+    (v)[2] = kx_t.z;                                                  \
+    (v)[3] = kx_t.w;                                                  \
+  } while (0)
+
 #define KX_TO_F32(x) static_cast<float>(x)
 #define KX_F16_BITS_TO_F32(bits) __half2float(__ushort_as_half((unsigned short)(bits)))
 #define KX_F32_TO_F16_BITS(f) ((u32)__half_as_ushort(__float2half_rn(f)))

@@ -65,6 +65,16 @@ typedef long i64;
     (v)[3] = kx_t.w;                                           \
   } while (0)
 
+// v[0..3] = the 4 words at p (16-byte aligned): one vector load.
+#define KX_LOAD_U32X4(p, v)                                    \
+  do {                                                         \
+    const uint4 kx_t = *(const device uint4*)(p);              \
+    (v)[0] = kx_t.x;                                           \
+    (v)[1] = kx_t.y;                                           \
+    (v)[2] = kx_t.z;                                           \
+    (v)[3] = kx_t.w;                                           \
+  } while (0)
+
 // Conversions (all round-to-nearest-even).
 #define KX_TO_F32(x) static_cast<float>(x)
 #define KX_F16_BITS_TO_F32(bits) static_cast<float>(as_type<half>((ushort)(bits)))

@@ -110,7 +110,11 @@ MTP = re.compile(r"^mtp\.")
 _EXPERT_PREFIX = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.")
 # Stored in fp32 in the release and computed from fp32 (docs/numerics.md#dtypes).
 FP32_STORED = re.compile(r"\.(hc_(attn|ffn)_(fn|base|scale)|attn_sink|ffn\.gate\.bias)$")
-_DSPARK_FP32 = re.compile(r"^mtp\.\d+\.(markov_head\.head|confidence_head\.proj)\.weight$")
+# The weights of the reference's fp32 linears (docs/numerics.md#fp32-linears) and the fp32-stored tensors:
+# kept as they are by `mlx_lm.convert --dtype` (cast_predicate).
+_KEEP_DTYPE = re.compile(
+    r"hc_(attn|ffn)_|attn_sink|\.gate\.|compressor\.|^head\.|^mtp\.\d+\.(markov_head\.head|confidence_head\.proj)\."
+)
 
 
 class Model(nn.Module):
@@ -297,7 +301,7 @@ class Model(nn.Module):
         """Official checkpoint tensors -> this model's parameters.
 
         Drops what the text model does not read; builds every linear and experts module from the
-        format stored for it (quant seam) and swaps it in; holds fp32 what the reference holds fp32.
+        format stored for it (quant seam) and swaps it in; holds every tensor as stored.
         Nothing is evaluated: unread tensors are never loaded.
         """
         if self.mtp and not any(MTP.match(k) for k in weights):
@@ -333,28 +337,10 @@ class Model(nn.Module):
             out.update(quant.module_tensors(built, name))
             swaps.append((name, built))
         self.update_modules(tree_unflatten(swaps))  # nested dict/list tree of the swapped modules
-        return {k: self._held_dtype(k, v) for k, v in out.items()}
-
-    def _held_dtype(self, key: str, value: mx.array) -> mx.array:
-        """fp32 where the reference computes from fp32 weights (docs/numerics.md#dtypes); else as
-        stored."""
-        if not mx.issubdtype(value.dtype, mx.floating):
-            return value
-        m = re.match(r"layers\.(\d+)\.attn\.compressor\.(wkv|wgate)\.weight$", key)
-        if m and self.args.compress_ratios[int(m.group(1))] > 1:
-            # fp32 pooling (docs/numerics.md#fp32-where); ratio 1 stays bf16
-            return value.astype(mx.float32)
-        if FP32_STORED.search(key) or key.endswith(".ffn.gate.weight") or key == "head.weight":
-            # router logits and the head are fp32 too (docs/numerics.md#dtypes, docs/model.md#head)
-            return value.astype(mx.float32)
-        if _DSPARK_FP32.search(key):
-            # the reference holds these in fp32 (docs/dspark.md#tensors)
-            return value.astype(mx.float32)
-        return value
+        # Held as stored: the fp32 linears widen 16-bit weights where used (docs/numerics.md#fp32-linears).
+        return out
 
     @property
     def cast_predicate(self):
-        """mlx-lm convert --dtype: keep the fp32 tensors fp32."""
-        return lambda k: (
-            not re.search(r"hc_(attn|ffn)_|attn_sink|\.gate\.|compressor\.|^head\.", k) and not _DSPARK_FP32.search(k)
-        )
+        """mlx-lm convert --dtype: keep the fp32 tensors and the fp32 linears' weights as they are."""
+        return lambda k: not _KEEP_DTYPE.search(k)

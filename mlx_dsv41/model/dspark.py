@@ -70,7 +70,7 @@ class StageAttention(Attention):
 
 class MarkovHead(nn.Module):
     """`markov_head.embed` [V, R] and `.head` [V, R] (docs/dspark.md#output): a rank-R logit bias
-    from the previous token; the head is held in fp32."""
+    from the previous token; the head computes in fp32 from its stored bf16 (docs/numerics.md#fp32-linears)."""
 
     def __init__(self, vocab_size: int, rank: int):
         super().__init__()
@@ -79,7 +79,8 @@ class MarkovHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
-    """`confidence_head.proj` [1, D + R], no bias, held in fp32 (docs/dspark.md#output)."""
+    """`confidence_head.proj` [1, D + R], no bias, an fp32 linear (docs/dspark.md#output,
+    docs/numerics.md#fp32-linears)."""
 
     def __init__(self, dims: int):
         super().__init__()

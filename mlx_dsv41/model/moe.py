@@ -7,6 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dsv41.config import ModelArgs
+from mlx_dsv41.kernels import fp32_linear
 from mlx_dsv41.kernels.moe_route import route
 from mlx_dsv41.quant import DenseExperts, swiglu_mlp
 
@@ -20,7 +21,8 @@ def sum_slots(slots: mx.array) -> mx.array:
 
 
 class Gate(nn.Module):
-    """Router: `weight [E, D]`, `bias [E]` fp32 (used only to choose experts)."""
+    """Router: `weight [E, D]` (held as stored, bf16; its logits are fp32), `bias [E]` fp32 (used only
+    to choose experts)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -32,7 +34,7 @@ class Gate(nn.Module):
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x [T, D] -> indices [T, k] int32 (ascending expert id), weights [T, k] fp32."""
-        logits = x.astype(mx.float32) @ self.weight.astype(mx.float32).T
+        logits = fp32_linear.linear(x, self.weight)  # fp32 from the stored bf16 (docs/numerics.md#fp32-linears)
         return route(logits, self.bias, self.top_k, self.temperature, self.route_scale)
 
 

@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlx_dsv41.kernels import fp32_linear
 from mlx_dsv41.quant import official
 from mlx_dsv41.quant.dense import DenseExperts
 from mlx_dsv41.quant.errors import FormatError
@@ -78,9 +79,13 @@ class GroupedLinear(nn.Module):
 
 class DenseLinear(nn.Linear):
     """`nn.Linear` (no bias) that returns x.dtype, like every other format: a stored fp16 weight
-    (exllamav3 keeps unquantized linears in fp16) would otherwise promote bf16 inputs to fp32."""
+    (exllamav3 keeps unquantized linears in fp16) would otherwise promote bf16 inputs to fp32.
+    fp32 x makes it one of the reference's fp32 linears, computed from the weight as stored
+    (docs/numerics.md#fp32-linears)."""
 
     def __call__(self, x: mx.array) -> mx.array:
+        if x.dtype == mx.float32:
+            return fp32_linear.linear(x, self.weight)
         y = super().__call__(x)
         return y if y.dtype == x.dtype else y.astype(x.dtype)
 

@@ -1,0 +1,87 @@
+"""The reference's fp32 linears from weights held as stored (docs/numerics.md#fp32-linears):
+
+    linear(x [..., K], w [N, K]) -> y [..., N] float32,  y = fp32(x) · fp32(w)ᵀ, fp32 sums
+
+The head, the router, the ratio > 1 compressor projections and DSpark's markov and confidence heads
+are computed by the reference from fp32 copies of bf16 tensors. Holding those copies doubles the
+head's memory and the bytes read per token, so the weights stay bf16 (or fp16) and are widened where
+they are used:
+- on a GPU, up to 8 rows, the fp32_gemv kernel reads the 16-bit weights and sums in fp32; a row's
+  bytes do not depend on the other rows (solo == batched, a verify row == a one-row step);
+- otherwise (the CPU reference, many rows, K not a multiple of 8) pieces of `w` are widened and
+  multiplied with MLX's matmul, which sums fp32 inputs in fp32 on every backend; a piece is at most
+  `PIECE_BYTES` of fp32, so no full fp32 copy of a large weight ever exists.
+A weight already held in fp32 takes MLX's matmul directly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from mlx_dsv41.kernels import Kernel, backend, register
+
+MAX_ROWS = 8  # rows of x one fp32_gemv launch takes (its per-lane accumulators are M x COLS)
+_COLS, _THREADS = 4, 256  # outputs per SIMD group; 8 SIMD groups per threadgroup
+PIECE_BYTES = 1 << 26  # fp32 bytes of w widened at once off the kernel path
+_HALF = (mx.bfloat16, mx.float16)
+
+GEMV = register(
+    Kernel("fp32_gemv", ("x", "w"), ("y",), max_threads=_THREADS, examples=lambda: _examples()),
+)
+
+
+def linear_reference(x: mx.array, w: mx.array, piece_bytes: int = PIECE_BYTES) -> mx.array:
+    """x [M, K] float32 · fp32(w)ᵀ, widening at most `piece_bytes` of w at a time."""
+    N, K = w.shape
+    rows = max(1, piece_bytes // (4 * K))
+    if w.dtype == mx.float32 or N <= rows:
+        return x @ w.astype(mx.float32).T
+    return mx.concatenate([x @ w[i : i + rows].astype(mx.float32).T for i in range(0, N, rows)], axis=-1)
+
+
+def gemv_args(x: mx.array, w: mx.array, init_value=None, guard: int = 0) -> dict:
+    M, N = x.shape[0], w.shape[0]
+    per_group = _COLS * (_THREADS // 32)
+    return dict(
+        inputs=[x, w],
+        output_shapes=[(M + guard, N)],
+        output_dtypes=[mx.float32],
+        grid=(_THREADS * math.ceil(N / per_group), 1, 1),
+        threadgroup=(_THREADS, 1, 1),
+        template=[("M", M), ("COLS", _COLS), ("WBF16", w.dtype == mx.bfloat16)],
+        init_value=init_value,
+    )
+
+
+def takes_kernel(rows: int, w: mx.array) -> bool:
+    """Whether `rows` rows against w run on fp32_gemv (a GPU, 16-bit w, K a multiple of 8)."""
+    return 1 <= rows <= MAX_ROWS and w.dtype in _HALF and w.shape[1] % 8 == 0 and backend() != "cpu"
+
+
+def linear(x: mx.array, w: mx.array) -> mx.array:
+    """See the module docstring. x any float dtype, w [N, K] float32, bfloat16 or float16."""
+    if w.ndim != 2 or not mx.issubdtype(w.dtype, mx.floating) or not mx.issubdtype(x.dtype, mx.floating):
+        raise ValueError(f"fp32 linear: w must be a float [N, K] and x float, got {w.dtype} {w.shape} and {x.dtype}")
+    N, K = w.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"fp32 linear: x {x.shape} does not end in K = {K} (w {w.shape})")
+    lead = x.shape[:-1]
+    rows = math.prod(lead)
+    x2 = x.reshape(rows, K)
+    if takes_kernel(rows, w):
+        y = GEMV(**gemv_args(x2, w))[0]
+    else:
+        y = linear_reference(x2.astype(mx.float32), w)
+    return y.reshape(*lead, N)
+
+
+def _examples():
+    x = mx.random.normal((3, 256), key=mx.random.key(4))
+    w = mx.random.normal((100, 256), key=mx.random.key(5))
+    return [
+        gemv_args(x.astype(mx.bfloat16), w.astype(mx.bfloat16)),
+        gemv_args(x[:1], w.astype(mx.float16)),
+        gemv_args(mx.concatenate([x, x, x[:2]]), w.astype(mx.bfloat16)),
+    ]
