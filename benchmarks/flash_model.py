@@ -40,7 +40,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_dsv41.config import ModelArgs
 from mlx_dsv41.exl3 import EXL3Linear
 from mlx_dsv41.exl3.experts import EXL3ExpertProjection, EXL3Experts, EXL3GroupedLinear
-from mlx_dsv41.model.deepseek_v41 import FP32_STORED, Model
+from mlx_dsv41.model.deepseek_v41 import FP32_STORED, Model, held_dtype
 from mlx_dsv41.quant import DenseLinear
 
 HELD_EXPERTS = 16  # a token's routed work is top-6 of 2304-wide experts whatever the count
@@ -210,8 +210,8 @@ def build(args: ModelArgs, seed: int = 0, held=None) -> Model:
             w = mx.random.uniform(0.5, 1.5, v.shape, key=key)
         else:  # [out, in] projections: router, indexer weights_proj, mHC fn
             w = mx.random.normal(v.shape, key=key) * v.shape[-1] ** -0.5
-        # as stored and held (docs/numerics.md#dtypes): fp32 only what the release stores in fp32
-        native.append((k, w.astype(mx.float32 if FP32_STORED.search(k) else mx.bfloat16)))
+        # as stored (docs/numerics.md#dtypes: fp32 what the release stores in fp32), then as held
+        native.append((k, held_dtype(k, w.astype(mx.float32 if FP32_STORED.search(k) else mx.bfloat16))))
         if len(native) % 64 == 0:
             mx.eval([a for _, a in native[-64:]])
     model.load_weights(native, strict=False)

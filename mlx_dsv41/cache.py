@@ -27,6 +27,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from mlx_dsv41 import graph_constants
 from mlx_dsv41.config import ModelArgs
 
 DEFAULT_TRIM_SLACK = 32
@@ -244,7 +245,7 @@ class LayerCache(_PositionalCache):
         n = 0 if kv is None else kv.shape[1]
         if n:
             self._ensure_compressed(kv.shape[0], n * self.ratio, kv.shape[2], index_keys.shape[2], kv.dtype)
-            slots = self.position // self.ratio + mx.arange(n, dtype=mx.int32)
+            slots = self.position // self.ratio + graph_constants.arange(n)
             self.kv[:, slots] = kv
             self.index_keys[:, slots] = index_keys
         return self.kv, self.index_keys
@@ -358,14 +359,18 @@ class LayerCache(_PositionalCache):
 
 def ring_slots(position: mx.array, start: int, count: int, size: int) -> mx.array:
     """Ring slots of positions position + start .. + count - 1 (int32 [count])."""
-    return (position + (start + mx.arange(count, dtype=mx.int32))) % size
+    return (position + graph_constants.arange(count, start)) % size
+
+
+@graph_constants.constant
+def _window_offsets(length: int, window: int) -> np.ndarray:
+    """[length, window] int32: query s's window holds positions s - window + 1 .. s (plus the offset)."""
+    return (np.arange(length)[:, None] - window + 1 + np.arange(window)[None, :]).astype(np.int32)
 
 
 def window_rows(position: mx.array, length: int, window: int, ring: int) -> mx.array:
     """rows [length, window] int32 of LayerCache.update_window for queries at position + s."""
-    p = position + (
-        mx.arange(length, dtype=mx.int32)[:, None] - window + 1 + mx.arange(window, dtype=mx.int32)[None, :]
-    )
+    p = position + _window_offsets(length, window)
     return mx.where(p < 0, -1, mx.where(p >= position, ring + p - position, p % ring)).astype(mx.int32)
 
 

@@ -115,3 +115,24 @@ def test_the_ops_check_their_shapes():
         )
     with pytest.raises(ValueError, match="pre"):
         hc.collapse_norm(mx.zeros((2, 4, 8)), mx.zeros((2, 3)), mx.ones((8,)), 1e-20)
+
+
+def test_one_stream_collapse_norm_is_the_models_rms_norm():
+    """hc_collapse_norm over one stream of weight 1 (kernels.hyper_connections.rms_norm on a GPU):
+    the collapse is exact, so it is the RMSNorm of docs/numerics.md#dtypes (fp32 math, one bf16
+    rounding), with an fp32-held weight."""
+    rng = np.random.default_rng(5)
+    x = mx.array(rng.standard_normal((T, 1, D)).astype(np.float32) * 3).astype(mx.bfloat16)
+    weight = mx.array((1 + 0.1 * rng.standard_normal(D)).astype(np.float32))
+    one = mx.ones((T, 1), mx.float32)
+    program = exl3_sim.build(
+        [(hc.COLLAPSE_NORM, hc.collapse_norm_args(x, one, weight, NORM_EPS, guard=GUARD))], mma=True
+    )
+    out = program.run(0)[0]
+    assert _guards_poisoned(out, T)
+    xf = f64(x)[:, 0]
+    want = rb(xf / np.sqrt(np.mean(xf * xf, -1, keepdims=True) + NORM_EPS) * f64(weight))
+    got = out[:T].astype(np.float64)
+    assert np.mean(got == want) > 0.98 and np.abs(got - want).max() <= 2**-7 * np.abs(want).max()
+    cpu = np.array(hc.rms_norm(x[:, 0], weight, NORM_EPS).astype(mx.float32))  # the CPU reference
+    assert np.mean(cpu == got) > 0.98

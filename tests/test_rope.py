@@ -105,3 +105,23 @@ def test_make_rope_rejects_other_scaling_types():
     args = ModelArgs(rope_scaling={"rope_type": "yarn", "factor": 16})
     with pytest.raises(ConfigError, match="missing beta_fast, beta_slow, original_max_position_embeddings"):
         make_rope(args, 2)
+
+
+@pytest.mark.parametrize("ndim", [3, 4])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_the_gpu_launch_over_the_whole_vector_gives_the_tails_bytes(monkeypatch, ndim, inverse):
+    """The GPU path (one rope over the whole vector, infinite periods for the leading pairs) run
+    through MLX's CPU rope on fp32 input: the leading features pass unchanged and the tail gets the
+    CPU path's bytes. (bf16 input: MLX's GPU kernels compute in fp32 and round once, as the tail
+    path does; tests/gpu/test_rope_gpu.py checks it on the device.)"""
+    from mlx_dsv41.model import rope as rope_module
+
+    rope = RoPE(64, 10000.0, FLASH_YARN)
+    shape = (2, 5, 3, 512) if ndim == 4 else (2, 5, 512)
+    x = mx.array(np.random.default_rng(ndim).standard_normal(shape).astype(np.float32))
+    offset = mx.array(37, mx.int32)
+    tail_path = np.array(rope(x, offset, step=4, inverse=inverse))
+    monkeypatch.setattr(rope_module, "backend", lambda: "cuda")
+    whole = np.array(rope(x, offset, step=4, inverse=inverse))
+    assert np.array_equal(whole[..., :-64], np.array(x)[..., :-64])
+    assert np.array_equal(whole.view(np.uint32), tail_path.view(np.uint32))

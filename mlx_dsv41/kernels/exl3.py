@@ -28,10 +28,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import IntEnum
-from functools import cache
 
 import mlx.core as mx
+import numpy as np
 
+from mlx_dsv41 import graph_constants
 from mlx_dsv41.kernels import Kernel, backend, float_bits, register
 
 BLOCK = 128  # the kernels' column block: the format's Hadamard block (mlx_dsv41.exl3.hadamard.BLOCK)
@@ -228,13 +229,6 @@ EXPERT_INPUT = register(
 # --------------------------------------------------------------------------------- launch plans
 
 
-@cache
-def _constant(values: tuple, dtype: mx.Dtype) -> mx.array:
-    """A constant array input (never a launch parameter: those are template values, see
-    docs/design.md "Launch constants"), made once per distinct value."""
-    return mx.array(values, dtype)
-
-
 def _even_splits(k_blocks: int, splits: int) -> tuple[int, int]:
     """(splits, 128-blocks per split) for about ``splits`` equal splits; only the last one shorter."""
     per_split = -(-k_blocks // splits)
@@ -360,8 +354,8 @@ def gate_up_args(x, indices, w1, w3, key, lo: int, prev=None, tuning=None, guard
     t1 = (g1 or g3).trellis
     t3 = (g3 or g1).trellis
     # A projection with no expert in this group: every expert is in another group.
-    p1 = g1.position if g1 else _constant((int(SlotStack.OTHER_GROUP),) * w1.n_local, mx.int32)
-    p3 = g3.position if g3 else _constant((int(SlotStack.OTHER_GROUP),) * w3.n_local, mx.int32)
+    p1 = g1.position if g1 else graph_constants.array((int(SlotStack.OTHER_GROUP),) * w1.n_local, mx.int32)
+    p3 = g3.position if g3 else graph_constants.array((int(SlotStack.OTHER_GROUP),) * w3.n_local, mx.int32)
     return dict(
         inputs=[x, indices, w1.suh, t1, p1, w3.suh, t3, p3, indices if prev is None else prev],
         output_shapes=[(slots + guard, 2, splits, w1.n)],
@@ -502,12 +496,18 @@ def run_experts(x, indices, weights, w1, w3, w2, lo, limit):
     return y.reshape(T, top_k, w2.out_features)
 
 
+@graph_constants.constant
+def _group_indices(T: int, G: int) -> np.ndarray:
+    """int32 [T, G]: group g of every token runs as expert g (contiguous: a kernel input, not copied)."""
+    return np.tile(np.arange(G, dtype=np.int32), (T, 1))
+
+
 def run_grouped(x, proj) -> mx.array:
     """exl3_expert_input, exl3_expert_down (one launch per (K, codebook) group) and
     exl3_expert_down_finish for x [T, G, in] with group g as expert g of ``proj``: [T, G, out] in
     x.dtype."""
     T, G, width = x.shape
-    indices = mx.broadcast_to(mx.arange(G, dtype=mx.int32), (T, G))
+    indices = _group_indices(T, G)
     xh = EXPERT_INPUT(**input_args(x.reshape(T * G, width), indices, proj, 0))[0]
     partial = None
     for group in proj.groups:

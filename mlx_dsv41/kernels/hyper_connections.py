@@ -24,6 +24,7 @@ from functools import cache
 
 import mlx.core as mx
 
+from mlx_dsv41 import graph_constants
 from mlx_dsv41.kernels import Kernel, backend, float_bits, register
 
 _THREADS = 256  # hc_mix / hc_collapse_norm: one threadgroup of this many threads per token
@@ -166,6 +167,16 @@ def collapse_norm(streams, pre, weight, eps: float) -> mx.array:
     flat = streams.reshape(_rows(lead), hc, dim)
     out = COLLAPSE_NORM(**collapse_norm_args(flat, pre.astype(mx.float32).reshape(-1, hc), weight, eps))[0]
     return out.reshape(*lead, dim)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """The model's RMSNorm of x [..., D] (docs/numerics.md#dtypes: fp32 math, rounded once to
+    x.dtype). On a GPU it is hc_collapse_norm over one stream of weight 1 (that collapse is exact):
+    one launch, where mx.fast.rms_norm needs a cast on each side to compute in fp32."""
+    if backend() == "cpu":
+        return mx.fast.rms_norm(x.astype(mx.float32), weight.astype(mx.float32), eps).astype(x.dtype)
+    one = graph_constants.full((*x.shape[:-1], 1), 1.0, mx.float32)
+    return collapse_norm(x[..., None, :], one, weight, eps)
 
 
 def expand(y, residual, post, comb) -> mx.array:

@@ -30,6 +30,7 @@ from collections import Counter
 
 import mlx.core as mx
 
+from mlx_dsv41 import graph_constants
 from mlx_dsv41.kernels import Kernel, backend, float_bits, register
 
 VARIANTS = ("serial", "parallel", "auto")
@@ -132,11 +133,11 @@ def _launch_args(q, window, pool, indices, sinks, scale: float, variant: str) ->
     # Empty inputs are never read (HAS_* false: the kernel takes 0 for their sizes); stand-ins keep
     # the buffers non-empty, NaN-filled so that a wrong read could not go unnoticed.
     if W == 0:
-        window = mx.full((1, 1, D), mx.nan, window.dtype)
+        window = graph_constants.full((1, 1, D), float("nan"), window.dtype)
     if T == 0:
-        pool = mx.full((1, 1, D), mx.nan, pool.dtype)
+        pool = graph_constants.full((1, 1, D), float("nan"), pool.dtype)
     if N == 0:
-        indices = mx.full((1,), -1, mx.int32)
+        indices = graph_constants.full((1,), -1, mx.int32)
     return dict(
         inputs=[q, window, pool, indices, sinks],
         output_shapes=[(B, S, H, D)],

@@ -41,30 +41,23 @@ typedef long long i64;
 #define KX_LOG(x) logf(x)  // IEEE-accurate (no fast math)
 #define KX_SQRT(x) sqrtf(x)  // IEEE (NVRTC's default -prec-sqrt=true)
 #define KX_FMAX(a, b) fmaxf((a), (b))
+#define KX_RINT(x) rintf(x)  // round half to even
 #define KX_ISNAN(x) isnan(x)
 #define KX_ISINF(x) isinf(x)
 #define KX_INF_F32 (__int_as_float(0x7f800000))
 #define KX_NAN_F32 (__int_as_float(0x7fc00000))
 #define KX_POPCOUNT(x) __popc(x)
-// v[0..3] = the 4 floats at p (16-byte aligned): one vector load.
-#define KX_LOAD_F32X4(p, v)                                           \
-  do {                                                                \
-    const float4 kx_t = *reinterpret_cast<const float4*>(p);          \
-    (v)[0] = kx_t.x;                                                  \
-    (v)[1] = kx_t.y;                                                  \
-    (v)[2] = kx_t.z;                                                  \
-    (v)[3] = kx_t.w;                                                  \
+// v[0..3] = the 4 elements of vector type VT (float4, uint4) at p (16-byte aligned): one load.
+#define KX_LOAD_X4(VT, p, v)          \
+  do {                                \
+    const VT kx_t = *reinterpret_cast<const VT*>(p); \
+    (v)[0] = kx_t.x;                  \
+    (v)[1] = kx_t.y;                  \
+    (v)[2] = kx_t.z;                  \
+    (v)[3] = kx_t.w;                  \
   } while (0)
-
-// v[0..3] = the 4 words at p (16-byte aligned): one vector load.
-#define KX_LOAD_U32X4(p, v)                                           \
-  do {                                                                \
-    const uint4 kx_t = *reinterpret_cast<const uint4*>(p);            \
-    (v)[0] = kx_t.x;                                                  \
-    (v)[1] = kx_t.y;                                                  \
-    (v)[2] = kx_t.z;                                                  \
-    (v)[3] = kx_t.w;                                                  \
-  } while (0)
+#define KX_LOAD_F32X4(p, v) KX_LOAD_X4(float4, p, v)
+#define KX_LOAD_U32X4(p, v) KX_LOAD_X4(uint4, p, v)
 
 #define KX_TO_F32(x) static_cast<float>(x)
 #define KX_F16_BITS_TO_F32(bits) __half2float(__ushort_as_half((unsigned short)(bits)))

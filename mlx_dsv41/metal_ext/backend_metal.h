@@ -50,30 +50,23 @@ typedef long i64;
 #define KX_LOG(x) metal::precise::log(x)
 #define KX_SQRT(x) metal::precise::sqrt(x)
 #define KX_FMAX(a, b) metal::fmax((a), (b))
+#define KX_RINT(x) metal::rint(x)  // round half to even
 #define KX_ISNAN(x) metal::isnan(x)
 #define KX_ISINF(x) metal::isinf(x)
 #define KX_INF_F32 (INFINITY)
 #define KX_NAN_F32 (NAN)
 #define KX_POPCOUNT(x) metal::popcount(x)
-// v[0..3] = the 4 floats at p (16-byte aligned): one vector load.
-#define KX_LOAD_F32X4(p, v)                                    \
-  do {                                                         \
-    const float4 kx_t = *(const device float4*)(p);            \
-    (v)[0] = kx_t.x;                                           \
-    (v)[1] = kx_t.y;                                           \
-    (v)[2] = kx_t.z;                                           \
-    (v)[3] = kx_t.w;                                           \
+// v[0..3] = the 4 elements of vector type VT (float4, uint4) at p (16-byte aligned): one load.
+#define KX_LOAD_X4(VT, p, v)          \
+  do {                                \
+    const VT kx_t = *(const device VT*)(p); \
+    (v)[0] = kx_t.x;                  \
+    (v)[1] = kx_t.y;                  \
+    (v)[2] = kx_t.z;                  \
+    (v)[3] = kx_t.w;                  \
   } while (0)
-
-// v[0..3] = the 4 words at p (16-byte aligned): one vector load.
-#define KX_LOAD_U32X4(p, v)                                    \
-  do {                                                         \
-    const uint4 kx_t = *(const device uint4*)(p);              \
-    (v)[0] = kx_t.x;                                           \
-    (v)[1] = kx_t.y;                                           \
-    (v)[2] = kx_t.z;                                           \
-    (v)[3] = kx_t.w;                                           \
-  } while (0)
+#define KX_LOAD_F32X4(p, v) KX_LOAD_X4(float4, p, v)
+#define KX_LOAD_U32X4(p, v) KX_LOAD_X4(uint4, p, v)
 
 // Conversions (all round-to-nearest-even).
 #define KX_TO_F32(x) static_cast<float>(x)

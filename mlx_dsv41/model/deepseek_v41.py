@@ -117,6 +117,15 @@ _KEEP_DTYPE = re.compile(
 )
 
 
+NORM_WEIGHT = re.compile(r"norm\.weight$")
+
+
+def held_dtype(key: str, value: mx.array) -> mx.array:
+    """A stored tensor as the model holds it: as stored, but RMSNorm weights in fp32 (vectors of D:
+    the fused norm reads fp32, and a 16-bit copy would be one cast launch per norm per step)."""
+    return value.astype(mx.float32) if NORM_WEIGHT.search(key) and mx.issubdtype(value.dtype, mx.floating) else value
+
+
 class Model(nn.Module):
     def __init__(self, args: ModelArgs, expert_range: tuple[int, int] | None = None):
         super().__init__()
@@ -337,8 +346,9 @@ class Model(nn.Module):
             out.update(quant.module_tensors(built, name))
             swaps.append((name, built))
         self.update_modules(tree_unflatten(swaps))  # nested dict/list tree of the swapped modules
-        # Held as stored: the fp32 linears widen 16-bit weights where used (docs/numerics.md#fp32-linears).
-        return out
+        # Held as stored (the fp32 linears widen 16-bit weights where used:
+        # docs/numerics.md#fp32-linears), but for the RMSNorm weights (docs/design.md#graph-constants).
+        return {k: held_dtype(k, v) for k, v in out.items()}
 
     @property
     def cast_predicate(self):

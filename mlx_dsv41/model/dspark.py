@@ -32,7 +32,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_dsv41 import quant
+from mlx_dsv41 import graph_constants, quant
 from mlx_dsv41.cache import DraftCache, LayerCache
 from mlx_dsv41.config import ModelArgs
 from mlx_dsv41.kernels.sparse_attention import sparse_attention
@@ -62,7 +62,7 @@ class StageAttention(Attention):
         q, _ = self.queries(x, start)  # no fake quant on q (docs/dspark.md#dtypes)
         keys = mx.concatenate([window, self.window_keys(x, start)], axis=1)
         # rows[-1]: where the window of position p sits in `window`; the block keys follow it.
-        idx = mx.concatenate([rows[-1], window.shape[1] + mx.arange(S, dtype=mx.int32)])
+        idx = mx.concatenate([rows[-1], graph_constants.arange(S, window.shape[1])])
         indices = mx.broadcast_to(idx, (B, S, idx.shape[0]))
         o = sparse_attention(q, keys, keys[:, :0], indices, self.attn_sink.astype(mx.float32), self.scale)
         return self.output(o.astype(x.dtype), start)

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlx_dsv41.kernels import backend
+from mlx_dsv41.kernels import fake_quant as kernel
+
 
 @dataclass(frozen=True)
 class FloatGrid:
@@ -83,8 +86,15 @@ def _amax(blocks: mx.array, floor: float) -> mx.array:
     return mx.maximum(mx.max(mx.abs(blocks), axis=-1, keepdims=True), floor)
 
 
+def _on_kernel(x: mx.array, block: int) -> bool:
+    """A GPU runs the fake_quant kernel (the same operations, one launch); the CPU these."""
+    return backend() != "cpu" and kernel.takes(x, block)
+
+
 def fake_quant_fp8(x: mx.array, block: int = 32) -> mx.array:
     """FP8 e4m3 with one ue8m0 (power-of-two) scale per `block` values of the last axis."""
+    if _on_kernel(x, block):
+        return kernel.run(x, block, kernel.FP8_UE8M0)
     b = _blocks(x, block, "fake_quant_fp8")
     scale = ue8m0_scale(_amax(b, _FP8_AMAX_FLOOR), E4M3.max_value)
     return (round_to_grid(b / scale, E4M3) * scale).reshape(x.shape).astype(x.dtype)
@@ -92,12 +102,14 @@ def fake_quant_fp8(x: mx.array, block: int = 32) -> mx.array:
 
 def fake_quant_fp4(x: mx.array, block: int, scale: str = "ue8m0") -> mx.array:
     """FP4 e2m1 with one scale per `block` values of the last axis; scale "ue8m0" or "e4m3"."""
+    if scale not in ("ue8m0", "e4m3"):
+        raise ValueError(f"fake_quant_fp4: scale must be 'ue8m0' or 'e4m3', got {scale!r}")
+    if _on_kernel(x, block):
+        return kernel.run(x, block, kernel.FP4_UE8M0 if scale == "ue8m0" else kernel.FP4_E4M3)
     b = _blocks(x, block, "fake_quant_fp4")
     if scale == "ue8m0":
         s = ue8m0_scale(_amax(b, _FP4_UE8M0_AMAX_FLOOR), E2M1.max_value)
-    elif scale == "e4m3":
-        s = round_to_grid(_amax(b, _FP4_E4M3_AMAX_FLOOR) / E2M1.max_value, E4M3)
     else:
-        raise ValueError(f"fake_quant_fp4: scale must be 'ue8m0' or 'e4m3', got {scale!r}")
+        s = round_to_grid(_amax(b, _FP4_E4M3_AMAX_FLOOR) / E2M1.max_value, E4M3)
     # An e4m3 scale may round below amax/6: the quotient then exceeds 6 and saturates.
     return (round_to_grid(b / s, E2M1) * s).reshape(x.shape).astype(x.dtype)

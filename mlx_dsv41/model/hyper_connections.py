@@ -14,7 +14,9 @@ launch per op on a GPU); this module is the model's view of them.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
+from mlx_dsv41 import graph_constants
 from mlx_dsv41.kernels.hyper_connections import collapse, collapse_norm, expand, mixes
 
 __all__ = ["collapse", "collapse_norm", "expand", "hc_mixes", "initial_pre"]
@@ -33,4 +35,11 @@ def hc_mixes(
 
 def initial_pre(batch: int, length: int, hc: int) -> mx.array:
     """Layer 0 collapses with stream 0 alone (one-hot pre): all streams still equal the embedding."""
-    return mx.broadcast_to((mx.arange(hc) == 0).astype(mx.float32), (batch, length, hc))
+    return _one_hot_first(batch, length, hc)
+
+
+@graph_constants.constant
+def _one_hot_first(batch: int, length: int, hc: int) -> np.ndarray:
+    pre = np.zeros((batch, length, hc), np.float32)
+    pre[..., 0] = 1.0
+    return pre

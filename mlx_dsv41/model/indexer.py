@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from mlx_dsv41 import graph_constants
 from mlx_dsv41.config import ModelArgs
 from mlx_dsv41.model.fake_quant import fake_quant_fp4
 from mlx_dsv41.model.norm import RMSNorm
@@ -37,7 +39,7 @@ _SCORE_CHUNK_ELEMENTS = 1 << 26
 def visible_counts(position: mx.array, length: int, ratio: int) -> mx.array:
     """Compressed entries visible to the queries at position .. position+length-1: (t+1) // r
     (int32 [length]; position an int32 array, so a compiled step is not specialised on it)."""
-    return (position + 1 + mx.arange(length, dtype=mx.int32)) // ratio
+    return (position + graph_constants.arange(length, 1)) // ratio
 
 
 def index_scores(q: mx.array, weights: mx.array, keys: mx.array, visible: mx.array) -> mx.array:
@@ -45,8 +47,14 @@ def index_scores(q: mx.array, weights: mx.array, keys: mx.array, visible: mx.arr
     fp32, -inf where an entry is not visible (keys past the visible count may be any values)."""
     dots = q.astype(mx.float32) @ keys.astype(mx.float32)[:, None].swapaxes(-1, -2)  # [B, S, Hi, T]
     scores = mx.sum(mx.maximum(dots, 0.0) * weights[..., None], axis=2)
-    seen = mx.arange(keys.shape[1], dtype=mx.int32)[None, :] < visible[:, None]
+    seen = graph_constants.arange(keys.shape[1])[None, :] < visible[:, None]
     return mx.where(seen, scores, -mx.inf)
+
+
+@graph_constants.constant
+def _lower_index_first(n: int) -> np.ndarray:
+    """int64 0xFFFFFFFF - j: the low half of a ranking key, larger for a lower index j."""
+    return 0xFFFFFFFF - np.arange(n, dtype=np.int64)
 
 
 def _ranking_keys(scores: mx.array) -> mx.array:
@@ -54,7 +62,7 @@ def _ranking_keys(scores: mx.array) -> mx.array:
     bits = mx.view(scores + 0.0, mx.int32)  # + 0.0 turns -0 into +0: they are equal scores
     # Flipping the magnitude bits of negative floats makes the int32 order match the float order.
     ordered = mx.where(bits < 0, mx.bitwise_xor(bits, 0x7FFFFFFF), bits).astype(mx.int64)
-    return ordered * (1 << 32) + (0xFFFFFFFF - mx.arange(scores.shape[-1], dtype=mx.int64))
+    return ordered * (1 << 32) + _lower_index_first(scores.shape[-1])
 
 
 def select_topk(scores: mx.array, k: int, visible: mx.array) -> mx.array:
@@ -76,7 +84,7 @@ def select_candidate_blocks(scores: mx.array, visible: mx.array, block: int, kee
     # Pin the block of the newest visible entry: it is only partly filled
     # (docs/model.md#two-level-selection).
     newest = mx.where(visible > 0, (visible - 1) // block, -1)
-    block_scores = mx.where(mx.arange(nb, dtype=mx.int32)[None, :] == newest[:, None], mx.inf, block_scores)
+    block_scores = mx.where(graph_constants.arange(nb)[None, :] == newest[:, None], mx.inf, block_scores)
     keep = min(keep, nb)
     ranks = _ranking_keys(block_scores)
     kth_best = mx.partition(ranks, kth=nb - keep, axis=-1)[..., nb - keep : nb - keep + 1]

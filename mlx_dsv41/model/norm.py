@@ -7,6 +7,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_dsv41.kernels.hyper_connections import rms_norm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dims: int, eps: float):
@@ -15,8 +17,4 @@ class RMSNorm(nn.Module):
         self.weight = mx.ones((dims,))
 
     def __call__(self, x: mx.array) -> mx.array:
-        # fp32 input and weight: the fused kernel then normalises and multiplies in fp32 with no
-        # intermediate rounding (docs/numerics.md#rms-eps: never feed bf16 to a fused norm at eps
-        # 1e-20).
-        y = mx.fast.rms_norm(x.astype(mx.float32), self.weight.astype(mx.float32), self.eps)
-        return y.astype(x.dtype)
+        return rms_norm(x, self.weight, self.eps)  # fp32 math, one rounding (the kernel dispatch)

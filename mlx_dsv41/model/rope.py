@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dsv41.config import ConfigError, ModelArgs
+from mlx_dsv41.kernels import backend
 
 
 def yarn_correction_range(
@@ -56,24 +57,33 @@ class RoPE:
         self.frequencies = rope_frequencies(dims, theta, yarn)
         # mx.fast.rope's `freqs` argument is the period of each pair: angle = position / period.
         self._periods = mx.array((1.0 / self.frequencies).astype(np.float32))
+        self._wide: dict[int, mx.array] = {}
+
+    def _whole_width(self, width: int) -> mx.array:
+        """The periods of a rope over the whole `width`: inf for the leading (width - dims) / 2 pairs."""
+        if width not in self._wide:
+            lead = np.full((width - self.dims) // 2, np.inf)
+            self._wide[width] = mx.array(np.concatenate([lead, 1.0 / self.frequencies]).astype(np.float32))
+        return self._wide[width]
 
     def __call__(self, x: mx.array, offset: mx.array | int, *, step: int = 1, inverse: bool = False) -> mx.array:
+        scale = float(-step if inverse else step)
+        if backend() != "cpu":
+            # One launch over the whole vector: MLX's GPU rope kernels compute in fp32 from any
+            # input dtype and round once, and the leading pairs get an infinite period (angle 0:
+            # they pass unchanged) -- the bytes of the fp32 tail below, without its slice, two
+            # casts and concatenation (docs/numerics.md#rope-launch).
+            return self._rope(x, x.shape[-1], scale, offset, self._whole_width(x.shape[-1]))
         d = self.dims
-        tail = x[..., -d:].astype(mx.float32)
-        if x.ndim == 4:  # mx.fast.rope wants positions on axis -2
-            tail = tail.swapaxes(1, 2)
-        tail = mx.fast.rope(
-            tail,
-            d,
-            traditional=True,
-            base=None,
-            scale=float(-step if inverse else step),
-            offset=offset,
-            freqs=self._periods,
-        )
-        if x.ndim == 4:
-            tail = tail.swapaxes(1, 2)
+        tail = self._rope(x[..., -d:].astype(mx.float32), d, scale, offset, self._periods)
         return mx.concatenate([x[..., :-d], tail.astype(x.dtype)], axis=-1)
+
+    @staticmethod
+    def _rope(x: mx.array, dims: int, scale: float, offset, periods: mx.array) -> mx.array:
+        if x.ndim == 4:  # mx.fast.rope wants positions on axis -2
+            x = x.swapaxes(1, 2)
+        y = mx.fast.rope(x, dims, traditional=True, base=None, scale=scale, offset=offset, freqs=periods)
+        return y.swapaxes(1, 2) if y.ndim == 4 else y
 
 
 def make_rope(args: ModelArgs, layer_id: int) -> RoPE:

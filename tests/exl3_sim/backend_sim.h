@@ -114,6 +114,7 @@ inline T sim_shuffle_to(T v, u32 src_lane) {
 #define KX_LOG(x) std::log((float)(x))
 #define KX_SQRT(x) std::sqrt((float)(x))
 #define KX_FMAX(a, b) std::fmaxf((a), (b))
+#define KX_RINT(x) std::nearbyint((float)(x))  // the default rounding mode: half to even
 #define KX_ISNAN(x) std::isnan(x)
 #define KX_ISINF(x) std::isinf(x)
 #define KX_INF_F32 (INFINITY)

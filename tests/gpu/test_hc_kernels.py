@@ -141,3 +141,20 @@ def test_ops_on_the_model_shapes_match_the_mlx_reference():
 def test_launch_limits_are_declared():
     for kernel in (hc.MIX, hc.COLLAPSE_NORM, hc.EXPAND):
         assert kernel.max_threads == 256
+
+
+def test_rms_norm_is_one_stream_collapse_norm():
+    """kernels.hyper_connections.rms_norm on the GPU (hc_collapse_norm, one stream of weight 1):
+    the RMSNorm against float64 with one bf16 rounding, a row's bytes the same solo and batched, and
+    within one bf16 rounding of the CPU reference's mx.fast.rms_norm."""
+    rng = np.random.default_rng(9)
+    x = mx.array(rng.standard_normal((6, D)).astype(np.float32) * 3).astype(mx.bfloat16)
+    w = mx.array((1 + 0.1 * rng.standard_normal(D)).astype(np.float32))
+    got = np.array(hc.rms_norm(x, w, NORM_EPS).astype(mx.float32), np.float64)
+    xf = f64(x)
+    want = rb(xf / np.sqrt(np.mean(xf * xf, -1, keepdims=True) + NORM_EPS) * f64(w))
+    assert np.mean(got == want) > 0.98 and np.abs(got - want).max() <= 2**-7 * np.abs(want).max()
+    solo = np.array(hc.rms_norm(x[3:4], w, NORM_EPS).astype(mx.float32))
+    assert np.array_equal(solo[0], got[3].astype(np.float32))
+    fast = np.array(mx.fast.rms_norm(x.astype(mx.float32), w, NORM_EPS).astype(mx.bfloat16).astype(mx.float32))
+    assert np.abs(fast - got).max() <= 2**-7 * np.abs(want).max()

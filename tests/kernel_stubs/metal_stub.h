@@ -64,6 +64,7 @@ template <typename T> T simd_min(T v);
 float fma(float a, float b, float c);
 half2 fma(half2 a, half2 b, half2 c);
 float fmax(float a, float b);
+float rint(float x);
 float fmin(float a, float b);
 template <typename T> T max(T a, T b);
 template <typename T> T min(T a, T b);

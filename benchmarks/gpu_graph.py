@@ -1,0 +1,192 @@
+"""The graph a GPU decode step builds, counted on a machine without a GPU (issue 16: fewer launches).
+
+Every op module is told the backend is "cuda" and every custom kernel call (mlx_dsv41.kernels.Kernel)
+returns stand-in outputs (zeros that depend on the kernel's inputs: no compute primitive), as do
+`mx.fast.rope` and `mx.fast.rms_norm` (one launch each on a GPU, a decomposition on the CPU), so the
+model builds the graph it builds on the H200, kernel for kernel, on the CPU. Counted for one decode
+step of the Flash-shaped model (flash_model.py, --layers, Engram off) after a short prompt:
+- custom kernel launches by kernel name;
+- the other compute primitives (MLX's own kernels: casts, copies, aranges, matmuls, ...) by name, in
+  the eager graph and in the graph the compiled step replays (`mx.compile`'s fusion applied: its
+  fused elementwise chains count once, as `Compiled`);
+- for casts and aranges, the Python lines that create them (`--sites`);
+- custom-kernel inputs that are views MLX will copy before the launch (a kernel takes row-contiguous
+  inputs: transposes, strided slices and broadcasts become `copy_gg` launches on CUDA).
+Nothing is evaluated but the prompt's prefill (stand-in zeros). The H200's own count (CUPTI) is in
+bench_model.py; this is the tool for changing the graph between device sessions.
+
+    .venv/bin/python benchmarks/gpu_graph.py --layers 4 [--sites] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import flash_model  # noqa: E402
+from count_ops import VIEWS  # noqa: E402
+
+from mlx_dsv41 import graph_constants, kernels  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+_COPIED_VIEWS = {"Transpose", "Broadcast", "AsStrided", "Slice"}
+_FAST = ("rope", "rms_norm")
+
+
+class Recorder:
+    def __init__(self):
+        self.launches = Counter()
+        self.copied_inputs = Counter()
+        self.sites = Counter()
+        self.check_inputs = False  # look for custom-kernel inputs MLX copies (set for the counted step)
+
+
+def _producer(a: mx.array) -> str | None:
+    buf = io.StringIO()
+    mx.export_to_dot(buf, a)
+    names = re.findall(r'\[label ="([^"]+)", shape=rectangle\]', buf.getvalue())
+    return names[-1] if names else None
+
+
+@contextlib.contextmanager
+def gpu_graph_on_cpu(rec: Recorder):
+    """Ops take their GPU paths; kernels return stand-ins and are counted."""
+    saved_backend, saved_call = kernels.backend, kernels.Kernel.__call__
+    patched = []
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("mlx_dsv41") and getattr(mod, "backend", None) is saved_backend:
+            patched.append(mod)
+            mod.backend = lambda: "cuda"
+
+    def stand_in(self, *, inputs, output_shapes, output_dtypes, **kw):
+        rec.launches[self.name] += 1
+        if rec.check_inputs:
+            for a in inputs:
+                p = _producer(a)
+                if p in _COPIED_VIEWS:
+                    rec.copied_inputs[f"{self.name}: {p}"] += 1
+        outs = [graph_constants.full(tuple(s), 0, d) for s, d in zip(output_shapes, output_dtypes)]
+        return [mx.depends(o, list(inputs)) for o in outs]
+
+    def fast(name):  # MLX's own fused kernels: one launch on a GPU, a decomposition on the CPU
+        def launch(x, *args, **kw):
+            rec.launches[f"mx.fast.{name}"] += 1
+            out = graph_constants.full(tuple(x.shape), 0, x.dtype)
+            return mx.depends(out, [x, *(a for a in args if isinstance(a, mx.array))])
+
+        return launch
+
+    saved_fast = {name: getattr(mx.fast, name) for name in _FAST}
+    kernels.Kernel.__call__ = stand_in
+    for name in _FAST:
+        setattr(mx.fast, name, fast(name))
+    try:
+        yield
+    finally:
+        kernels.Kernel.__call__ = saved_call
+        for name, fn in saved_fast.items():
+            setattr(mx.fast, name, fn)
+        for mod in patched:
+            mod.backend = saved_backend
+
+
+@contextlib.contextmanager
+def call_sites(rec: Recorder):
+    """Count the repository lines that create casts and aranges."""
+    saved_astype, saved_arange = mx.array.astype, mx.arange
+
+    def site() -> str:
+        for frame in reversed(traceback.extract_stack(limit=12)[:-2]):
+            if str(REPO) in frame.filename and "benchmarks" not in frame.filename:
+                return f"{Path(frame.filename).relative_to(REPO)}:{frame.lineno}"
+        return "?"
+
+    def astype(self, dtype, *a, **k):
+        if self.dtype != dtype:
+            rec.sites[f"astype {site()}"] += 1
+        return saved_astype(self, dtype, *a, **k)
+
+    def arange(*a, **k):
+        rec.sites[f"arange {site()}"] += 1
+        return saved_arange(*a, **k)
+
+    mx.array.astype, mx.arange = astype, arange
+    try:
+        yield
+    finally:
+        mx.array.astype, mx.arange = saved_astype, saved_arange
+
+
+def primitives(*arrays) -> Counter:
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *arrays)
+    return Counter(re.findall(r'\[label ="([^"]+)", shape=rectangle\]', buf.getvalue()))
+
+
+def count(layers: int, prompt: int, compiled: bool, sites: bool) -> dict:
+    os.environ["MLX_DSV41_COMPILE"] = "1" if compiled else "0"
+    rec = Recorder()
+    with gpu_graph_on_cpu(rec):
+        model = flash_model.build(flash_model.flash_args(layers))
+        cache = model.make_cache()
+        ids = mx.array(np.random.default_rng(0).integers(3, 1000, (1, prompt)), mx.int32)
+        mx.eval(model(ids, cache))
+        token = mx.array([[7]], mx.int32)
+        mx.eval(model(token, cache))  # a first step (a compiled run traces here)
+        rec.launches.clear()
+        rec.check_inputs = True
+        with call_sites(rec) if sites else contextlib.nullcontext():
+            logits = model(token, cache)
+    counted = primitives(logits)
+    compute = Counter({k: v for k, v in counted.items() if k not in VIEWS and k != "CustomKernel"})
+    return {
+        "compiled": compiled,
+        "layers": layers,
+        "kernels": sum(rec.launches.values()),
+        "kernel_launches": dict(rec.launches.most_common()),
+        "mlx_compute": sum(compute.values()),
+        "mlx_compute_by_name": dict(compute.most_common()),
+        "copied_kernel_inputs": dict(rec.copied_inputs.most_common()),
+        "sites": dict(rec.sites.most_common(40)),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=12)
+    ap.add_argument("--sites", action="store_true", help="the lines creating casts and aranges (eager)")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    mx.set_default_device(mx.cpu)
+    results = [count(a.layers, a.prompt, False, a.sites), count(a.layers, a.prompt, True, False)]
+    for r in results:
+        print(
+            f"\n{'compiled' if r['compiled'] else 'eager'} step, {r['layers']} layers: {r['kernels']} custom kernels, "
+            f"{r['mlx_compute']} MLX compute primitives"
+        )
+        print("  kernels:", r["kernel_launches"])
+        print("  MLX:", r["mlx_compute_by_name"])
+        print("  kernel inputs MLX copies first:", r["copied_kernel_inputs"])
+        for k, v in r["sites"].items():
+            print(f"  {v:5d}  {k}")
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "gpu_graph.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Index vectors and fills that do not depend on the data, made once and reused.
+
+`mx.arange(n)` or `mx.full(...)` inside a forward is a primitive that runs at every step (an Arange or
+a Full launch, plus a copy when a kernel needs a broadcast made contiguous). The functions here
+return arrays that already hold their values (built with numpy: no launch, and nothing to evaluate
+inside a compiled trace), so a step reads them instead; in a compiled step they are constants of
+the trace (docs/design.md#graph-constants).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache, wraps
+
+import mlx.core as mx
+import numpy as np
+
+_NP = {
+    mx.int32: np.int32,
+    mx.int64: np.int64,
+    mx.uint32: np.uint32,
+    mx.float32: np.float32,
+    mx.float16: np.float16,
+}
+
+
+def constant(make: Callable[..., np.ndarray]) -> Callable[..., mx.array]:
+    """`make(*hashable args) -> numpy array` as a function returning its mx.array, made once per
+    arguments."""
+
+    @cache
+    @wraps(make)
+    def made(*args) -> mx.array:
+        return mx.array(make(*args))
+
+    return made
+
+
+@constant
+def arange(n: int, start: int = 0) -> np.ndarray:
+    """int32 start .. start + n - 1."""
+    return np.arange(start, start + n, dtype=np.int32)
+
+
+@cache
+def full(shape: tuple[int, ...], value: float | int, dtype: mx.Dtype) -> mx.array:
+    """`shape` filled with `value`, contiguous (a kernel input needs no copy)."""
+    if dtype == mx.bfloat16:  # numpy has no bf16: the upper half of the float32 (a value bf16 holds)
+        bits = np.full(shape, value, np.float32).view(np.uint32)
+        if np.any(bits & 0xFFFF):
+            raise ValueError(f"graph_constants.full: {value!r} is not a bfloat16 value")
+        return mx.array((bits >> 16).astype(np.uint16)).view(mx.bfloat16)
+    return mx.array(np.full(shape, value, _NP[dtype]))
+
+
+@cache
+def array(values: tuple, dtype: mx.Dtype) -> mx.array:
+    """A small constant array of `values` (e.g. a kernel's slot table)."""
+    return mx.array(values, dtype)
