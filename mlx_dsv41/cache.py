@@ -212,7 +212,7 @@ class LayerCache(_PositionalCache):
         rows = window_rows(self.position, S, self.window_size, R)
         # Only the last R new rows can survive in the ring; write them at their slots.
         keep = min(S, R)
-        self.ring[:, ring_slots(self.position, S - keep, keep, R)] = kv[:, S - keep :]
+        self.ring = store_rows(self.ring, kv[:, S - keep :], self.position + (S - keep), R)
         return window, rows
 
     def group_inputs(self, kv: mx.array, gate: mx.array) -> tuple[mx.array, mx.array]:
@@ -232,9 +232,8 @@ class LayerCache(_PositionalCache):
             all_kv = mx.concatenate([self.raw_kv[:, held], kv], axis=1)
             all_gate = mx.concatenate([self.raw_gate[:, held], gate], axis=1)
         keep = min(S, Q)
-        slots = ring_slots(self.position, S - keep, keep, Q)
-        self.raw_kv[:, slots] = kv[:, S - keep :]
-        self.raw_gate[:, slots] = gate[:, S - keep :]
+        self.raw_kv = store_rows(self.raw_kv, kv[:, S - keep :], self.position + (S - keep), Q)
+        self.raw_gate = store_rows(self.raw_gate, gate[:, S - keep :], self.position + (S - keep), Q)
         return all_kv, all_gate
 
     def append_compressed(self, kv: mx.array | None, index_keys: mx.array | None) -> tuple[mx.array, mx.array]:
@@ -245,9 +244,9 @@ class LayerCache(_PositionalCache):
         n = 0 if kv is None else kv.shape[1]
         if n:
             self._ensure_compressed(kv.shape[0], n * self.ratio, kv.shape[2], index_keys.shape[2], kv.dtype)
-            slots = self.position // self.ratio + graph_constants.arange(n)
-            self.kv[:, slots] = kv
-            self.index_keys[:, slots] = index_keys
+            first = self.position // self.ratio  # n consecutive entries: never past the capacity
+            self.kv = store_rows(self.kv, kv, first)
+            self.index_keys = store_rows(self.index_keys, index_keys, first)
         return self.kv, self.index_keys
 
     def advance(self, n: int) -> None:
@@ -355,6 +354,18 @@ class LayerCache(_PositionalCache):
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
+
+
+def store_rows(buf: mx.array, rows: mx.array, first: mx.array, ring: int | None = None) -> mx.array:
+    """buf [B, N, D] with rows [B, n, D] written at positions first .. first + n - 1 (int32 array),
+    modulo `ring` for a ring buffer. Rows that cannot wrap (one row, or no ring) are one dynamic
+    slice update, where an indexed write is a scatter plus the index arithmetic around it."""
+    n = rows.shape[1]
+    if ring is None or n == 1:
+        start = first if ring is None else first % ring
+        return mx.slice_update(buf, rows, start.reshape(1), axes=(1,))
+    buf[:, ring_slots(first, 0, n, ring)] = rows
+    return buf
 
 
 def ring_slots(position: mx.array, start: int, count: int, size: int) -> mx.array:

@@ -1,7 +1,7 @@
 """The fp32_gemv kernel body (mlx_dsv41/metal_ext/fp32_gemv.metal) on the CPU simulator, with the
 launch kwargs mlx_dsv41.kernels.fp32_linear hands to MLX: against float64 `x · wᵀ` (fp32 sums: the
 error stays at fp32 rounding, far under one bf16 rounding) for bf16 and fp16 weights and fp32 / bf16
-x; a row's bytes the same solo and in a batch of 8; outputs past N and guard rows untouched
+x, and fp32 weights; a row's bytes the same solo and in a batch of 8; outputs past N and guard rows untouched
 (poisoned); NaN / inf in x where float64 puts them. tests/gpu/test_fp32_linear_gpu.py repeats this
 on the device with the kernel contract."""
 
@@ -21,6 +21,7 @@ CASES = [  # rows, x dtype, w dtype
     (1, mx.float32, mx.bfloat16),
     (8, mx.float32, mx.bfloat16),
     (3, mx.bfloat16, mx.float16),
+    (2, mx.bfloat16, mx.float32),  # the mHC mixes' fp32 `fn`
 ]
 
 

@@ -11,7 +11,7 @@ they are used:
 - otherwise (the CPU reference, many rows, K not a multiple of 8) pieces of `w` are widened and
   multiplied with MLX's matmul, which sums fp32 inputs in fp32 on every backend; a piece is at most
   `PIECE_BYTES` of fp32, so no full fp32 copy of a large weight ever exists.
-A weight already held in fp32 takes MLX's matmul directly.
+fp32 weights (the mHC mixes' `fn`) take the same kernel: one launch where MLX needs a cast of x first.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from mlx_dsv41.kernels import Kernel, backend, register
 MAX_ROWS = 8  # rows of x one fp32_gemv launch takes (its per-lane accumulators are M x COLS)
 _COLS, _THREADS = 4, 256  # outputs per SIMD group; 8 SIMD groups per threadgroup
 PIECE_BYTES = 1 << 26  # fp32 bytes of w widened at once off the kernel path
-_HALF = (mx.bfloat16, mx.float16)
+_W_CODES = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
 
 GEMV = register(
     Kernel("fp32_gemv", ("x", "w"), ("y",), max_threads=_THREADS, examples=lambda: _examples()),
@@ -50,14 +50,14 @@ def gemv_args(x: mx.array, w: mx.array, init_value=None, guard: int = 0) -> dict
         output_dtypes=[mx.float32],
         grid=(_THREADS * math.ceil(N / per_group), 1, 1),
         threadgroup=(_THREADS, 1, 1),
-        template=[("M", M), ("COLS", _COLS), ("WBF16", w.dtype == mx.bfloat16)],
+        template=[("M", M), ("COLS", _COLS), ("W", _W_CODES[w.dtype])],
         init_value=init_value,
     )
 
 
 def takes_kernel(rows: int, w: mx.array) -> bool:
-    """Whether `rows` rows against w run on fp32_gemv (a GPU, 16-bit w, K a multiple of 8)."""
-    return 1 <= rows <= MAX_ROWS and w.dtype in _HALF and w.shape[1] % 8 == 0 and backend() != "cpu"
+    """Whether `rows` rows against w run on fp32_gemv (a GPU, K a multiple of 8)."""
+    return 1 <= rows <= MAX_ROWS and w.dtype in _W_CODES and w.shape[1] % 8 == 0 and backend() != "cpu"
 
 
 def linear(x: mx.array, w: mx.array) -> mx.array:
@@ -83,5 +83,6 @@ def _examples():
     return [
         gemv_args(x.astype(mx.bfloat16), w.astype(mx.bfloat16)),
         gemv_args(x[:1], w.astype(mx.float16)),
+        gemv_args(x.astype(mx.bfloat16)[:2], w),
         gemv_args(mx.concatenate([x, x, x[:2]]), w.astype(mx.bfloat16)),
     ]

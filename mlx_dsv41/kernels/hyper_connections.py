@@ -25,7 +25,7 @@ from functools import cache
 import mlx.core as mx
 
 from mlx_dsv41 import graph_constants
-from mlx_dsv41.kernels import Kernel, backend, float_bits, register
+from mlx_dsv41.kernels import Kernel, backend, float_bits, fp32_linear, register
 
 _THREADS = 256  # hc_mix / hc_collapse_norm: one threadgroup of this many threads per token
 _FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -149,7 +149,7 @@ def mixes(streams, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: floa
         return mixes_reference(streams, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
     lead = streams.shape[:-2]
     z = streams.reshape(_rows(lead), hc * dim)
-    mm = z.astype(mx.float32) @ fn.astype(mx.float32).T
+    mm = fp32_linear.linear(z, fn)  # [T, mix] fp32: fp32_gemv for up to 8 rows (docs/numerics.md#fp32-linears)
     out = MIX(**mix_args(mm, z, base, scale, iters, hc_eps, norm_eps))[0].reshape(*lead, mix)
     return out[..., :hc], out[..., hc : 2 * hc], out[..., 2 * hc :].reshape(*lead, hc, hc)
 

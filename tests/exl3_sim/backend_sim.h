@@ -126,6 +126,7 @@ inline T sim_shuffle_to(T v, u32 src_lane) {
     for (int kx_i = 0; kx_i < 4; kx_i++) (v)[kx_i] = (p)[kx_i];      \
   } while (0)
 
+#define KX_LOAD_X4(VT, p, v) KX_LOAD_F32X4(p, v)  // element-wise copies: VT only names the type
 #define KX_LOAD_U32X4(p, v)                                         \
   do {                                                              \
     if (((uintptr_t)(p)) % 16 != 0) sim_fail("KX_LOAD_U32X4: unaligned"); \

@@ -40,8 +40,9 @@ def test_head_shape_matches_float64(rows):
     assert rel < 1e-5 and np.abs(y - want).max() < 1e-5 * np.abs(want).max(), rel
 
 
-def test_fp16_weights_and_odd_n():
-    x, w = _xw(11, 3, N=1001, K=4096, w_dtype=mx.float16)
+@pytest.mark.parametrize("w_dtype", [mx.float16, mx.float32])
+def test_fp16_and_fp32_weights_and_odd_n(w_dtype):
+    x, w = _xw(11, 3, N=1001, K=4096, w_dtype=w_dtype)
     y = np.array(fl.linear(x, w))
     want = f64(x) @ f64(w).T
     assert np.linalg.norm(y - want) / np.linalg.norm(want) < 1e-5
