@@ -20,7 +20,14 @@ from attention_stack import (
     tiny_args,
 )
 
-from mlx_dsv41.cache import EngramHistory, LayerCache, make_layer_cache, register_with_mlx_lm
+from mlx_dsv41.cache import (
+    EngramHistory,
+    LayerCache,
+    make_layer_cache,
+    register_with_mlx_lm,
+    ring_slots,
+    store_rows,
+)
 
 
 def _coded(first: int, n: int, batch: int = 2, width: int = 4) -> mx.array:
@@ -240,3 +247,17 @@ def test_repeated_trims_after_a_chunk_larger_than_the_ring():
     out = run_chunks(stack, caches, x[:, 15:30], [3, 1, 11])
     fresh = run_stack(stack, make_caches(args), x)
     assert_rows_match(out, fresh[:, 15:], "repeated trims")
+
+
+def test_store_rows_one_row_and_many_write_the_same_slots():
+    """cache.store_rows: a row that cannot wrap goes through one dynamic slice update, several rows
+    through a scatter at their ring slots; both put every row where the indexed write puts it."""
+    rng = np.random.default_rng(3)
+    buf = mx.array(rng.standard_normal((2, 7, 5)).astype(np.float32))
+    for first, n, ring in [(0, 1, 7), (6, 1, 7), (13, 1, 7), (5, 3, 7), (2, 4, None)]:
+        rows = mx.array(rng.standard_normal((2, n, 5)).astype(np.float32))
+        want = np.array(buf)
+        slots = np.array(ring_slots(mx.array(first, mx.int32), 0, n, ring)) if ring else np.arange(first, first + n)
+        want[:, slots] = np.array(rows)
+        got = store_rows(mx.array(np.array(buf)), rows, mx.array(first, mx.int32), ring)
+        assert np.array_equal(np.array(got), want), (first, n, ring)

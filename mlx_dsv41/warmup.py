@@ -1,0 +1,86 @@
+"""`python -m mlx_dsv41.warmup --model DIR` (or `--demo`): build the kernels a first request needs, ahead
+of it, and say how long that took.
+
+MLX compiles each custom kernel and each fused graph the first time a shape needs it; on CUDA a
+cold process spends tens of seconds there before its first token (docs/benchmarks.md#prefill).
+The results are kept on disk (CUDA: `MLX_PTX_CACHE_DIR`, by default `<tmp>/mlx/<version>/ptx`), so
+a process started after this one finds them. The warm-up generates from a random prompt of
+`--tokens` tokens: full and partial prefill chunks, decode steps at both compressor parities, and
+with DSpark its verify and draft shapes. Prompts longer than `--tokens` may meet shapes it did
+not (a larger compressed-cache capacity), so give the longest prompt you expect.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import typer
+
+from mlx_dsv41.generate import ENGRAM_MODE, CLIError, load_for_generation, parse_draft, resolve_model, run
+
+app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0], context_settings={"max_content_width": 80})
+
+
+def kernel_cache() -> str:
+    """Where this backend keeps compiled kernels between processes."""
+    import mlx.core as mx
+
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        default = Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"  # MLX's own default
+        return os.environ.get("MLX_PTX_CACHE_DIR") or str(default)
+    if mx.metal.is_available():
+        return "Metal's own shader cache"
+    return "none (the CPU runs the plain-MLX reference; nothing is compiled)"
+
+
+def warm_up(model, tokenizer, tokens: int, step: int, draft) -> float:
+    """Seconds to generate 8 tokens after a random `tokens`-token prompt, output discarded."""
+    import numpy as np
+
+    from mlx_dsv41.speculative import Sampling
+
+    prompt = np.random.default_rng(0).integers(3, model.args.vocab_size - 300, tokens).tolist()
+    t0 = time.perf_counter()
+    run(model, tokenizer, prompt, max_tokens=8, sampling=Sampling(0.0, 1.0, 0, 0.0), write=lambda t, k: None,
+        draft=draft, prefill_step_size=step)  # fmt: skip
+    return time.perf_counter() - t0
+
+
+@app.command()
+def warmup(
+    model: str = typer.Option(None, "--model", "-m", help="Converted checkpoint directory (or an HF repo id)."),
+    demo: bool = typer.Option(False, "--demo", help="The built-in demo checkpoint."),
+    tokens: int = typer.Option(4096, "--tokens", min=2, help="Prompt tokens to warm up for."),
+    prefill_step_size: int = typer.Option(2048, "--prefill-step-size", min=1, help="As generate's."),
+    draft: str = typer.Option(None, "--draft", help="As generate's: the DSpark shapes to build (0: none)."),
+    engram_mode: str = ENGRAM_MODE,
+):
+    from mlx_dsv41.demo import DemoError
+
+    try:
+        draft_value = parse_draft(draft)
+        path = resolve_model(model, demo, None, None, interactive=False)
+        model_obj, tokenizer, _ = load_for_generation(
+            path, engram_mode=engram_mode, draft=draft_value, show_progress=sys.stderr.isatty()
+        )
+        first = warm_up(model_obj, tokenizer, tokens, prefill_step_size, draft_value)
+        again = warm_up(model_obj, tokenizer, tokens, prefill_step_size, draft_value)
+    except (CLIError, DemoError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(
+        f"Warmed up {path} for prompts of {tokens} tokens: first pass {first:.1f} s, then "
+        f"{again:.1f} s. Compiled kernels are kept in: {kernel_cache()}"
+    )
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
