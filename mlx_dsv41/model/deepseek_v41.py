@@ -310,7 +310,8 @@ class Model(nn.Module):
         """Official checkpoint tensors -> this model's parameters.
 
         Drops what the text model does not read; builds every linear and experts module from the
-        format stored for it (quant seam) and swaps it in; holds every tensor as stored.
+        format stored for it (quant seam) and swaps it in; holds every tensor as stored but the
+        RMSNorm weights (fp32, `held_dtype`).
         Nothing is evaluated: unread tensors are never loaded.
         """
         if self.mtp and not any(MTP.match(k) for k in weights):
