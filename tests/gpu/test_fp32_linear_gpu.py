@@ -79,4 +79,4 @@ def test_many_rows_path_agrees_within_fp32_rounding():
     many = np.array(fl.linear(x, w))
     few = np.concatenate([np.array(fl.linear(x[i : i + 1], w)) for i in range(9)])
     scale = np.abs(f64(x) @ f64(w).T).max()
-    assert np.abs(many - few).max() <= 2e-6 * scale
+    assert np.abs(many - few).max() <= 1e-5 * scale  # fp32 sums of 5120 terms in two orders; bf16 is 4e-3
