@@ -163,20 +163,52 @@ def count(layers: int, prompt: int, compiled: bool, sites: bool) -> dict:
     }
 
 
+def count_draft(layers: int, prompt: int, compiled: bool) -> dict:
+    """The same for one DSpark draft block (the Flash-shaped model with Flash's draft head) after a
+    prefill: what `SpeculativeDecoder.draft` builds (the block's tokens and confidences)."""
+    from mlx_dsv41.speculative import SpeculativeDecoder
+
+    os.environ["MLX_DSV41_COMPILE"] = "1" if compiled else "0"
+    rec = Recorder()
+    with gpu_graph_on_cpu(rec):
+        model = flash_model.build(flash_model.flash_args(layers, dspark=True))
+        dec = SpeculativeDecoder(model, draft=model.args.dspark_block_size)
+        dec.prefill(np.random.default_rng(0).integers(3, 1000, prompt).tolist())
+        mx.eval(dec.draft().tokens)  # a first block (a compiled draft traces here)
+        rec.launches.clear()
+        d = dec.draft()
+    counted = primitives(d.tokens, d.confidence)
+    compute = Counter({k: v for k, v in counted.items() if k not in VIEWS and k != "CustomKernel"})
+    return {
+        "compiled": compiled,
+        "layers": layers,
+        "kernels": sum(rec.launches.values()),
+        "kernel_launches": dict(rec.launches.most_common()),
+        "mlx_compute": sum(compute.values()),
+        "mlx_compute_by_name": dict(compute.most_common()),
+        "copied_kernel_inputs": {},
+        "sites": {},
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=12)
     ap.add_argument("--sites", action="store_true", help="the lines creating casts and aranges (eager)")
+    ap.add_argument("--draft", action="store_true", help="count a DSpark draft block instead of a decode step")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     mx.set_default_device(mx.cpu)
-    results = [count(a.layers, a.prompt, False, a.sites), count(a.layers, a.prompt, True, False)]
+    if a.draft:
+        results = [count_draft(a.layers, a.prompt, False), count_draft(a.layers, a.prompt, True)]
+    else:
+        results = [count(a.layers, a.prompt, False, a.sites), count(a.layers, a.prompt, True, False)]
+    what = "draft block" if a.draft else "step"
     for r in results:
-        print(
-            f"\n{'compiled' if r['compiled'] else 'eager'} step, {r['layers']} layers: {r['kernels']} custom kernels, "
-            f"{r['mlx_compute']} MLX compute primitives"
-        )
+        mode = "compiled" if r["compiled"] else "eager"
+        counts = f"{r['kernels']} custom kernels, {r['mlx_compute']} MLX compute primitives"
+        print(f"\n{mode} {what}, {r['layers']} layers: {counts}")
         print("  kernels:", r["kernel_launches"])
         print("  MLX:", r["mlx_compute_by_name"])
         print("  kernel inputs MLX copies first:", r["copied_kernel_inputs"])
