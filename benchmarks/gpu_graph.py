@@ -135,6 +135,23 @@ def primitives(*arrays) -> Counter:
     return Counter(re.findall(r'\[label ="([^"]+)", shape=rectangle\]', buf.getvalue()))
 
 
+def report(rec: Recorder, compiled: bool, layers: int, *arrays) -> dict:
+    """What a counted graph launches: custom kernels by name, other compute primitives by name, the
+    kernel inputs MLX copies and the creating lines (empty where not recorded)."""
+    counted = primitives(*arrays)
+    compute = Counter({k: v for k, v in counted.items() if k not in VIEWS and k != "CustomKernel"})
+    return {
+        "compiled": compiled,
+        "layers": layers,
+        "kernels": sum(rec.launches.values()),
+        "kernel_launches": dict(rec.launches.most_common()),
+        "mlx_compute": sum(compute.values()),
+        "mlx_compute_by_name": dict(compute.most_common()),
+        "copied_kernel_inputs": dict(rec.copied_inputs.most_common()),
+        "sites": dict(rec.sites.most_common(40)),
+    }
+
+
 def count(layers: int, prompt: int, compiled: bool, sites: bool) -> dict:
     os.environ["MLX_DSV41_COMPILE"] = "1" if compiled else "0"
     rec = Recorder()
@@ -149,18 +166,7 @@ def count(layers: int, prompt: int, compiled: bool, sites: bool) -> dict:
         rec.check_inputs = True
         with call_sites(rec) if sites else contextlib.nullcontext():
             logits = model(token, cache)
-    counted = primitives(logits)
-    compute = Counter({k: v for k, v in counted.items() if k not in VIEWS and k != "CustomKernel"})
-    return {
-        "compiled": compiled,
-        "layers": layers,
-        "kernels": sum(rec.launches.values()),
-        "kernel_launches": dict(rec.launches.most_common()),
-        "mlx_compute": sum(compute.values()),
-        "mlx_compute_by_name": dict(compute.most_common()),
-        "copied_kernel_inputs": dict(rec.copied_inputs.most_common()),
-        "sites": dict(rec.sites.most_common(40)),
-    }
+    return report(rec, compiled, layers, logits)
 
 
 def count_draft(layers: int, prompt: int, compiled: bool) -> dict:
@@ -177,18 +183,7 @@ def count_draft(layers: int, prompt: int, compiled: bool) -> dict:
         mx.eval(dec.draft().tokens)  # a first block (a compiled draft traces here)
         rec.launches.clear()
         d = dec.draft()
-    counted = primitives(d.tokens, d.confidence)
-    compute = Counter({k: v for k, v in counted.items() if k not in VIEWS and k != "CustomKernel"})
-    return {
-        "compiled": compiled,
-        "layers": layers,
-        "kernels": sum(rec.launches.values()),
-        "kernel_launches": dict(rec.launches.most_common()),
-        "mlx_compute": sum(compute.values()),
-        "mlx_compute_by_name": dict(compute.most_common()),
-        "copied_kernel_inputs": {},
-        "sites": {},
-    }
+    return report(rec, compiled, layers, d.tokens, d.confidence)
 
 
 def main() -> int:
