@@ -64,15 +64,16 @@ each size is run on both in turn, so a run cut short keeps whole comparisons. Fo
 (drafting adds the DSpark capture): the first N - 1 tokens C at a time through `model(ids, cache=)`
 with the model's own caches (ours `make_cache`, mlx-lm `make_prompt_cache`), each chunk's cache
 state evaluated and MLX's buffer cache cleared, then the last token alone and its greedy token
-evaluated. A model's first pass that fits is its cold one (CUDA JIT, the attention variant's
-choice), reported as the first-run cost and left out of the medians; then --repeats (3, --quick 1)
+evaluated. Each size's first pass is a warm-up, reported as the first-run cost and left out of the
+medians: the model's first one is cold (CUDA JIT, the attention variant's choice), and a later
+size's compiles its new shapes (on the H200 a 2,048-token pass after a 512-token one spent 16 s of its 20 s on
+them, in the last token's step); then --repeats (3, --quick 1)
 passes from fresh caches: median prefill s (the N - 1 tokens), median and min time to first token
 (TTFT: the whole pass), prompt tokens/s = N / TTFT (mlx-lm's prompt_tps), ours / mlx-lm per size,
 and the pass's memory (`mx.get_peak_memory` after `mx.reset_peak_memory`: the peak and the peak
 less what was active before, the prefill's own caches and temporaries). A size beyond
 max_position_embeddings, or whose allocation fails (MemoryError, an MLX allocation error), is a
-"did not fit" row with the reason, and the run goes on. Later sizes get no warm-up of their own:
-a new shape's first JIT lands in one repeat, which the median of 3 leaves out.
+"did not fit" row with the reason, and the run goes on.
 --prefill-parts N (our model, the first chunk size): where the time of an N-token prefill goes. An
 unprofiled pass, on CUDA the kernels and device time of one more (CUPTI, as above), then one pass
 with the calls of each part wrapped (class `__call__`s and the functions under the names the model
@@ -536,16 +537,15 @@ def prefill_pass(model, make_cache, ids: mx.array, chunk: int) -> tuple[dict, mx
 _NO_FIT = re.compile(r"alloc|memory|buffer size|\bOOM\b", re.IGNORECASE)
 
 
-def prefill_row(model, make_cache, ids: mx.array, chunk: int, repeats: int, cold: bool, max_positions=None) -> dict:
-    """Medians of `repeats` prefills of `ids` from fresh caches (when `cold`, after a cold pass: its
-    time is the first-run cost, not in the medians), or why the size did not fit."""
+def prefill_row(model, make_cache, ids: mx.array, chunk: int, repeats: int, max_positions=None) -> dict:
+    """Medians of `repeats` prefills of `ids` from fresh caches after a first pass (its time is the
+    first-run cost, not in the medians), or why the size did not fit."""
     n = ids.shape[1]
     row = {"tokens": n, "chunk": chunk, "repeats": repeats}
     if max_positions is not None and n > max_positions:
         return row | {"did_not_fit": f"{n} tokens > max_position_embeddings {max_positions}"}
     try:
-        if cold:
-            row["first_run_s"] = prefill_pass(model, make_cache, ids, chunk)[0]["ttft_s"]
+        row["first_run_s"] = prefill_pass(model, make_cache, ids, chunk)[0]["ttft_s"]
         runs = [prefill_pass(model, make_cache, ids, chunk)[0] for _ in range(repeats)]
     except (MemoryError, RuntimeError) as e:
         if isinstance(e, RuntimeError) and not _NO_FIT.search(str(e)):
@@ -566,19 +566,17 @@ def prefill_row(model, make_cache, ids: mx.array, chunk: int, repeats: int, cold
 
 def measure_prefill(models: list[tuple], a):
     """Yields a row per (size, chunk, model), sizes in order, every model at a size before the next
-    (so a run cut short still holds whole comparisons); a model's first pass that fits is its cold
-    one. The mlx-lm row carries ours / mlx-lm prompt tokens/s."""
-    warm = set()
+    (so a run cut short still holds whole comparisons); each size's first pass is its warm-up. The
+    mlx-lm row carries ours / mlx-lm prompt tokens/s."""
     for n in a.prefill:
         ids = random_prompt(models[0][3].vocab_size, n)
         for chunk in a.prefill_chunk:
             tps = {}
             for label, model, make_cache, args in models:
                 row = {"label": label} | prefill_row(
-                    model, make_cache, ids, chunk, a.repeats, label not in warm, args.max_position_embeddings
+                    model, make_cache, ids, chunk, a.repeats, args.max_position_embeddings
                 )
                 if "tokens_per_s" in row:
-                    warm.add(label)
                     tps[label] = row["tokens_per_s"]
                 ours = models[0][0]
                 if label.startswith("mlx-lm") and ours in tps and label in tps:

@@ -156,7 +156,7 @@ def test_demo_prefill_beside_mlx_lm_with_parts(tmp_path, tmp_path_factory, monke
     for r in rows:
         assert 0 < r["prefill_s"] < r["ttft_s"] and r["ttft_min_s"] <= r["ttft_s"] and r["repeats"] == 1
         assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["ttft_s"]) and r["peak_GB"] > 0
-    assert [("first_run_s" in r) for r in rows] == [True, True, False, False]  # one cold pass per model
+    assert all(r["first_run_s"] > 0 for r in rows)  # each size's first pass, left out of the medians
     for ours, theirs in (rows[0:2], rows[2:4]):
         assert theirs["ours_over_mlx_lm"] == pytest.approx(ours["tokens_per_s"] / theirs["tokens_per_s"])
     parts = out["parts"]
@@ -236,10 +236,10 @@ def test_a_size_that_does_not_fit_is_reported_and_the_run_goes_on():
     assert rows[2]["did_not_fit"] == "RuntimeError: [malloc] Unable to allocate 1 TB"
     assert rows[4]["did_not_fit"] == "50 tokens > max_position_embeddings 40"
     assert "ours_over_mlx_lm" not in rows[3] and rows[7]["ours_over_mlx_lm"] > 0
-    assert "first_run_s" in rows[0] and "first_run_s" not in rows[6]
+    assert "first_run_s" in rows[0] and "first_run_s" in rows[6] and "first_run_s" not in rows[2]
     assert "did not fit: RuntimeError" in bench_model.prefill_line(rows[2])
     with pytest.raises(RuntimeError, match="a bug"):  # a failure that is not about memory is not hidden
-        bench_model.prefill_row(_Fits(0, "a bug"), list, mx.zeros((1, 3), mx.int32), 16, 1, False)
+        bench_model.prefill_row(_Fits(0, "a bug"), list, mx.zeros((1, 3), mx.int32), 16, 1)
 
 
 def test_prefill_options():

@@ -313,6 +313,34 @@ def test_empty_inputs():
     assert y.shape == (0, 6, 128) and y.dtype == mx.float32
 
 
+@pytest.mark.parametrize("batch_experts", [1, 2, 6])
+def test_many_token_experts_give_the_one_expert_at_a_time_bytes(monkeypatch, batch_experts):
+    """The many-token path (the GPU's prefill path; on the CPU for experts too large to keep
+    decoded): host-sorted slots, W̃ decoded per batch of routed experts, one grouped gather_mm per
+    projection and batch. On the CPU it must give the expert-at-a-time bytes, whatever the batch
+    size, with mixed K in w1 and w2, an expert without slots, and slots outside the held range."""
+    from mlx_dsv41.exl3 import ops, reference
+
+    tensors = random_experts_tensors(6, 256, 384, bits={"w1": (3, 4), "w3": 3, "w2": (2, 4)}, seed=11)
+    ex = experts_from_stored(tensors, "experts", 6, 256, 384, 10.0, (1, 6))
+    monkeypatch.setattr(ops, "CPU_HELD_WEIGHTS", 0)
+    monkeypatch.setattr(ops, "EXPERT_GEMM_BYTES", batch_experts * 4 * 256 * 384)
+    rng = np.random.default_rng(4)
+    x = mx.array(rng.normal(0, 2, (7, 256)).astype(np.float32)).astype(mx.bfloat16)
+    idx = np.stack([rng.permutation([0, 1, 2, 4, 5])[:3] for _ in range(7)]).astype(np.int32)  # 3 gets none
+    idx, wts = mx.array(idx), mx.array(rng.uniform(0.1, 1.0, (7, 3)).astype(np.float32))
+    decoded = []
+    monkeypatch.setattr(ops, "decoded_stack", lambda p, e, f=ops.decoded_stack: decoded.append(list(e)) or f(p, e))
+    got = np.array(ex(x, idx, wts))
+    want = np.array(
+        reference.experts_by_expert(x, idx, wts, ex.w1, ex.w3, ex.w2, ex.expert_range, 10.0, reference.linear)
+    )
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.all(got[np.array(idx) == 0] == 0)  # expert 0 is outside the held range (1, 6)
+    assert all(2 not in batch and len(batch) <= batch_experts for batch in decoded)  # local 2 = expert 3
+    assert sorted(e for batch in decoded[::3] for e in batch) == [0, 1, 3, 4]
+
+
 @pytest.mark.parametrize("expert_range", [None, (1, 5)])
 def test_cpu_gathered_experts_give_the_one_expert_at_a_time_bytes(expert_range):
     """The CPU path runs every slot at once over the decoded W̃ (no host read of the routing); it

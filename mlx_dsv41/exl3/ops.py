@@ -10,17 +10,18 @@ On the CPU every op runs the plain-MLX reference (mlx_dsv41.exl3.reference). On 
 - ``linear`` with m <= GEMV_MAX_ROWS (8) rows: exl3_gemv (+ exl3_gemv_out for narrow outputs).
   With more rows: reconstruct, then an fp32 matmul between the two transforms (exllamav3 runs an
   fp16 GEMM there, rounding the product to fp16);
-- ``experts`` for at most FUSED_MAX_TOKENS tokens: the fused expert kernels; for more tokens:
-  one expert at a time through exl3_gemv in chunks of GEMV_MAX_ROWS rows
-  (``linear_row_invariant``).
-  A slot's bytes never depend on the rest of the call: the path is chosen from the token count
-  (which the expert-parallel slot split shares with one process), the k splits from the weight
-  shapes, and the GEMV's arithmetic for a row does not depend on the other rows.
+- ``experts`` for at most FUSED_MAX_TOKENS tokens: the fused expert kernels, whose bytes for a
+  slot never depend on the rest of the call (the k splits come from the weight shapes); for more
+  tokens (prefill) ``experts_sorted``: the slots sorted by expert on the host, the routed
+  experts' W̃ decoded once per call in batches, one GEMM per routed expert and projection
+  (docs/exl3.md#many-token-experts). The path is chosen from the token count, which the
+  expert-parallel slot split shares with one process.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_dsv41.exl3 import reference
 from mlx_dsv41.exl3.hadamard import BLOCK
@@ -103,10 +104,83 @@ def experts(x, indices, weights, w1, w3, w2, expert_range, limit: float):
         tildes = [_stacked_weight(p) for p in (w1, w3, w2)]
         if all(t is not None for t in tildes):
             return reference.experts_gathered(x, indices, weights, w1, w3, w2, expert_range, limit, tildes)
-        return reference.experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit, reference.linear)
-    if x.shape[0] > FUSED_MAX_TOKENS:
-        return reference.experts_by_expert(x, indices, weights, w1, w3, w2, expert_range, limit, linear_row_invariant)
+    if backend() == "cpu" or x.shape[0] > FUSED_MAX_TOKENS:
+        return experts_sorted(x, indices, weights, w1, w3, w2, expert_range, limit)
     return launch.run_experts(x, indices, weights, w1, w3, w2, expert_range[0], limit)
+
+
+# float32 W̃ bytes of one projection's experts decoded at once by ``experts_sorted`` (Flash's
+# 5120 x 2304 experts: 22 per batch).
+EXPERT_GEMM_BYTES = 1 << 30
+
+
+def experts_sorted(x, indices, weights, w1, w3, w2, expert_range, limit):
+    """Per-slot outputs [T, k, D] float32 for many tokens (docs/exl3.md#many-token-experts): one
+    host read of the routing; the held slots sorted by expert; for each batch of routed experts
+    (at most EXPERT_GEMM_BYTES of float32 W̃ per projection) their W̃ decoded once and one float32
+    GEMM per expert and projection over the expert's consecutive sorted slots
+    (``reference.slot_experts``); experts without slots are never decoded.
+    Slots routed outside ``expert_range`` are exactly 0."""
+    T, top_k = indices.shape
+    lo, hi = expert_range
+    local = np.array(indices).reshape(-1).astype(np.int64) - lo
+    held = np.nonzero((local >= 0) & (local < hi - lo))[0]
+    out = mx.zeros((T * top_k, w2.out_features), mx.float32)
+    if held.size == 0:
+        return out.reshape(T, top_k, -1)
+    order = held[np.argsort(local[held], kind="stable")]
+    experts = local[order]
+    members, counts = np.unique(experts, return_counts=True)
+    rows = x[mx.array((order // top_k).astype(np.int32))]
+    slot_weights = weights.reshape(-1)[mx.array(order.astype(np.int32))]
+    per_batch = max(1, EXPERT_GEMM_BYTES // (4 * max(p.k * p.n for p in (w1, w3, w2))))
+    ys, start = [], 0
+    for b in range(0, len(members), per_batch):
+        batch, n = members[b : b + per_batch], int(counts[b : b + per_batch].sum())
+        ends = start + np.cumsum(counts[b : b + per_batch])
+        spans = list(zip([start, *ends[:-1].tolist()], ends.tolist()))
+        tildes = [decoded_stack(p, batch) for p in (w1, w3, w2)]
+        ys.append(
+            reference.slot_experts(
+                rows[start : start + n],
+                slot_weights[start : start + n],
+                mx.array(experts[start : start + n].astype(np.int32)),
+                (w1, w3, w2),
+                tildes,
+                limit,
+                lambda xh, w, spans=spans, s0=start: _by_span(xh, w, spans, s0),
+            )
+        )
+        start += n
+    out[mx.array(order.astype(np.int32))] = ys[0] if len(ys) == 1 else mx.concatenate(ys)
+    return out.reshape(T, top_k, -1)
+
+
+def _by_span(xh, w, spans, s0) -> mx.array:
+    """xh [S, k] float32, its rows in consecutive spans, span j times w[j] (one matmul each)."""
+    parts = [xh[a - s0 : b - s0] @ w[j] for j, (a, b) in enumerate(spans)]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+
+def decoded_stack(proj, experts) -> mx.array:
+    """float32 [len(experts), k, n]: W̃ of the local ``experts`` (ascending) of an
+    EXL3ExpertProjection, one ``reconstruct`` per (K, codebook) group: a group's trellises
+    [G, k/16, n/16, 16K] read as one (G·k) x n trellis, since every 16 x 16 tile decodes from its
+    own words alone (docs/exl3.md#trellis)."""
+    wanted = set(int(e) for e in experts)
+    parts, got = [], []
+    for group in proj.groups:
+        pos = [j for j, e in enumerate(group.experts) if e in wanted]
+        if not pos:
+            continue
+        t = group.trellis if len(pos) == len(group.experts) else group.trellis[mx.array(pos, mx.int32)]
+        w = reconstruct(t.reshape(-1, *t.shape[2:]), group.codebook)
+        parts.append(w.reshape(len(pos), proj.k, proj.n))
+        got += [group.experts[j] for j in pos]
+    stack = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    if got != sorted(got):
+        stack = stack[mx.array(np.argsort(got).astype(np.int32))]
+    return stack.astype(mx.float32)
 
 
 def swiglu_mlp(x, w1, w3, w2, limit: float) -> mx.array:
@@ -205,17 +279,3 @@ def hold_cpu_weights(root) -> None:
         elif isinstance(module, EXL3ExpertProjection):
             held.append(_stacked_weight(module))
     mx.eval([w for w in held if w is not None])
-
-
-def linear_row_invariant(x, trellis, suh, svh, codebook: str, **kw):
-    """``linear`` through exl3_gemv only, GEMV_MAX_ROWS rows at a time: every row's bytes are
-    those it gets alone (the prefill GEMM path's would depend on the row count)."""
-    if x.shape[0] <= GEMV_MAX_ROWS:
-        return linear(x, trellis, suh, svh, codebook, **kw)
-    return mx.concatenate(
-        [
-            linear(x[i : i + GEMV_MAX_ROWS], trellis, suh, svh, codebook, **kw)
-            for i in range(0, x.shape[0], GEMV_MAX_ROWS)
-        ],
-        axis=0,
-    )

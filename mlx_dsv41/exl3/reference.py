@@ -40,26 +40,38 @@ def linear(x, trellis, suh, svh, codebook, bias=None, out_features=None, out_dty
 
 def experts_gathered(x, indices, weights, w1, w3, w2, expert_range, limit, tildes):
     """Per-slot expert outputs [T, k, D] float32 as ``experts_by_expert`` computes them, every slot
-    at once: per-slot input transforms, one ``gather_mm`` per projection over the experts' decoded
-    W̃ (``tildes``: float32 [E, k, n] for w1, w3, w2) and per-slot output transforms. No host read
-    of the routing. The same bytes as one expert at a time wherever the CPU's GEMMs give each row
-    the same sums whatever the number of rows (tests/test_exl3_layers.py checks it)."""
+    at once: ``slot_experts`` with one ``gather_mm`` per projection over the experts' decoded W̃
+    (``tildes``: float32 [E, k, n] for w1, w3, w2). No host read of the routing. The same bytes as
+    one expert at a time wherever the CPU's GEMMs give each row the same sums whatever the number
+    of rows (tests/test_exl3_layers.py checks it)."""
     T, top_k = indices.shape
     lo, hi = expert_range
     inside = (indices >= lo) & (indices < hi)
     local = mx.where(inside, indices - lo, 0).reshape(-1)
     rows = mx.repeat(x, top_k, axis=0)  # slot (t, s) -> x[t]
-
-    def project(v, proj, w, out_dtype):
-        xh = input_transform(pad_features(v, proj.k), proj.suh[local])
-        acc = mx.gather_mm(xh.astype(mx.float32)[:, None, :], w, rhs_indices=local).squeeze(1)
-        return output_transform(acc, proj.svh[local])[:, : proj.out_features].astype(out_dtype)
-
-    g = project(rows, w1, tildes[0], mx.bfloat16)
-    u = project(rows, w3, tildes[1], mx.bfloat16)
-    h = swiglu(g, u, limit, weights.reshape(-1, 1).astype(mx.float32))
-    y = project(h, w2, tildes[2], mx.bfloat16).astype(mx.float32)
+    product = lambda xh, w: mx.gather_mm(xh[:, None, :], w, rhs_indices=local).squeeze(1)  # noqa: E731
+    y = slot_experts(rows, weights.reshape(-1), local, (w1, w3, w2), tildes, limit, product)
     return mx.where(inside.reshape(-1, 1), y, 0.0).reshape(T, top_k, -1)
+
+
+def slot_experts(rows, slot_weights, experts, projections, tildes, limit, product):
+    """float32 [S, D]: slot i = w2_e(bf16(w_i · SwiGLU(w1_e(rows[i]), w3_e(rows[i])))) for the local
+    expert e = experts[i]: per-slot input transforms, ``product(xh, tildes[p])`` (float32 xh
+    [S, k] times each slot's own expert's decoded W̃ from the float32 stack of projection p of
+    ``projections`` = (w1, w3, w2)), per-slot output transforms (docs/exl3.md#forward), each
+    linear's output rounded to bf16 as the reference's expert linears round it
+    (docs/model.md#moe)."""
+    w1, w3, w2 = projections
+
+    def project(v, proj, w):
+        xh = input_transform(pad_features(v, proj.k), proj.suh[experts])
+        acc = product(xh.astype(mx.float32), w)
+        return output_transform(acc, proj.svh[experts])[:, : proj.out_features].astype(mx.bfloat16)
+
+    g = project(rows, w1, tildes[0])
+    u = project(rows, w3, tildes[1])
+    h = swiglu(g, u, limit, slot_weights.reshape(-1, 1).astype(mx.float32))
+    return project(h, w2, tildes[2]).astype(mx.float32)
 
 
 def with_transforms(product, x, suh, svh, bias=None, out_features=None, out_dtype=None):

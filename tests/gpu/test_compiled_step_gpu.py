@@ -1,7 +1,9 @@
 """The compiled decode step on the GPU (issue 16): against the eager forward on the same GPU (the mHC
 and EXL3 kernels run in both), greedy tokens identical and logits within 1e-3 of their scale
 (compiled elementwise fusions may round differently from MLX's separate kernels); traced once per
-open-group parity; decode == prefill within the GPU bound."""
+open-group parity; decode == prefill within the GPU bound: the bound test_model_gpu holds eager
+decode to (GPU GEMMs round differently with the number of rows), and the compiled step adds at most
+its own 1e-3 of the scale to the eager step's distance from prefill."""
 
 import mlx.core as mx
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 
 from mlx_dsv41.model import compiled_step
 from mlx_dsv41.synthetic import tiny_model
+from tests.gpu.test_model_gpu import _check as check_gpu_bound
 
 pytestmark = pytest.mark.gpu
 L, PREFILL = 22, 9
@@ -37,4 +40,5 @@ def test_compiled_matches_eager_on_the_gpu(monkeypatch):
     assert len(traces) == 2
     monkeypatch.setenv(compiled_step.ENV_VAR, "0")
     prefill = np.array(model(ids, model.make_cache()))
-    assert np.abs(got - prefill).max() <= 1e-3 * scale
+    check_gpu_bound(eager, prefill, mx.bfloat16, "eager decode vs prefill")
+    assert np.abs(got - prefill).max() <= np.abs(eager - prefill).max() + 1e-3 * scale
