@@ -8,12 +8,14 @@
 On the CPU every op runs the plain-MLX reference (mlx_dsv41.exl3.reference). On a GPU:
 - ``reconstruct``: exl3_reconstruct;
 - ``linear`` with m <= GEMV_MAX_ROWS (8) rows: exl3_gemv (+ exl3_gemv_out for narrow outputs).
-  With more rows: reconstruct, then an fp32 matmul between the two transforms (exllamav3 runs an
-  fp16 GEMM there, rounding the product to fp16);
+  With more rows: reconstruct, then the exact product with fp32 sums between the two transforms:
+  f16_gemm on CUDA (tensor cores), MLX's fp32 matmul elsewhere (exllamav3 runs an fp16 GEMM
+  there, rounding the product to fp16);
 - ``experts`` for at most FUSED_MAX_TOKENS tokens: the fused expert kernels, whose bytes for a
   slot never depend on the rest of the call (the k splits come from the weight shapes); for more
   tokens (prefill) ``experts_sorted``: the slots sorted by expert on the host, the routed
-  experts' W̃ decoded once per call in batches, one GEMM per routed expert and projection
+  experts' W̃ decoded once per call in batches, the product on f16_gemm (CUDA) or one fp32 GEMM
+  per routed expert and projection
   (docs/exl3.md#many-token-experts). The path is chosen from the token count, which the
   expert-parallel slot split shares with one process.
 """
@@ -27,7 +29,7 @@ from mlx_dsv41.exl3 import reference
 from mlx_dsv41.exl3.hadamard import BLOCK
 from mlx_dsv41.exl3.stored import check_linear
 from mlx_dsv41.exl3.trellis import check_trellis
-from mlx_dsv41.kernels import backend
+from mlx_dsv41.kernels import backend, f16_gemm
 from mlx_dsv41.kernels import exl3 as launch
 from mlx_dsv41.kernels.exl3 import GEMV_MAX_ROWS
 from mlx_dsv41.quant.experts import check_routing, swiglu
@@ -77,10 +79,11 @@ def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, ou
     if x.shape[0] <= GEMV_MAX_ROWS:
         y = _gemv(x, trellis, suh, svh, codebook, bias, out_dtype)
         return y if out_features == n else y[:, :out_features]
-    # Prefill: W̃ once per call, then the product in fp32 between the two transforms: an fp16 GEMM
-    # would round its fp32 sums to fp16 before the output transform (a second rounding; issue 15).
-    w = reconstruct(trellis, codebook).astype(mx.float32)
-    return reference.with_transforms(lambda xh: xh.astype(mx.float32) @ w, x, suh, svh, bias, out_features, out_dtype)
+    # Prefill: W̃ once per call, then the exact product with fp32 sums between the two transforms
+    # (docs/exl3.md#many-row-gemm): an fp16 GEMM would round its sums to fp16 before the output
+    # transform (a second rounding; issue 15).
+    w = reconstruct(trellis, codebook)
+    return reference.with_transforms(product_by_span(w[None], None), x, suh, svh, bias, out_features, out_dtype)
 
 
 def _gemv(x, trellis, suh, svh, codebook, bias, out_dtype):
@@ -117,9 +120,9 @@ EXPERT_GEMM_BYTES = 1 << 30
 def experts_sorted(x, indices, weights, w1, w3, w2, expert_range, limit):
     """Per-slot outputs [T, k, D] float32 for many tokens (docs/exl3.md#many-token-experts): one
     host read of the routing; the held slots sorted by expert; for each batch of routed experts
-    (at most EXPERT_GEMM_BYTES of float32 W̃ per projection) their W̃ decoded once and one float32
-    GEMM per expert and projection over the expert's consecutive sorted slots
-    (``reference.slot_experts``); experts without slots are never decoded.
+    (at most EXPERT_GEMM_BYTES of float32 W̃ per projection) their W̃ decoded once and the product of
+    each expert's consecutive sorted slots with its W̃ (``product_by_span``: one f16_gemm launch per
+    projection and batch on CUDA); experts without slots are never decoded.
     Slots routed outside ``expert_range`` are exactly 0."""
     T, top_k = indices.shape
     lo, hi = expert_range
@@ -137,8 +140,8 @@ def experts_sorted(x, indices, weights, w1, w3, w2, expert_range, limit):
     ys, start = [], 0
     for b in range(0, len(members), per_batch):
         batch, n = members[b : b + per_batch], int(counts[b : b + per_batch].sum())
-        ends = start + np.cumsum(counts[b : b + per_batch])
-        spans = list(zip([start, *ends[:-1].tolist()], ends.tolist()))
+        ends = np.cumsum(counts[b : b + per_batch]).tolist()
+        spans = list(zip([0, *ends[:-1]], ends))  # the batch's experts' slots, from its first slot
         tildes = [decoded_stack(p, batch) for p in (w1, w3, w2)]
         ys.append(
             reference.slot_experts(
@@ -148,7 +151,7 @@ def experts_sorted(x, indices, weights, w1, w3, w2, expert_range, limit):
                 (w1, w3, w2),
                 tildes,
                 limit,
-                lambda xh, w, spans=spans, s0=start: _by_span(xh, w, spans, s0),
+                lambda xh, w, spans=spans: product_by_span(w, spans)(xh),
             )
         )
         start += n
@@ -156,14 +159,25 @@ def experts_sorted(x, indices, weights, w1, w3, w2, expert_range, limit):
     return out.reshape(T, top_k, -1)
 
 
-def _by_span(xh, w, spans, s0) -> mx.array:
-    """xh [S, k] float32, its rows in consecutive spans, span j times w[j] (one matmul each)."""
-    parts = [xh[a - s0 : b - s0] @ w[j] for j, (a, b) in enumerate(spans)]
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+def product_by_span(w, spans):
+    """xh [S, k] fp16 -> float32 [S, n]: the rows of span j (consecutive; None: one span of every
+    row) times w[j] (fp16 [G, k, n]), exact products and fp32 sums: f16_gemm on CUDA (one launch),
+    otherwise an fp32 matmul per span (docs/exl3.md#many-row-gemm)."""
+    if f16_gemm.takes_kernel(w.shape[1], w.shape[2]):
+        return lambda xh: f16_gemm.gemm(xh, w, spans)
+
+    def by_span(xh):
+        xh = xh.astype(mx.float32)
+        if spans is None:
+            return xh @ w[0].astype(mx.float32)
+        parts = [xh[a:b] @ w[j].astype(mx.float32) for j, (a, b) in enumerate(spans)]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+    return by_span
 
 
 def decoded_stack(proj, experts) -> mx.array:
-    """float32 [len(experts), k, n]: W̃ of the local ``experts`` (ascending) of an
+    """fp16 [len(experts), k, n]: W̃ of the local ``experts`` (ascending) of an
     EXL3ExpertProjection, one ``reconstruct`` per (K, codebook) group: a group's trellises
     [G, k/16, n/16, 16K] read as one (G·k) x n trellis, since every 16 x 16 tile decodes from its
     own words alone (docs/exl3.md#trellis)."""
@@ -180,7 +194,7 @@ def decoded_stack(proj, experts) -> mx.array:
     stack = parts[0] if len(parts) == 1 else mx.concatenate(parts)
     if got != sorted(got):
         stack = stack[mx.array(np.argsort(got).astype(np.int32))]
-    return stack.astype(mx.float32)
+    return stack
 
 
 def swiglu_mlp(x, w1, w3, w2, limit: float) -> mx.array:

@@ -49,15 +49,15 @@ def experts_gathered(x, indices, weights, w1, w3, w2, expert_range, limit, tilde
     inside = (indices >= lo) & (indices < hi)
     local = mx.where(inside, indices - lo, 0).reshape(-1)
     rows = mx.repeat(x, top_k, axis=0)  # slot (t, s) -> x[t]
-    product = lambda xh, w: mx.gather_mm(xh[:, None, :], w, rhs_indices=local).squeeze(1)  # noqa: E731
+    product = lambda xh, w: mx.gather_mm(xh.astype(mx.float32)[:, None, :], w, rhs_indices=local).squeeze(1)  # noqa: E731
     y = slot_experts(rows, weights.reshape(-1), local, (w1, w3, w2), tildes, limit, product)
     return mx.where(inside.reshape(-1, 1), y, 0.0).reshape(T, top_k, -1)
 
 
 def slot_experts(rows, slot_weights, experts, projections, tildes, limit, product):
     """float32 [S, D]: slot i = w2_e(bf16(w_i · SwiGLU(w1_e(rows[i]), w3_e(rows[i])))) for the local
-    expert e = experts[i]: per-slot input transforms, ``product(xh, tildes[p])`` (float32 xh
-    [S, k] times each slot's own expert's decoded W̃ from the float32 stack of projection p of
+    expert e = experts[i]: per-slot input transforms, ``product(xh, tildes[p])`` (fp16 xh [S, k]
+    times each slot's own expert's decoded W̃ from the stack of projection p of
     ``projections`` = (w1, w3, w2)), per-slot output transforms (docs/exl3.md#forward), each
     linear's output rounded to bf16 as the reference's expert linears round it
     (docs/model.md#moe)."""
@@ -65,7 +65,7 @@ def slot_experts(rows, slot_weights, experts, projections, tildes, limit, produc
 
     def project(v, proj, w):
         xh = input_transform(pad_features(v, proj.k), proj.suh[experts])
-        acc = product(xh.astype(mx.float32), w)
+        acc = product(xh, w)
         return output_transform(acc, proj.svh[experts])[:, : proj.out_features].astype(mx.bfloat16)
 
     g = project(rows, w1, tildes[0])
