@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sparse_attention import device_us  # noqa: E402
 
-from mlx_dsv41.kernels import backend, fp32_linear  # noqa: E402
+from mlx_dsv41.kernels import backend, fp32_linear, mxfp4_gemv  # noqa: E402
 from mlx_dsv41.quant import make_experts, make_linear, mx_experts  # noqa: E402
 from mlx_dsv41.synthetic_checkpoints import decode_fp4, decode_fp8, quantize_fp4, quantize_fp8  # noqa: E402
 
@@ -98,13 +98,13 @@ def linears(rows_list, chain, repeats) -> list[dict]:
 
 @contextlib.contextmanager
 def _activations_as_given():
-    """The experts with the policy switched off: gather_qmm gets x as it comes."""
-    saved = mx_experts.quantized_input
-    mx_experts.quantized_input = lambda x, *a: x
+    """The experts with the policy switched off: gather_qmm gets x as it comes (no mxfp4_gemv)."""
+    saved = mx_experts.quantized_input, mxfp4_gemv.takes_kernel
+    mx_experts.quantized_input, mxfp4_gemv.takes_kernel = (lambda x, *a: x), (lambda *a: False)
     try:
         yield
     finally:
-        mx_experts.quantized_input = saved
+        mx_experts.quantized_input, mxfp4_gemv.takes_kernel = saved
 
 
 def experts(rows_list, chain, repeats) -> list[dict]:

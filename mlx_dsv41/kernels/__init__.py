@@ -162,7 +162,16 @@ def register(kernel: Kernel) -> Kernel:
 
 
 # Op modules that register kernels; imported by load_all() so CI sees every kernel.
-_OP_MODULES = ("sparse_attention", "exl3", "hyper_connections", "moe_route", "fp32_linear", "fake_quant", "f16_gemm")
+_OP_MODULES = (
+    "sparse_attention",
+    "exl3",
+    "hyper_connections",
+    "moe_route",
+    "fp32_linear",
+    "fake_quant",
+    "f16_gemm",
+    "mxfp4_gemv",
+)
 
 
 def load_all() -> dict[str, Kernel]:

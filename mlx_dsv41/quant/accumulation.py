@@ -16,7 +16,9 @@ arithmetic"):
 
 Where a kernel would sum in the activation dtype, it is given fp32 activations instead (with fp32
 x every one of these kernels sums in fp32); the caller rounds its fp32 output once. Kernels that
-already sum in fp32 keep bf16 inputs, so the GPU decode path pays nothing.
+already sum in fp32 keep bf16 inputs, so the GPU decode path pays nothing. CUDA's mxfp4 case runs
+our mxfp4_gemv kernel instead of widening x (docs/numerics.md#mxfp4-gemv); this module's
+decision stays the fallback for every other case.
 """
 
 from __future__ import annotations

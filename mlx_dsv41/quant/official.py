@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlx_dsv41.kernels import mxfp4_gemv
 from mlx_dsv41.quant.accumulation import quantized_input
 from mlx_dsv41.quant.errors import FormatError
 
@@ -93,10 +94,14 @@ def dequantize_fp4(weight, scale, dtype=mx.bfloat16, name: str = "fp4 weight") -
 
 class MXLinear(nn.QuantizedLinear):
     """An MX-quantized linear that sums in fp32 and rounds once to x.dtype (quant/accumulation.py:
-    MLX's quantized_matmul would keep bf16 partial sums for bf16 x on some backends)."""
+    MLX's quantized_matmul would keep bf16 partial sums for bf16 x on some backends; where that is
+    CUDA's mxfp4 qmv, the mxfp4_gemv kernel takes the rows in their own dtype)."""
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1] if x.ndim else 1
+        if mxfp4_gemv.takes_kernel(self.bits, self.mode, rows):
+            y = mxfp4_gemv.linear(x.reshape(rows, x.shape[-1]), self["weight"], self["scales"])
+            return y.reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype)
         y = mx.quantized_matmul(
             quantized_input(x, "quantized_matmul", self.bits, rows),
             self["weight"],
