@@ -116,10 +116,12 @@ def test_sampling_drafts_stay_eager(model, monkeypatch):
     assert got == eager and rounds == eager_rounds and keys == []
 
 
-def test_only_an_explicit_setting_compiles_drafts(monkeypatch):
-    monkeypatch.setattr(compiled_step, "backend", lambda: "cuda")
+def test_drafts_compile_as_steps_do(monkeypatch):
     monkeypatch.delenv(compiled_step.ENV_VAR, raising=False)
-    assert compiled_step.compiles(1) and not compiled_step.compiles_draft()  # unproven on a GPU
+    monkeypatch.setattr(compiled_step, "backend", lambda: "cuda")
+    assert compiled_step.compiles(1) and compiled_step.compiles_draft()  # the GPU default
+    monkeypatch.setattr(compiled_step, "backend", lambda: "cpu")
+    assert not compiled_step.compiles_draft()  # the CPU: eager, as its steps
     monkeypatch.setenv(compiled_step.ENV_VAR, "0")
     assert not compiled_step.compiles_draft()
     monkeypatch.setenv(compiled_step.ENV_VAR, "1")

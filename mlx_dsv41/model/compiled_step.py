@@ -18,9 +18,10 @@ step gives the same bytes there: tests/test_compiled_step.py); MLX_DSV41_COMPILE
 on / off. On the H200 it gives the eager greedy tokens and takes a Flash-shaped token from 135.5
 to 60.9 ms (docs/benchmarks.md, eighth session).
 
-The DSpark draft block (model/dspark.py) replays through the same `CompiledStep.run`, but only
-when MLX_DSV41_COMPILE=1 is set explicitly (`compiles_draft`): it gives the eager bytes on the CPU
-(tests/test_compiled_draft.py) and has not yet been run on a GPU (docs/dspark.md#compiled-draft).
+The DSpark draft block (model/dspark.py) replays through the same `CompiledStep.run` under the same
+setting (`compiles_draft`): it gives the eager bytes on the CPU (tests/test_compiled_draft.py) and
+the eager tokens on the H200 (tests/gpu/test_compiled_draft_gpu.py, tenth session;
+docs/dspark.md#compiled-draft).
 """
 
 from __future__ import annotations
@@ -52,11 +53,9 @@ def compiles(tokens: int) -> bool:
 
 
 def compiles_draft() -> bool:
-    """Whether a DSpark draft block (model/dspark.py) is run compiled: only when MLX_DSV41_COMPILE=1
-    is set explicitly. The compiled draft gives the eager bytes on the CPU
-    (tests/test_compiled_draft.py) but is not yet proven on a GPU, so no backend compiles it by
-    default (docs/design.md, "Compiled decode step")."""
-    return setting() == "1"
+    """Whether a DSpark draft block (model/dspark.py) is run compiled: as a decode step (by default on
+    a GPU; MLX_DSV41_COMPILE=1 / 0 forces it; docs/design.md, "Compiled decode step")."""
+    return compiles(1)
 
 
 class CompiledStep:
