@@ -324,7 +324,7 @@ def test_many_token_experts_give_the_one_expert_at_a_time_bytes(monkeypatch, bat
     tensors = random_experts_tensors(6, 256, 384, bits={"w1": (3, 4), "w3": 3, "w2": (2, 4)}, seed=11)
     ex = experts_from_stored(tensors, "experts", 6, 256, 384, 10.0, (1, 6))
     monkeypatch.setattr(ops, "CPU_HELD_WEIGHTS", 0)
-    monkeypatch.setattr(ops, "EXPERT_GEMM_BYTES", batch_experts * 4 * 256 * 384)
+    monkeypatch.setattr(ops, "EXPERT_GEMM_BYTES", batch_experts * 2 * 256 * 384)
     rng = np.random.default_rng(4)
     x = mx.array(rng.normal(0, 2, (7, 256)).astype(np.float32)).astype(mx.bfloat16)
     idx = np.stack([rng.permutation([0, 1, 2, 4, 5])[:3] for _ in range(7)]).astype(np.int32)  # 3 gets none

@@ -125,7 +125,7 @@ def test_prefill_experts_on_f16_gemm(cuda_ops, simulated_cuda_product, monkeypat
 
     tensors = random_experts_tensors(6, 256, 384, bits={"w1": (3, 4), "w3": 3, "w2": (2, 4)}, seed=12)
     ex = experts_from_stored(tensors, "experts", 6, 256, 384, 10.0, (1, 6))
-    monkeypatch.setattr(cuda_ops, "EXPERT_GEMM_BYTES", 3 * 4 * 256 * 384)  # 3 experts a batch
+    monkeypatch.setattr(cuda_ops, "EXPERT_GEMM_BYTES", 3 * 2 * 256 * 384)  # 3 experts a batch
     rng = np.random.default_rng(8)
     T = 16
     x = mx.array(rng.standard_normal((T, 256)).astype(np.float32)).astype(mx.bfloat16)

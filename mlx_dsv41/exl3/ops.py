@@ -112,15 +112,15 @@ def experts(x, indices, weights, w1, w3, w2, expert_range, limit: float):
     return launch.run_experts(x, indices, weights, w1, w3, w2, expert_range[0], limit)
 
 
-# float32 W̃ bytes of one projection's experts decoded at once by ``experts_sorted`` (Flash's
-# 5120 x 2304 experts: 22 per batch).
+# fp16 W̃ bytes of one projection's experts decoded at once by ``experts_sorted`` (Flash's
+# 5120 x 2304 experts: 45 per batch; off CUDA one expert at a time is widened to fp32 besides).
 EXPERT_GEMM_BYTES = 1 << 30
 
 
 def experts_sorted(x, indices, weights, w1, w3, w2, expert_range, limit):
     """Per-slot outputs [T, k, D] float32 for many tokens (docs/exl3.md#many-token-experts): one
     host read of the routing; the held slots sorted by expert; for each batch of routed experts
-    (at most EXPERT_GEMM_BYTES of float32 W̃ per projection) their W̃ decoded once and the product of
+    (at most EXPERT_GEMM_BYTES of fp16 W̃ per projection) their W̃ decoded once and the product of
     each expert's consecutive sorted slots with its W̃ (``product_by_span``: one f16_gemm launch per
     projection and batch on CUDA); experts without slots are never decoded.
     Slots routed outside ``expert_range`` are exactly 0."""
@@ -136,7 +136,7 @@ def experts_sorted(x, indices, weights, w1, w3, w2, expert_range, limit):
     members, counts = np.unique(experts, return_counts=True)
     rows = x[mx.array((order // top_k).astype(np.int32))]
     slot_weights = weights.reshape(-1)[mx.array(order.astype(np.int32))]
-    per_batch = max(1, EXPERT_GEMM_BYTES // (4 * max(p.k * p.n for p in (w1, w3, w2))))
+    per_batch = max(1, EXPERT_GEMM_BYTES // (2 * max(p.k * p.n for p in (w1, w3, w2))))
     ys, start = [], 0
     for b in range(0, len(members), per_batch):
         batch, n = members[b : b + per_batch], int(counts[b : b + per_batch].sum())

@@ -240,7 +240,7 @@ def test_many_token_experts_in_batches_and_the_decoded_stack(monkeypatch):
     decoded_stack is each expert's own W̃, bit for bit, on the GPU."""
     _, ex, x, indices, weights = make_experts(EXPERT_CASES[4], seed=77)
     one = to_np(ex(x, mx.array(indices), mx.array(weights)))
-    monkeypatch.setattr(ops, "EXPERT_GEMM_BYTES", 2 * 4 * ex.w1.k * ex.w1.n)  # two experts a batch
+    monkeypatch.setattr(ops, "EXPERT_GEMM_BYTES", 2 * 2 * ex.w1.k * ex.w1.n)  # two experts a batch
     batched = to_np(ex(x, mx.array(indices), mx.array(weights)))
     assert np.array_equal(batched, one)
     for proj in (ex.w1, ex.w2):  # w2 holds two (K, codebook) groups
