@@ -15,7 +15,7 @@ step of the Flash-shaped model (flash_model.py, --layers, Engram off) after a sh
 Nothing is evaluated but the prompt's prefill (stand-in zeros). The H200's own count (CUPTI) is in
 bench_model.py; this is the tool for changing the graph between device sessions.
 
-    .venv/bin/python benchmarks/gpu_graph.py --layers 4 [--sites] [--out DIR]
+    .venv/bin/python benchmarks/gpu_graph.py --layers 4 [--sites] [--draft | --prefill N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import re
 import sys
@@ -51,6 +52,7 @@ class Recorder:
         self.copied_inputs = Counter()
         self.sites = Counter()
         self.check_inputs = False  # look for custom-kernel inputs MLX copies (set for the counted step)
+        self.route_experts = 0  # > 0: moe_route's stand-in spreads slots over this many experts
 
 
 def _producer(a: mx.array) -> str | None:
@@ -78,6 +80,9 @@ def gpu_graph_on_cpu(rec: Recorder):
                 if p in _COPIED_VIEWS:
                     rec.copied_inputs[f"{self.name}: {p}"] += 1
         outs = [graph_constants.full(tuple(s), 0, d) for s, d in zip(output_shapes, output_dtypes)]
+        if self.name == "moe_route" and rec.route_experts:  # slot s of token t -> expert (t·k + s) mod E
+            outs[0] = mx.array(np.arange(math.prod(output_shapes[0])).reshape(output_shapes[0]) % rec.route_experts)
+            outs[0] = outs[0].astype(output_dtypes[0])
         return [mx.depends(o, list(inputs)) for o in outs]
 
     def fast(name):  # MLX's own fused kernels: one launch on a GPU, a decomposition on the CPU
@@ -186,20 +191,38 @@ def count_draft(layers: int, prompt: int, compiled: bool) -> dict:
     return report(rec, compiled, layers, d.tokens, d.confidence)
 
 
+def count_prefill(layers: int, prompt: int) -> dict:
+    """The same for one prefill forward of `prompt` tokens from fresh caches (eager, as generate
+    runs a prompt), with the router's stand-in spreading the slots over every held expert."""
+    os.environ["MLX_DSV41_COMPILE"] = "0"
+    rec = Recorder()
+    with gpu_graph_on_cpu(rec):
+        args = flash_model.flash_args(layers)
+        model = flash_model.build(args)
+        rec.route_experts = args.n_routed_experts
+        ids = mx.array(np.random.default_rng(0).integers(3, 1000, (1, prompt)), mx.int32)
+        rec.check_inputs = True
+        logits = model(ids, model.make_cache())
+    return report(rec, False, layers, logits)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=12)
     ap.add_argument("--sites", action="store_true", help="the lines creating casts and aranges (eager)")
     ap.add_argument("--draft", action="store_true", help="count a DSpark draft block instead of a decode step")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N", help="count an N-token prefill instead")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     mx.set_default_device(mx.cpu)
-    if a.draft:
+    if a.prefill:
+        results = [count_prefill(a.layers, a.prefill)]
+    elif a.draft:
         results = [count_draft(a.layers, a.prompt, False), count_draft(a.layers, a.prompt, True)]
     else:
         results = [count(a.layers, a.prompt, False, a.sites), count(a.layers, a.prompt, True, False)]
-    what = "draft block" if a.draft else "step"
+    what = f"{a.prefill}-token prefill" if a.prefill else "draft block" if a.draft else "step"
     for r in results:
         mode = "compiled" if r["compiled"] else "eager"
         counts = f"{r['kernels']} custom kernels, {r['mlx_compute']} MLX compute primitives"
