@@ -138,3 +138,26 @@ def test_prefill_experts_on_f16_gemm(cuda_ops, simulated_cuda_product, monkeypat
     assert len(simulated_cuda_product) == 6  # 5 held experts in batches of 3: 2 batches x 3 projections
     assert np.all(got[np.array(idx) == 0] == 0)
     _close_bf16(got, want)
+
+
+def test_prefill_grouped_linear_on_f16_gemm(cuda_ops, simulated_cuda_product):
+    """ops.grouped's CUDA path for more than FUSED_MAX_TOKENS tokens (wo_a in a prefill): every
+    group's W̃ decoded once, one f16_gemm launch over the groups' rows, each group's output as its
+    own linear gives it (the reference, per group), mixed K across groups."""
+    from mlx_dsv41.exl3 import reference
+    from mlx_dsv41.exl3.experts import EXL3GroupedLinear
+    from mlx_dsv41.exl3.synthetic import random_linear_tensors
+
+    slices = []
+    for g, bits in enumerate((3, 4, 3)):
+        t = random_linear_tensors(256, 128, bits, "mul1", seed=20 + g)
+        slices.append({k: mx.array(t[k]) for k in ("trellis", "suh", "svh")} | {"codebook": "mul1"})
+    layer = EXL3GroupedLinear.from_slices(slices, 256, 128)
+    T = 13
+    x = mx.array(np.random.default_rng(9).standard_normal((T, 3, 256)).astype(np.float32)).astype(mx.bfloat16)
+    got = np.array(layer(x).astype(mx.float32))
+    want = np.stack(
+        [np.array(reference.linear(x[:, g], *layer.proj.expert(g)).astype(mx.float32)) for g in range(3)], axis=1
+    )
+    assert got.shape == (T, 3, 128) and len(simulated_cuda_product) == 1
+    _close_bf16(got, want)

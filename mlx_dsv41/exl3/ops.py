@@ -25,6 +25,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from mlx_dsv41 import graph_constants
 from mlx_dsv41.exl3 import reference
 from mlx_dsv41.exl3.hadamard import BLOCK
 from mlx_dsv41.exl3.stored import check_linear
@@ -214,9 +215,10 @@ def swiglu_mlp(x, w1, w3, w2, limit: float) -> mx.array:
 def grouped(x, proj) -> mx.array:
     """A grouped linear whose group g is expert g of `proj` (an EXL3ExpertProjection over the groups'
     linears, e.g. `wo_a`'s slices): x [T, G, in] -> [T, G, out] in x.dtype, each group's output
-    rounded as its own linear rounds it. On a GPU: exl3_expert_input, exl3_expert_down (one launch
-    per (K, codebook) group) and exl3_expert_down_finish for every group at once; on the CPU each
-    group through the reference linear."""
+    rounded as its own linear rounds it. On a GPU, up to FUSED_MAX_TOKENS tokens: exl3_expert_input,
+    exl3_expert_down (one launch per (K, codebook) group) and exl3_expert_down_finish for every
+    group at once; more tokens: the groups' W̃ decoded once and the product as for the sorted
+    experts; on the CPU each group through the reference linear."""
     T, G, width = x.shape
     if G != proj.n_local or width != proj.in_features:
         raise ValueError(f"exl3 grouped: x must be [T, {proj.n_local}, {proj.in_features}], got {x.shape}")
@@ -236,7 +238,22 @@ def grouped(x, proj) -> mx.array:
         )
     if T == 0:
         return mx.zeros((0, G, proj.out_features), x.dtype)
-    return launch.run_grouped(x, proj)
+    if T <= FUSED_MAX_TOKENS:
+        return launch.run_grouped(x, proj)
+    # Many tokens: the groups' W̃ decoded once and each group's T rows as one span of the product
+    # (docs/exl3.md#many-token-experts), in place of decoding every group's tiles for every token.
+    rows = x.transpose(1, 0, 2).reshape(G * T, width)  # group-major: group g's rows are one span
+    spans = [(g * T, (g + 1) * T) for g in range(G)]
+    groups = _group_of_rows(G, T)
+    product = product_by_span(decoded_stack(proj, range(G)), spans)
+    y = reference.project_slots(rows, proj, groups, None, lambda xh, _: product(xh), x.dtype)
+    return y.reshape(G, T, -1).transpose(1, 0, 2)
+
+
+@graph_constants.constant
+def _group_of_rows(groups: int, tokens: int) -> np.ndarray:
+    """int32 group of each row of a group-major [groups · tokens] stack."""
+    return np.repeat(np.arange(groups, dtype=np.int32), tokens)
 
 
 # The CPU reference decodes W̃ (exact) for every call; a module keeps it, in float32, when it is at

@@ -346,6 +346,34 @@ def test_gemv_row_bytes_do_not_depend_on_the_other_rows(shape, bits):
 # ------------------------------------------------------------------------------ grouped linear (wo_a)
 
 
+def test_many_token_grouped_linear_matches_each_group():
+    """wo_a in a prefill (more than FUSED_MAX_TOKENS tokens): the groups' W̃ decoded once and one
+    f16_gemm over the groups' rows; each group's output is its own linear's up to summation order,
+    and a token's bytes do not depend on the other tokens of a many-token call."""
+    from mlx_dsv41.exl3 import EXL3GroupedLinear
+    from mlx_dsv41.exl3.stored import linear_tensors
+
+    groups, d_in, d_out = 8, 4096, 1024
+    slices = [
+        linear_tensors(
+            {k: mx.array(v) for k, v in random_linear_tensors(d_in, d_out, 5, "mul1", seed=80 + g, prefix="s").items()},
+            "s",
+        )
+        for g in range(groups)
+    ]
+    layer = EXL3GroupedLinear.from_slices(slices, d_in, d_out)
+    T = 3 * ops.FUSED_MAX_TOKENS
+    x = (mx.random.normal((T, groups, d_in), key=mx.random.key(5)) * 2).astype(mx.bfloat16)
+    y = to_np(layer(x))
+    for g in range(groups):
+        lin = EXL3Linear(
+            *(slices[g][k] for k in ("trellis", "suh", "svh", "codebook")), in_features=d_in, out_features=d_out
+        )
+        assert rel_err(y[:, g], to_np(lin(x[:, g]))) < 1e-3 + 2**-8, g
+    part = to_np(layer(x[5 : 5 + ops.FUSED_MAX_TOKENS + 1]))
+    assert np.array_equal(part, y[5 : 5 + ops.FUSED_MAX_TOKENS + 1])
+
+
 def test_grouped_linear_on_the_gpu_matches_each_group_and_its_contract():
     """wo_a at Flash shape (8 groups of 4096 -> 1024, K = 5) and a mixed-K case: every group's
     output is its own linear's (the GEMV's) up to summation order; poisoned outputs with guards
