@@ -4,7 +4,7 @@
 # their own, then the prefill ops and the model's prefill beside mlx-lm, each stage under its own
 # time limit so that a slow one leaves the others' results. Every stage's whole output goes to
 # $OUT/<stage>.log; $OUT/stages.txt lists the exit codes; the PTX cache is packed for the next call.
-# Usage (repository root, MLX bundle carried in .gpu/): bash benchmarks/gpu_verify.sh
+# Usage (repository root, MLX bundle carried in .gpu/): bash benchmarks/gpu_verify.sh  (about 9 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=benchmarks/gpu_env.sh
@@ -21,7 +21,7 @@ stage() {  # stage NAME SECONDS COMMAND...
 
 TESTS="tests/gpu/test_f16_gemm_gpu.py tests/gpu/test_mxfp4_gemv_gpu.py tests/gpu/test_exl3_kernels.py"
 TESTS="$TESTS tests/gpu/test_compiled_step_gpu.py tests/gpu/test_model_gpu.py"
-stage tests 330 env GPU_JOBS=5 GPU_FILE_TIMEOUT=320 bash benchmarks/gpu_run.sh tests-parallel "$TESTS"
+stage tests 300 env GPU_JOBS=5 GPU_FILE_TIMEOUT=290 bash benchmarks/gpu_run.sh tests-parallel "$TESTS"
 stage prefill_ops 60 python3 benchmarks/bench_prefill_ops.py --rows 512 2048 --repeats 3 --out "$OUT"
-stage prefill 170 python3 benchmarks/bench_model.py --quick --prefill 512 2048 --out "$OUT"
+stage prefill 160 python3 benchmarks/bench_model.py --quick --prefill 512 2048 --out "$OUT"
 bash benchmarks/gpu_save_ptx.sh > /dev/null 2>&1 || true
