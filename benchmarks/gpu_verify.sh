@@ -21,7 +21,7 @@ stage() {  # stage NAME SECONDS COMMAND...
 
 TESTS="tests/gpu/test_f16_gemm_gpu.py tests/gpu/test_mxfp4_gemv_gpu.py tests/gpu/test_exl3_kernels.py"
 TESTS="$TESTS tests/gpu/test_compiled_step_gpu.py tests/gpu/test_model_gpu.py"
-stage tests 300 env GPU_JOBS=5 GPU_FILE_TIMEOUT=290 bash benchmarks/gpu_run.sh tests-parallel "$TESTS"
+stage tests 260 env GPU_JOBS=5 GPU_FILE_TIMEOUT=250 bash benchmarks/gpu_run.sh tests-parallel "$TESTS"
 stage prefill_ops 60 python3 benchmarks/bench_prefill_ops.py --rows 512 2048 --repeats 3 --out "$OUT"
-stage prefill 160 python3 benchmarks/bench_model.py --quick --prefill 512 2048 --out "$OUT"
+stage prefill 220 python3 benchmarks/bench_model.py --quick --prefill 512 2048 --out "$OUT"
 bash benchmarks/gpu_save_ptx.sh > /dev/null 2>&1 || true
