@@ -19,10 +19,11 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = tests-parallel ]; then
   files=${kexpr:-$(ls tests/gpu/test_*.py)}
+  : > "$OUT/gpu_tests_parallel.txt"
   # shellcheck disable=SC2086
   printf '%s\n' $files | xargs -P "${GPU_JOBS:-4}" -I{} sh -c \
     'f={}; n=$(basename "$f" .py); timeout "${GPU_FILE_TIMEOUT:-520}" python3 -m pytest -q -p no:cacheprovider "$f" > "$OUT/$n.log" 2>&1; echo "$n rc=$?" | tee -a "$OUT/gpu_tests_parallel.txt"; tail -n 3 "$OUT/$n.log"'
-  grep -q 'rc=[^0]' "$OUT/gpu_tests_parallel.txt" && rc=1
+  if grep -q 'rc=[^0]' "$OUT/gpu_tests_parallel.txt" || [ ! -s "$OUT/gpu_tests_parallel.txt" ]; then rc=1; fi
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for b in benchmarks/bench_*.py; do
