@@ -215,6 +215,9 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=0, metavar="N", help="count an N-token prefill instead")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
+    if a.prefill < 0 or a.layers < 3 or a.prompt < 1:
+        print("error: --prefill must be >= 0, --layers >= 3, --prompt >= 1", file=sys.stderr)
+        return 2
     mx.set_default_device(mx.cpu)
     if a.prefill:
         results = [count_prefill(a.layers, a.prefill)]

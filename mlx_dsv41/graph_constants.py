@@ -42,6 +42,13 @@ def arange(n: int, start: int = 0) -> np.ndarray:
     return np.arange(start, start + n, dtype=np.int32)
 
 
+@constant
+def row_of(n: int, per_row: int) -> np.ndarray:
+    """int32 [n]: item i // per_row, the row of item i when each row holds per_row consecutive items
+    (a token's expert slots, a group-major stack's rows)."""
+    return np.arange(n, dtype=np.int32) // per_row
+
+
 @cache
 def full(shape: tuple[int, ...], value: float | int, dtype: mx.Dtype) -> mx.array:
     """`shape` filled with `value`, contiguous (a kernel input needs no copy)."""

@@ -135,8 +135,9 @@ def experts_sorted(x, indices, weights, w1, w3, w2, expert_range, limit):
     order = held[np.argsort(local[held], kind="stable")]
     experts = local[order]
     members, counts = np.unique(experts, return_counts=True)
+    slots = mx.array(order.astype(np.int32))
     rows = x[mx.array((order // top_k).astype(np.int32))]
-    slot_weights = weights.reshape(-1)[mx.array(order.astype(np.int32))]
+    slot_weights = weights.reshape(-1)[slots]
     per_batch = max(1, EXPERT_GEMM_BYTES // (2 * max(p.k * p.n for p in (w1, w3, w2))))
     ys, start = [], 0
     for b in range(0, len(members), per_batch):
@@ -156,7 +157,7 @@ def experts_sorted(x, indices, weights, w1, w3, w2, expert_range, limit):
             )
         )
         start += n
-    out[mx.array(order.astype(np.int32))] = ys[0] if len(ys) == 1 else mx.concatenate(ys)
+    out[slots] = ys[0] if len(ys) == 1 else mx.concatenate(ys)
     return out.reshape(T, top_k, -1)
 
 
@@ -244,16 +245,9 @@ def grouped(x, proj) -> mx.array:
     # (docs/exl3.md#many-token-experts), in place of decoding every group's tiles for every token.
     rows = x.transpose(1, 0, 2).reshape(G * T, width)  # group-major: group g's rows are one span
     spans = [(g * T, (g + 1) * T) for g in range(G)]
-    groups = _group_of_rows(G, T)
     product = product_by_span(decoded_stack(proj, range(G)), spans)
-    y = reference.project_slots(rows, proj, groups, None, lambda xh, _: product(xh), x.dtype)
+    y = reference.project_slots(rows, proj, graph_constants.row_of(G * T, T), product, x.dtype)
     return y.reshape(G, T, -1).transpose(1, 0, 2)
-
-
-@graph_constants.constant
-def _group_of_rows(groups: int, tokens: int) -> np.ndarray:
-    """int32 group of each row of a group-major [groups · tokens] stack."""
-    return np.repeat(np.arange(groups, dtype=np.int32), tokens)
 
 
 # The CPU reference decodes W̃ (exact) for every call; a module keeps it, in float32, when it is at

@@ -54,26 +54,26 @@ def experts_gathered(x, indices, weights, w1, w3, w2, expert_range, limit, tilde
     return mx.where(inside.reshape(-1, 1), y, 0.0).reshape(T, top_k, -1)
 
 
-def project_slots(v, proj, experts, w, product, out_dtype=mx.bfloat16):
-    """Row i of v through expert experts[i] of an EXL3ExpertProjection: its input transform, the
-    product ``product(xh, w)`` with the decoded W̃ stack w, its output transform, rounded once to
+def project_slots(v, proj, experts, product, out_dtype=mx.bfloat16):
+    """Row i of v through expert experts[i] of an EXL3ExpertProjection: its input transform,
+    ``product(xh)`` (fp16 xh times the row's own expert's W̃, float32), its output transform, rounded once to
     out_dtype (docs/exl3.md#forward) -> [S, out_features]."""
     xh = input_transform(pad_features(v, proj.k), proj.suh[experts])
-    acc = product(xh, w)
-    return output_transform(acc, proj.svh[experts])[:, : proj.out_features].astype(out_dtype)
+    return output_transform(product(xh), proj.svh[experts])[:, : proj.out_features].astype(out_dtype)
 
 
 def slot_experts(rows, slot_weights, experts, projections, tildes, limit, product):
     """float32 [S, D]: slot i = w2_e(bf16(w_i · SwiGLU(w1_e(rows[i]), w3_e(rows[i])))) for the local
     expert e = experts[i]: ``project_slots`` through each projection of ``projections`` = (w1, w3,
-    w2) with its decoded W̃ stack ``tildes[p]`` (fp16 xh [S, k] times each slot's own expert's W̃),
-    each linear's output rounded to bf16 as the reference's expert linears round it
-    (docs/model.md#moe)."""
-    w1, w3, w2 = projections
-    g = project_slots(rows, w1, experts, tildes[0], product)
-    u = project_slots(rows, w3, experts, tildes[1], product)
-    h = swiglu(g, u, limit, slot_weights.reshape(-1, 1).astype(mx.float32))
-    return project_slots(h, w2, experts, tildes[2], product).astype(mx.float32)
+    w2) with ``product(xh, tildes[p])`` (fp16 xh [S, k] times each slot's own expert's W̃ from the
+    decoded stack of projection p), each linear's output rounded to bf16 as the reference's expert
+    linears round it (docs/model.md#moe)."""
+
+    def through(v, p):
+        return project_slots(v, projections[p], experts, lambda xh: product(xh, tildes[p]))
+
+    h = swiglu(through(rows, 0), through(rows, 1), limit, slot_weights.reshape(-1, 1).astype(mx.float32))
+    return through(h, 2).astype(mx.float32)
 
 
 def with_transforms(product, x, suh, svh, bias=None, out_features=None, out_dtype=None):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
-import numpy as np
 
 from mlx_dsv41 import graph_constants
 from mlx_dsv41.kernels import Kernel, backend, register
@@ -61,13 +60,6 @@ def linear(x: mx.array, weight: mx.array, scales: mx.array) -> mx.array:
     """x [M, K] (M <= 8) times one mxfp4 weight [N, K/8] -> float32 [M, N]."""
     args = gemv_args(x, weight[None], scales[None], graph_constants.array(((0, 0),), mx.int32), x.shape[0])
     return GEMV(**args)[0]
-
-
-@graph_constants.constant
-def slot_rows(n_slots: int, per_row: int) -> np.ndarray:
-    """int32 x row of each slot: slot s reads row s // per_row (per_row = k when the slots of a
-    token share its row, 1 when each slot has its own)."""
-    return np.arange(n_slots, dtype=np.int32) // per_row
 
 
 def gathered(x: mx.array, weight: mx.array, scales: mx.array, rows: mx.array, experts: mx.array) -> mx.array:

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_dsv41 import graph_constants
 from mlx_dsv41.kernels import mxfp4_gemv
 from mlx_dsv41.quant.accumulation import quantized_input
 from mlx_dsv41.quant.errors import FormatError
@@ -57,7 +58,7 @@ class MXProjection(nn.Module):
         sums, one rounding (quant/accumulation.py; on CUDA, few mxfp4 slots take mxfp4_gemv)."""
         if mxfp4_gemv.takes_kernel(self.bits, self.mode, local.size):
             T, k = local.shape
-            rows = mxfp4_gemv.slot_rows(T * k, k if x.shape[1] == 1 else 1)
+            rows = graph_constants.row_of(T * k, k if x.shape[1] == 1 else 1)
             y = mxfp4_gemv.gathered(x.reshape(-1, x.shape[-1]), self.weight, self.scales, rows, local.reshape(-1))
             return y.reshape(T, k, 1, -1).astype(x.dtype)
         xs = quantized_input(x, "gather_qmm", self.bits, local.size)
