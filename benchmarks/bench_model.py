@@ -175,13 +175,19 @@ def cuda_kernels(step) -> dict | None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         mx.synchronize()
-    names, device_us = Counter(), 0.0
+    names, times = Counter(), Counter()
     for e in prof.events():
         if not str(getattr(e, "device_type", "")).endswith("CUDA") or e.name.startswith(("Memcpy", "Memset")):
             continue
-        names[e.name.split("<")[0][:60]] += 1
-        device_us += float(getattr(e, "device_time", getattr(e, "cuda_time", 0.0)) or 0.0)
-    return {"kernels": sum(names.values()), "device_ms": device_us / 1e3, "top": names.most_common(12)}
+        name = e.name.split("<")[0][:60]
+        names[name] += 1
+        times[name] += float(getattr(e, "device_time", getattr(e, "cuda_time", 0.0)) or 0.0) / 1e3
+    return {
+        "kernels": sum(names.values()),
+        "device_ms": sum(times.values()),
+        "top": names.most_common(12),
+        "top_ms": [(n, round(ms, 3)) for n, ms in times.most_common(12)],
+    }
 
 
 def decode(forward, make_cache, prompt: mx.array, steps: int, warmup: int) -> dict:

@@ -49,6 +49,14 @@ def row_of(n: int, per_row: int) -> np.ndarray:
     return np.arange(n, dtype=np.int32) // per_row
 
 
+@constant
+def group_major(T: int, G: int) -> np.ndarray:
+    """int32 [G * T]: row r = (g, t) = divmod(r, T) of a group-major stack is row t * G + g of the
+    token-major [T, G] layout."""
+    r = np.arange(G * T, dtype=np.int32)
+    return (r % T) * G + r // T
+
+
 @cache
 def full(shape: tuple[int, ...], value: float | int, dtype: mx.Dtype) -> mx.array:
     """`shape` filled with `value`, contiguous (a kernel input needs no copy)."""

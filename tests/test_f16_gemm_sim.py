@@ -20,6 +20,7 @@ GUARD = 3
 CASES = [  # M, K, N, spans (None: one b)
     (70, 256, 256, None),
     (133, 128, 128, [(0, 5), (5, 70), (70, 70), (70, 133)]),  # an empty span: an expert with no slots
+    (20, 32, 128, None),  # one k step: fewer than the pipeline's buffers
 ]
 
 
@@ -96,25 +97,38 @@ def _close_bf16(got, want):
 
 @pytest.fixture
 def cuda_ops(monkeypatch, simulated_cuda_product):
-    """mlx_dsv41.exl3.ops taking its CUDA paths, with W̃ decoded by the reference."""
+    """mlx_dsv41.exl3.ops taking its CUDA paths, with W̃ decoded by the reference and the
+    transforms' kernels (exl3_rows_in, exl3_rows_out) run on the simulator."""
     from mlx_dsv41.exl3 import ops, reference
+    from mlx_dsv41.kernels import exl3 as launch
 
     monkeypatch.setattr(ops, "backend", lambda: "cuda")
     monkeypatch.setattr(ops, "reconstruct", reference.reconstruct)
+    for name in ("ROWS_IN", "ROWS_OUT"):
+        monkeypatch.setattr(launch, name, exl3_sim.launcher(getattr(launch, name)))
     return ops
 
 
-def test_exl3_prefill_linear_on_f16_gemm(cuda_ops, simulated_cuda_product):
+@pytest.mark.parametrize("bias,out_dtype", [(False, None), (True, mx.float32)])
+def test_exl3_prefill_linear_on_f16_gemm(cuda_ops, simulated_cuda_product, bias, out_dtype):
+    """ops.linear past the GEMV's rows: exl3_rows_in, f16_gemm, exl3_rows_out (with a bias, and
+    a float32 output), against the reference linear."""
     from mlx_dsv41.exl3 import reference
     from mlx_dsv41.exl3.synthetic import random_linear_tensors
 
-    t = random_linear_tensors(256, 384, 3, "mul1", seed=5)
+    t = random_linear_tensors(256, 384, 3, "mul1", seed=5, bias=bias)
     args = (mx.array(t["trellis"]), mx.array(t["suh"]), mx.array(t["svh"]), "mul1")
+    b = mx.array(t["bias"][:300]) if bias else None  # a bias shorter than the padded outputs
     x = mx.array(np.random.default_rng(6).standard_normal((70, 256)).astype(np.float32)).astype(mx.bfloat16)
-    got = np.array(cuda_ops.linear(x, *args).astype(mx.float32))
-    want = np.array(reference.linear(x, *args).astype(mx.float32))
+    got = cuda_ops.linear(x, *args, bias=b, out_features=300 if bias else None, out_dtype=out_dtype)
+    want = reference.linear(x, *args, bias=b, out_features=300 if bias else None, out_dtype=out_dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape
     assert simulated_cuda_product == [(256 * 3, 2, 1)]  # 3 column blocks x 2 row tiles
-    _close_bf16(got, want)
+    if got.dtype == mx.float32:  # two fp32 summation orders: within fp32 noise of the scale
+        got, want = np.array(got), np.array(want)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    else:
+        _close_bf16(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
 
 
 def test_prefill_experts_on_f16_gemm(cuda_ops, simulated_cuda_product, monkeypatch):

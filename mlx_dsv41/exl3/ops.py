@@ -84,7 +84,11 @@ def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, ou
     # (docs/exl3.md#many-row-gemm): an fp16 GEMM would round its sums to fp16 before the output
     # transform (a second rounding; issue 15).
     w = reconstruct(trellis, codebook)
-    return reference.with_transforms(product_by_span(w[None], None), x, suh, svh, bias, out_features, out_dtype)
+    if bias is not None:
+        bias = reference.pad_features(bias[None], n)[0]
+    zeros = graph_constants.full((x.shape[0],), 0, mx.int32)  # every row through the one suh / svh
+    y = transformed_product(x, suh[None], svh[None], zeros, product_by_span(w[None], None), out_dtype, bias=bias)
+    return y if out_features == n else y[:, :out_features]
 
 
 def _gemv(x, trellis, suh, svh, codebook, bias, out_dtype):
@@ -129,21 +133,28 @@ def experts_sorted(x, indices, weights, w1, w3, w2, expert_range, limit):
     lo, hi = expert_range
     local = np.array(indices).reshape(-1).astype(np.int64) - lo
     held = np.nonzero((local >= 0) & (local < hi - lo))[0]
-    out = mx.zeros((T * top_k, w2.out_features), mx.float32)
     if held.size == 0:
-        return out.reshape(T, top_k, -1)
+        return mx.zeros((T, top_k, w2.out_features), mx.float32)
     order = held[np.argsort(local[held], kind="stable")]
     experts = local[order]
     members, counts = np.unique(experts, return_counts=True)
     slots = mx.array(order.astype(np.int32))
-    rows = x[mx.array((order // top_k).astype(np.int32))]
     slot_weights = weights.reshape(-1)[slots]
     per_batch = max(1, EXPERT_GEMM_BYTES // (2 * max(p.k * p.n for p in (w1, w3, w2))))
-    ys, start = [], 0
+    batches, start = [], 0  # (experts, spans from the batch's first slot, first slot, slot count)
     for b in range(0, len(members), per_batch):
         batch, n = members[b : b + per_batch], int(counts[b : b + per_batch].sum())
         ends = np.cumsum(counts[b : b + per_batch]).tolist()
-        spans = list(zip([0, *ends[:-1]], ends))  # the batch's experts' slots, from its first slot
+        batches.append((batch, list(zip([0, *ends[:-1]], ends)), start, n))
+        start += n
+    if backend() != "cpu":
+        return _experts_sorted_on_gpu(
+            x, slots, order // top_k, experts, slot_weights, (w1, w3, w2), batches, limit, T * top_k
+        ).reshape(T, top_k, -1)
+    out = mx.zeros((T * top_k, w2.out_features), mx.float32)
+    rows = x[mx.array((order // top_k).astype(np.int32))]
+    ys = []
+    for batch, spans, start, n in batches:
         tildes = [decoded_stack(p, batch) for p in (w1, w3, w2)]
         ys.append(
             reference.slot_experts(
@@ -156,9 +167,48 @@ def experts_sorted(x, indices, weights, w1, w3, w2, expert_range, limit):
                 lambda xh, w, spans=spans: product_by_span(w, spans)(xh),
             )
         )
-        start += n
     out[slots] = ys[0] if len(ys) == 1 else mx.concatenate(ys)
     return out.reshape(T, top_k, -1)
+
+
+def _experts_sorted_on_gpu(x, slots, tokens, experts, slot_weights, projections, batches, limit, n_slots):
+    """experts_sorted's GPU side (docs/exl3.md#many-row-transforms): each projection as
+    exl3_rows_in, the product of every batch, exl3_rows_out; w1's and w3's rows read x's tokens in
+    place, w2's outputs land on their slots (the rest 0), bf16-valued float32 -> [n_slots, D]."""
+    w1, w3, w2 = projections
+    e = mx.array(experts.astype(np.int32))
+
+    def product(p):
+        def by_batch(xh):
+            parts = [product_by_span(decoded_stack(p, b), spans)(xh[a : a + n]) for b, spans, a, n in batches]
+            return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+        return by_batch
+
+    src = mx.array(tokens.astype(np.int32))
+    g, u = (
+        transformed_product(x, p.suh, p.svh, e, product(p), mx.bfloat16, src=src)[:, : p.out_features] for p in (w1, w3)
+    )
+    h = swiglu(g, u, limit, slot_weights.reshape(-1, 1).astype(mx.float32))
+    y = transformed_product(h, w2.suh, w2.svh, e, product(w2), mx.float32, dst=slots, out_rows=n_slots, round_bf16=True)
+    return y[:, : w2.out_features]
+
+
+def transformed_product(
+    x, suh, svh, e, product, out_dtype, src=None, dst=None, out_rows=None, bias=None, round_bf16=False
+):
+    """A many-row EXL3 linear on the GPU kernels (docs/exl3.md#many-row-transforms): row r is
+    x[src[r]] through suh[e[r]] (exl3_rows_in, fp16 xh [R, k]), ``product(xh)`` (float32 [R, n]),
+    then svh[e[r]] (+ bias) into row dst[r] of y [out_rows, n] in out_dtype (exl3_rows_out; rows
+    that no r names are 0). src and dst default to r, out_rows to R."""
+    rows = x.shape[0] if src is None else src.size
+    xh = launch.ROWS_IN(**launch.rows_in_args(x, graph_constants.arange(rows) if src is None else src, e, suh))[0]
+    out_rows = rows if out_rows is None else out_rows
+    dst = graph_constants.arange(rows) if dst is None else dst
+    init = 0 if out_rows != rows else None
+    return launch.ROWS_OUT(
+        **launch.rows_out_args(product(xh), e, dst, svh, bias, out_rows, out_dtype, round_bf16, init_value=init)
+    )[0]
 
 
 def product_by_span(w, spans):
@@ -243,11 +293,14 @@ def grouped(x, proj) -> mx.array:
         return launch.run_grouped(x, proj)
     # Many tokens: the groups' W̃ decoded once and each group's T rows as one span of the product
     # (docs/exl3.md#many-token-experts), in place of decoding every group's tiles for every token.
-    rows = x.transpose(1, 0, 2).reshape(G * T, width)  # group-major: group g's rows are one span
+    # Group-major rows, read from x and written back token-major in place by the transforms.
     spans = [(g * T, (g + 1) * T) for g in range(G)]
     product = product_by_span(decoded_stack(proj, range(G)), spans)
-    y = reference.project_slots(rows, proj, graph_constants.row_of(G * T, T), product, x.dtype)
-    return y.reshape(G, T, -1).transpose(1, 0, 2)
+    rows = graph_constants.group_major(T, G)
+    y = transformed_product(
+        x.reshape(T * G, width), proj.suh, proj.svh, graph_constants.row_of(G * T, T), product, x.dtype, rows, rows
+    )
+    return y[:, : proj.out_features].reshape(T, G, proj.out_features)
 
 
 # The CPU reference decodes W̃ (exact) for every call; a module keeps it, in float32, when it is at

@@ -225,6 +225,28 @@ EXPERT_INPUT = register(
     )
 )
 
+# The two sides of an EXL3 linear for many rows, around f16_gemm (docs/exl3.md#many-row-transforms).
+ROWS_IN = register(
+    Kernel(
+        "exl3_rows_in",
+        ("x", "src", "e", "suh"),
+        ("xh",),
+        includes=_HEADERS,
+        max_threads=256,
+        examples=lambda: _example_rows(),
+    )
+)
+ROWS_OUT = register(
+    Kernel(
+        "exl3_rows_out",
+        ("acc", "e", "dst", "svh", "bias"),
+        ("y",),
+        includes=_HEADERS,
+        max_threads=256,
+        examples=lambda: _example_rows(out=True),
+    )
+)
+
 
 # --------------------------------------------------------------------------------- launch plans
 
@@ -454,6 +476,32 @@ def input_args(x, indices, proj, lo: int, guard: int = 0, init_value=None) -> di
     )
 
 
+def rows_in_args(x, src, e, suh, guard: int = 0, init_value=None) -> dict:
+    """exl3_rows_in call kwargs: xh [R, k] fp16 of x's rows src [R] through suh[e] ([E, k]); R = src.size."""
+    rows, k = src.size, suh.shape[1]
+    return dict(
+        inputs=[x, src, e, suh],
+        output_shapes=[(rows + guard, k)],
+        output_dtypes=[mx.float16],
+        **_block_per_simd_group_launch(k // BLOCK, rows),
+        init_value=init_value,
+    )
+
+
+def rows_out_args(acc, e, dst, svh, bias, out_rows: int, out_dtype, round_bf16: bool = False, init_value=None) -> dict:
+    """exl3_rows_out call kwargs: y [out_rows, n] in out_dtype, row dst[r] from acc [R, n] (float32)
+    through svh[e[r]] ([E, n]) and bias ([n], or None); rows no r names keep init_value."""
+    rows, n = acc.shape
+    return dict(
+        inputs=[acc, e, dst, svh, svh[0] if bias is None else bias],  # (an unread stand-in)
+        output_shapes=[(out_rows, n)],
+        output_dtypes=[out_dtype],
+        **_block_per_simd_group_launch(n // BLOCK, rows),
+        template=[("HAS_BIAS", bias is not None), ("ROUND_BF16", round_bf16), ("OUT", _OUT_KIND[out_dtype])],
+        init_value=init_value,
+    )
+
+
 def gate_up_keys(w1, w3) -> list[tuple[int, str]]:
     """The (k2, codebook) groups of w1 and w3, in launch order: one exl3_expert_gate_up each."""
     return sorted({(g.k2, g.codebook) for g in (*w1.groups, *w3.groups)})
@@ -616,6 +664,19 @@ def _example_input():
     return [
         input_args(mx.zeros((indices.size, ex.w2.in_features), mx.bfloat16), indices, ex.w2, 1),
         input_args(mx.zeros((indices.size, 200), mx.float32), indices, ex.w1, 0),
+    ]
+
+
+def _example_rows(out: bool = False):
+    rng = np.random.default_rng(5)
+    e, rows = mx.array([1, 0, 1], mx.int32), mx.array([2, 0, 1], mx.int32)
+    table = mx.array(rng.choice([-1.0, 1.0], (2, 256)).astype(np.float16))
+    if not out:
+        return [rows_in_args(mx.zeros((3, 200), mx.bfloat16), rows, e, table)]
+    acc = mx.zeros((3, 256), mx.float32)
+    return [
+        rows_out_args(acc, e, rows, table, None, 4, mx.float32, round_bf16=True, init_value=0),
+        rows_out_args(acc, e, rows, table, mx.zeros((256,), mx.float16), 3, mx.bfloat16),
     ]
 
 

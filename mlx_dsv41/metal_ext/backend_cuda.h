@@ -107,6 +107,19 @@ KX_INLINE void kx_async_copy16(u32 dst, const void* src) {
 #define KX_ASYNC_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
 #define KX_ASYNC_WAIT(n) asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory")
 
+// ldmatrix: four 8 x 8 matrices of 16-bit elements from threadgroup memory. Lane l gives the
+// address of row l % 8 of matrix l / 8 (16 bytes, 16-byte aligned) as word i of base; lane
+// (q, c) = (l / 4, l % 4) receives in r[m] row q's elements 2c, 2c + 1 of matrix m (_TRANS:
+// column q's elements at rows 2c, 2c + 1), first element in the low half: the MMA's fragments.
+#define KX_LDMATRIX_X4(base, i, r)                                                                     \
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"                        \
+               : "=r"((r)[0]), "=r"((r)[1]), "=r"((r)[2]), "=r"((r)[3])                             \
+               : "r"((u32)__cvta_generic_to_shared(base) + 4u * (u32)(i)))
+#define KX_LDMATRIX_X4_TRANS(base, i, r)                                                               \
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"                  \
+               : "=r"((r)[0]), "=r"((r)[1]), "=r"((r)[2]), "=r"((r)[3])                             \
+               : "r"((u32)__cvta_generic_to_shared(base) + 4u * (u32)(i)))
+
 // Tensor-core tile product. KX_HAS_MMA_F16 says whether KX_MMA_F16_F32 exists (Metal: 0, bodies
 // then use per-lane FMAs). KX_MMA_F16_F32(c, a0..a3, b0, b1): c[0..3] += A·B for one
 // mma.m16n8k16 (PTX fragment layouts; a*, b* packed fp16 pairs, c an lvalue float[4]).

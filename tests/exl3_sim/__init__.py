@@ -4,6 +4,7 @@ that mlx_dsv41.kernels would hand to MLX. It exercises the bodies' real code -- 
 layouts, barriers, shuffles, exact integer/fp16 arithmetic -- on a machine without a GPU.
 
     program = build([(kernel, call), ...], mma=True)   # one g++ run for all the specs
+    launch = launcher(kernel)                          # kernel(**call) on the simulator
     outputs = program.run(i, call)                       # spec i, possibly with other data
 
 Input and output buffers end at a PROT_NONE page, so reads or writes past their end crash the run.
@@ -214,6 +215,24 @@ class Program:
             arrays.append(np.frombuffer(raw[pos : pos + nbytes], np_type).reshape(shape).copy())
             pos += nbytes
         return arrays
+
+
+def launcher(kernel, mma: bool = True):
+    """A stand-in for ``kernel(**call)`` that runs every call on the simulator, building one program
+    per signature (dtypes, template) on first use: to run an op's GPU path on this CPU."""
+    programs = {}
+
+    def launch(**call):
+        sig = repr(_signature(kernel, call))
+        if sig not in programs:
+            programs[sig] = build([(kernel, call)], mma)
+        outs = programs[sig].run(0, call)
+        return [
+            mx.array(o.view(np.uint16)).view(mx.bfloat16) if d == mx.bfloat16 else mx.array(o)
+            for o, d in zip(outs, call["output_dtypes"])
+        ]
+
+    return launch
 
 
 def _to_numpy(a: mx.array) -> np.ndarray:

@@ -276,6 +276,30 @@ inline void sim_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   sim_yield(2);
   for (int i = 0; i < 4; i++) c[i] = d[i];
 }
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 over the SIMD group (backend_cuda.h): every
+// lane's row address is exchanged, then lane (q, c) gathers its two elements of each matrix.
+inline void sim_ldmatrix(const u32* base, u32 i, u32* r, bool trans) {
+  const auto* p = (const unsigned char*)(base + i);
+  if ((p - sim_arena.data()) % 16 || p < sim_arena.data() || p + 16 > sim_arena.data() + sim_arena.size())
+    sim_fail("ldmatrix row address unaligned or outside threadgroup memory");
+  const u32 lid = sim_cur->lid, lane = lid & 31u, q = lane >> 2, c = lane & 3u;
+  sim_xchg[lid] = (u64)(uintptr_t)p;
+  sim_yield(2);
+  auto elem = [&](u32 src_lane, u32 e) {
+    u16 h;
+    std::memcpy(&h, (const unsigned char*)(uintptr_t)sim_xchg[(lid & ~31u) + src_lane] + 2 * e, 2);
+    return (u32)h;
+  };
+  u32 out[4];
+  for (u32 m = 0; m < 4; m++)
+    out[m] = trans ? elem(8 * m + 2 * c, q) | elem(8 * m + 2 * c + 1, q) << 16
+                   : elem(8 * m + q, 2 * c) | elem(8 * m + q, 2 * c + 1) << 16;
+  sim_yield(2);
+  for (u32 m = 0; m < 4; m++) r[m] = out[m];
+}
+#define KX_LDMATRIX_X4(base, i, r) sim_ldmatrix((const u32*)(base), (u32)(i), (r), false)
+#define KX_LDMATRIX_X4_TRANS(base, i, r) sim_ldmatrix((const u32*)(base), (u32)(i), (r), true)
+
 #ifndef KX_HAS_MMA_F16
 #error "build with -DKX_HAS_MMA_F16=0 or 1"
 #endif
