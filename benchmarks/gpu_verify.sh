@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for what this tree has not yet run on a GPU (docs/benchmarks.md, tenth session,
+# One device call for what this tree has not yet run on a GPU (docs/benchmarks.md, eleventh session,
 # "Next device session"): the GPU tests of the new kernels and paths, side by side in processes of
 # their own, then the prefill ops and the model's prefill beside mlx-lm, each stage under its own
 # time limit so that a slow one leaves the others' results. Every stage's whole output goes to
