@@ -1,4 +1,5 @@
-"""Sparse attention kernels on the GPU: serial vs parallel vs auto, per call (issue 2).
+"""Sparse attention kernels on the GPU: serial vs parallel vs auto, per call (issue 2); where it
+takes the call, the rows kernel for many rows too (its own bytes: its error against serial).
 
 One decode call (64 heads, 1 row) and one prefill call (64 heads, 128 rows) at 128 and 640 keys,
 D = 512, bf16 keys, W = 128 window rows and T = 8192 pool rows. Index pattern per row as the
@@ -228,6 +229,10 @@ def main() -> int:
         r = {v: measure(v, inputs, calls) for v in ("serial", "parallel")}
         for v in ("serial", "parallel"):
             r[v]["independent_us"] = independent_us(launcher(v), inputs, scale, calls, args.repeats)
+        if sa.rows_refusal(*inputs[:3]) is None:  # the tensor-core kernel for many rows (other bytes)
+            r["rows"] = measure("rows", inputs, calls)
+            got, want = np.array(sa._run("rows", *inputs, scale)), outs["serial"]
+            r["rows"]["rel_err_vs_serial"] = float(np.abs(got - want).max() / np.abs(want).max())
         q32 = inputs[0].astype(mx.float32)
         t0 = time.perf_counter()
         mx.eval(sa.sparse_attention(q32, *inputs[1:], scale, variant="auto"))  # auto's first call
@@ -246,6 +251,7 @@ def main() -> int:
                 serial=r["serial"],
                 parallel=r["parallel"],
                 auto=r["auto"],
+                rows_kernel=r.get("rows"),
                 auto_choice=choice,
                 auto_first_call_ms=auto_first_ms,
                 speedup_metric=metric,
@@ -256,7 +262,7 @@ def main() -> int:
             )
         )
         print(
-            f"  {name} rows={rows} keys={keys}: serial {r['serial']} parallel {r['parallel']} "
+            f"  {name} rows={rows} keys={keys}: serial {r['serial']} parallel {r['parallel']} rows {r.get('rows')} "
             f"auto {r['auto']} ({choice}) ({time.perf_counter() - t_start:.0f} s)",
             file=sys.stderr,
             flush=True,

@@ -274,7 +274,7 @@ def test_parse_variant():
     parsed = [sa.parse_variant(v) for v in ("serial", " Parallel ", "AUTO")]
     assert parsed == ["serial", "parallel", "auto"]
     for bad in ("", "fast", "serial,parallel", "reference"):
-        with pytest.raises(ValueError, match="variant must be one of serial, parallel, auto"):
+        with pytest.raises(ValueError, match="variant must be one of serial, parallel, rows, auto"):
             sa.parse_variant(bad)
 
 
@@ -295,23 +295,23 @@ def test_default_variant_precedence(clean_selection, monkeypatch):
 
 def test_bad_variant_errors_at_call(clean_selection, monkeypatch):
     monkeypatch.setenv(sa.ENV_VAR, "turbo")
-    message = f"{sa.ENV_VAR} must be one of serial, parallel, auto; got 'turbo'"
+    message = f"{sa.ENV_VAR} must be one of serial, parallel, rows, auto; got 'turbo'"
     with pytest.raises(ValueError, match=message):
         sa.sparse_attention(**_good())
     with pytest.raises(ValueError, match="variant must be one of"):
         sa.sparse_attention(**_good(), variant="paralel")
-    assert sa.variant_counts() == {"serial": 0, "parallel": 0, "reference": 0}
+    assert sa.variant_counts() == {"serial": 0, "parallel": 0, "rows": 0, "reference": 0}
 
 
 def test_cpu_runs_reference_for_every_variant_and_counts(clean_selection):
     expected = np.array(sa.sparse_attention_reference(**_good()))
-    for variant in ("serial", "parallel", "auto", None):
+    for variant in ("serial", "parallel", "rows", "auto", None):
         out = np.array(sa.sparse_attention(**_good(), variant=variant))
         assert np.array_equal(out, expected)
-    assert sa.variant_counts() == {"serial": 0, "parallel": 0, "reference": 4}
-    assert sa.reference_reasons() == {"cpu backend": 4}
+    assert sa.variant_counts() == {"serial": 0, "parallel": 0, "rows": 0, "reference": 5}
+    assert sa.reference_reasons() == {"cpu backend": 5}
     sa.reset_variant_counts()
-    assert sa.variant_counts() == {"serial": 0, "parallel": 0, "reference": 0}
+    assert sa.variant_counts() == {"serial": 0, "parallel": 0, "rows": 0, "reference": 0}
 
 
 def test_kernel_availability_reasons(monkeypatch):
@@ -355,7 +355,7 @@ def test_refused_parallel_pipeline_falls_back_to_serial(clean_selection, monkeyp
     inputs = make_inputs(0, 1, 1, 4, 512, 4, 4, 5)
     sa.sparse_attention(*inputs, 0.125, variant="parallel")
     assert ran == ["parallel", "serial"]  # the probe, then the call
-    assert sa.variant_counts() == {"serial": 1, "parallel": 0, "reference": 0}
+    assert sa.variant_counts() == {"serial": 1, "parallel": 0, "rows": 0, "reference": 0}
     (why,) = sa.parallel_refusals().values()
     assert why.startswith("metal refused the 256-thread parallel kernel") and "(192)" in why
     ran.clear()

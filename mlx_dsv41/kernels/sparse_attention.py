@@ -13,7 +13,10 @@ On a GPU two kernels compute this (mlx_dsv41/metal_ext/sparse_attention.h): ``se
 (b, s, h)) and ``parallel`` (eight SIMD groups). Their output bytes are identical by construction,
 so the choice is only about speed: ``variant=`` per call, else :func:`set_default_variant`, else
 ``MLX_DSV41_ATTENTION``, else ``auto``, which times both once per shape class (see
-:func:`_auto_variant`) and keeps the faster.
+:func:`_auto_variant`) and keeps the faster. A third kernel, ``rows`` (sparse_attention_rows.h:
+a query row's heads as MMA tiles, for prefill), sums in another order and is held to float64
+within a stated bound instead (docs/model.md#attention-rows); it runs only when asked for, on
+CUDA with bf16 inputs (:func:`rows_refusal`), serial otherwise.
 Compile-time tuning constants of the kernels (:func:`set_tuning`, ``TUNABLE``) change speed,
 never bytes. On the CPU every variant runs :func:`sparse_attention_reference`.
 :func:`variant_counts` says which ran (for generation statistics). Under ``mx.compile`` the choice
@@ -33,11 +36,12 @@ import mlx.core as mx
 from mlx_dsv41 import graph_constants
 from mlx_dsv41.kernels import Kernel, backend, float_bits, register
 
-VARIANTS = ("serial", "parallel", "auto")
+VARIANTS = ("serial", "parallel", "rows", "auto")
 ENV_VAR = "MLX_DSV41_ATTENTION"
 
 _LANES = 32  # SIMD width the kernels are written for
 _GROUPS = {"serial": 1, "parallel": 8}  # SIMD groups per (b, s, h)
+_ROWS_HEADS, _ROWS_THREADS = 16, 128  # rows: a threadgroup per (b, s, 16 heads) (sparse_attention_rows.h)
 _DIMS = (256, 512, 1024)  # head dims the kernels are written for (sparse_attention.h)
 # Compile-time tuning per variant: template constants of sparse_attention.h that change speed,
 # never bytes. PREFETCH: request the next tile's key rows while this tile's value sums run.
@@ -127,7 +131,7 @@ def _launch_args(q, window, pool, indices, sinks, scale: float, variant: str) ->
     """Call kwargs for one kernel launch (also what CI compiles)."""
     B, S, H, D = q.shape
     W, T, N = window.shape[1], pool.shape[1], indices.shape[2]
-    threads = _GROUPS[variant] * _LANES
+    threads = _GROUPS.get(variant, 1) * _LANES
     if window.dtype != pool.dtype:  # one key type per kernel; bf16 -> fp32 is exact
         window, pool = window.astype(mx.float32), pool.astype(mx.float32)
     # Empty inputs are never read (HAS_* false: the kernel takes 0 for their sizes); stand-ins keep
@@ -138,16 +142,20 @@ def _launch_args(q, window, pool, indices, sinks, scale: float, variant: str) ->
         pool = graph_constants.full((1, 1, D), float("nan"), pool.dtype)
     if N == 0:
         indices = graph_constants.full((1,), -1, mx.int32)
+    if variant == "rows":
+        threads, blocks = _ROWS_THREADS, B * S * (H // _ROWS_HEADS)
+    else:
+        blocks = B * S * H
     return dict(
         inputs=[q, window, pool, indices, sinks],
         output_shapes=[(B, S, H, D)],
         output_dtypes=[mx.float32],
-        grid=(B * S * H * threads, 1, 1),
+        grid=(blocks * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         # Launch constants are template values, never small arrays (docs/design.md).
         template=[
             ("DIM", D),
-            *sorted(_TUNING[variant].items()),
+            *sorted(_TUNING.get(variant, {}).items()),
             ("HAS_WINDOW", W > 0),
             ("HAS_POOL", T > 0),
             ("HAS_INDICES", N > 0),
@@ -197,7 +205,43 @@ PARALLEL = register(
         examples=lambda: _examples("parallel"),
     )
 )
-_KERNELS = {"serial": SERIAL, "parallel": PARALLEL}
+ROWS = register(
+    Kernel(
+        "sparse_attention_rows",
+        _INPUTS,
+        ("out",),
+        includes=("sparse_attention.h", "sparse_attention_rows.h"),
+        max_threads=_ROWS_THREADS,
+        examples=lambda: _rows_examples(),
+    )
+)
+_KERNELS = {"serial": SERIAL, "parallel": PARALLEL, "rows": ROWS}
+
+
+def _rows_examples() -> list[dict]:
+    """bf16 launches of the rows kernel at both head dims it takes (16 and 32 heads)."""
+    key, calls = mx.random.key(8), []
+    for H, D in ((16, 512), (32, 256)):
+        B, S, W, T, N = 1, 2, 4, 5, 20
+        k = mx.random.split(key, 4)
+        q = mx.random.normal((B, S, H, D), key=k[0]).astype(mx.bfloat16)
+        window = mx.random.normal((B, W, D), key=k[1]).astype(mx.bfloat16)
+        pool = mx.random.normal((B, T, D), key=k[2]).astype(mx.bfloat16)
+        indices = mx.random.randint(-1, W + T, (B, S, N), key=k[3]).astype(mx.int32)
+        calls.append(_launch_args(q, window, pool, indices, mx.zeros((H,)), 0.0625, "rows"))
+    return calls
+
+
+def rows_refusal(q, window, pool) -> str | None:
+    """Why the rows kernel does not take this call, or None: it needs tensor cores (CUDA), bf16
+    q and keys, a head dim of 256 or 512 and whole blocks of 16 heads."""
+    if backend() != "cuda":
+        return f"{backend()}: no tensor-core MMA in the kernel bodies"
+    if not q.dtype == window.dtype == pool.dtype == mx.bfloat16:
+        return f"q, window, pool must be bf16, got {q.dtype}, {window.dtype}, {pool.dtype}"
+    if q.shape[3] not in (256, 512) or q.shape[2] % _ROWS_HEADS:
+        return f"heads x dim {q.shape[2]} x {q.shape[3]}: whole blocks of {_ROWS_HEADS} heads, dim 256 or 512"
+    return None
 
 
 def _run(variant: str, q, window, pool, indices, sinks, scale: float) -> mx.array:
@@ -216,7 +260,7 @@ _parallel_refusals: dict[tuple, str] = {}  # kernel instance -> why the backend 
 
 
 def parse_variant(name: str, source: str = "variant") -> str:
-    """'serial' | 'parallel' | 'auto' from user text (case and surrounding blanks ignored)."""
+    """'serial' | 'parallel' | 'rows' | 'auto' from user text (case and surrounding blanks ignored)."""
     value = str(name).strip().lower()
     if value not in VARIANTS:
         raise ValueError(f"sparse_attention: {source} must be one of {', '.join(VARIANTS)}; got {name!r}")
@@ -258,8 +302,8 @@ def default_variant() -> str:
 
 
 def variant_counts() -> dict[str, int]:
-    """Calls per variant that actually ran: {'serial', 'parallel', 'reference'} -> n."""
-    return {name: _counts[name] for name in ("serial", "parallel", "reference")}
+    """Calls per variant that actually ran: {'serial', 'parallel', 'rows', 'reference'} -> n."""
+    return {name: _counts[name] for name in ("serial", "parallel", "rows", "reference")}
 
 
 def reset_variant_counts() -> None:
@@ -408,6 +452,8 @@ def sparse_attention(q, window, pool, indices, sinks, scale: float, variant: str
     if wanted == "auto":
         wanted = _auto_variant(q, window, pool, indices)
     if wanted == "parallel" and _parallel_refusal(q.dtype, window.dtype, q.shape[3]) is not None:
+        wanted = "serial"
+    if wanted == "rows" and rows_refusal(q, window, pool) is not None:
         wanted = "serial"
     _counts[wanted] += 1
     return _run(wanted, q, window, pool, indices, sinks, float(scale))

@@ -129,3 +129,9 @@ KX_INLINE void kx_async_copy16(u32 dst, const void* src) {
       "{%0,%1,%2,%3};"                                                                               \
       : "+f"((c)[0]), "+f"((c)[1]), "+f"((c)[2]), "+f"((c)[3])                                      \
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
+// The same with bf16 operands (mma.m16n8k16 .bf16: the same fragment layouts).
+#define KX_MMA_BF16_F32(c, a0, a1, a2, a3, b0, b1)                                                   \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, " \
+      "{%0,%1,%2,%3};"                                                                                 \
+      : "+f"((c)[0]), "+f"((c)[1]), "+f"((c)[2]), "+f"((c)[3])                                        \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))

@@ -256,7 +256,9 @@ def build(specs, mma: bool) -> Program:
         src.write_text(source)
         tmp_bin = cache / f"sim_{digest}.tmp"
         r = subprocess.run(
-            [cxx, "-std=c++17", "-O1", "-w", "-o", str(tmp_bin), str(src)], capture_output=True, text=True
+            [cxx, "-std=c++17", "-O1", "-ffp-contract=off", "-w", "-o", str(tmp_bin), str(src)],
+            capture_output=True,
+            text=True,
         )
         if r.returncode != 0:
             raise RuntimeError(f"simulator build failed:\n{r.stderr[:6000]}")

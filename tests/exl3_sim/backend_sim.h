@@ -133,6 +133,13 @@ inline T sim_shuffle_to(T v, u32 src_lane) {
     for (int kx_i = 0; kx_i < 4; kx_i++) (v)[kx_i] = (p)[kx_i];      \
   } while (0)
 
+struct uint4 {
+  u32 x, y, z, w;
+};
+struct float4 {
+  float x, y, z, w;
+};
+
 template <typename T>
 inline T min(T a, T b) { return b < a ? b : a; }
 template <typename T>
@@ -247,7 +254,9 @@ inline void sim_async_wait(int pending) {
 // mma.sync.m16n8k16.row.col.f32.f16.f16.f32 over the SIMD group, from the PTX fragment layouts:
 // lane (g = lane/4, c = lane%4) holds A[g][2c..2c+1], A[g+8][2c..], A[g][2c+8..], A[g+8][2c+8..]
 // (a0..a3), B[2c..2c+1][g], B[2c+8..2c+9][g] (b0, b1), C[g][2c..2c+1], C[g+8][2c..2c+1] (c[0..3]).
-inline void sim_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+inline float sim_bf16_bits_to_f32(u32 bits) { return sim_bits_f32((bits & 0xFFFFu) << 16); }
+inline void sim_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, bool bf16 = false) {
+  float (*cvt)(u32) = bf16 ? sim_bf16_bits_to_f32 : sim_f16_to_f32;
   const u32 lid = sim_cur->lid, base = lid & ~31u;
   sim_mma_regs[lid] = {a0, a1, a2, a3, b0, b1, sim_f32_bits(c[0]), sim_f32_bits(c[1]), sim_f32_bits(c[2]),
                        sim_f32_bits(c[3])};
@@ -257,12 +266,12 @@ inline void sim_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     const auto& r = sim_mma_regs[base + l];
     const u32 g = l >> 2, cc = l & 3u;
     for (int h = 0; h < 2; h++) {
-      A[g][2 * cc + h] = sim_f16_to_f32(r[0] >> (16 * h));
-      A[g + 8][2 * cc + h] = sim_f16_to_f32(r[1] >> (16 * h));
-      A[g][2 * cc + 8 + h] = sim_f16_to_f32(r[2] >> (16 * h));
-      A[g + 8][2 * cc + 8 + h] = sim_f16_to_f32(r[3] >> (16 * h));
-      B[2 * cc + h][g] = sim_f16_to_f32(r[4] >> (16 * h));
-      B[2 * cc + 8 + h][g] = sim_f16_to_f32(r[5] >> (16 * h));
+      A[g][2 * cc + h] = cvt(r[0] >> (16 * h));
+      A[g + 8][2 * cc + h] = cvt(r[1] >> (16 * h));
+      A[g][2 * cc + 8 + h] = cvt(r[2] >> (16 * h));
+      A[g + 8][2 * cc + 8 + h] = cvt(r[3] >> (16 * h));
+      B[2 * cc + h][g] = cvt(r[4] >> (16 * h));
+      B[2 * cc + 8 + h][g] = cvt(r[5] >> (16 * h));
     }
   }
   const u32 g = (lid & 31u) >> 2, cc = lid & 3u;
@@ -305,6 +314,7 @@ inline void sim_ldmatrix(const u32* base, u32 i, u32* r, bool trans) {
 #endif
 #if KX_HAS_MMA_F16
 #define KX_MMA_F16_F32(c, a0, a1, a2, a3, b0, b1) sim_mma((c), (a0), (a1), (a2), (a3), (b0), (b1))
+#define KX_MMA_BF16_F32(c, a0, a1, a2, a3, b0, b1) sim_mma((c), (a0), (a1), (a2), (a3), (b0), (b1), true)
 #endif
 
 // ---- launching ----------------------------------------------------------------------------------
