@@ -8,14 +8,15 @@
 On the CPU every op runs the plain-MLX reference (mlx_dsv41.exl3.reference). On a GPU:
 - ``reconstruct``: exl3_reconstruct;
 - ``linear`` with m <= GEMV_MAX_ROWS (8) rows: exl3_gemv (+ exl3_gemv_out for narrow outputs).
-  With more rows: reconstruct, then the exact product with fp32 sums between the two transforms:
-  f16_gemm on CUDA (tensor cores), MLX's fp32 matmul elsewhere (exllamav3 runs an fp16 GEMM
-  there, rounding the product to fp16);
+  With more rows: reconstruct, then the exact product with fp32 sums between the two transforms
+  (exl3_rows_in, exl3_rows_out: ``transformed_product``): f16_gemm on CUDA (tensor cores), MLX's
+  fp32 matmul elsewhere (exllamav3 runs an fp16 GEMM there, rounding the product to fp16);
 - ``experts`` for at most FUSED_MAX_TOKENS tokens: the fused expert kernels, whose bytes for a
   slot never depend on the rest of the call (the k splits come from the weight shapes); for more
   tokens (prefill) ``experts_sorted``: the slots sorted by expert on the host, the routed
   experts' W̃ decoded once per call in batches, the product on f16_gemm (CUDA) or one fp32 GEMM
-  per routed expert and projection
+  per routed expert and projection, between the transform kernels, which read the slots' tokens
+  and write their outputs in place
   (docs/exl3.md#many-token-experts). The path is chosen from the token count, which the
   expert-parallel slot split shares with one process.
 """
