@@ -135,7 +135,7 @@ class Tuning:
 
 TUNING = Tuning()
 
-_HEADERS = ("exl3_decode.h", "exl3_matmul.h")
+_HEADERS = ("float_bits.h", "exl3_decode.h", "exl3_matmul.h")
 _EXPERT_HEADERS = _HEADERS + ("exl3_experts.h",)
 
 # The example launches (CI) are defined at the end of this module, hence the lambdas.

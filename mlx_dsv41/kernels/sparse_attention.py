@@ -210,7 +210,7 @@ ROWS = register(
         "sparse_attention_rows",
         _INPUTS,
         ("out",),
-        includes=("sparse_attention.h", "sparse_attention_rows.h"),
+        includes=("float_bits.h", "sparse_attention.h", "sparse_attention_rows.h"),
         max_threads=_ROWS_THREADS,
         examples=lambda: _rows_examples(),
     )

@@ -37,14 +37,7 @@
 
 KX_INLINE float exl3_round_f16(float v) { return KX_F16_BITS_TO_F32(KX_F32_TO_F16_BITS(v)); }
 
-// bfloat16 bits of v rounded to nearest, ties to even (NaN stays NaN).
-KX_INLINE u32 exl3_bf16_bits(float v) {
-  const u32 u = KX_F32_BITS(v);
-  if (KX_ISNAN(v)) return (u >> 16) | 0x40u;
-  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
-
-KX_INLINE float exl3_round_bf16(float v) { return KX_BITS_F32(exl3_bf16_bits(v) << 16); }
+KX_INLINE float exl3_round_bf16(float v) { return KX_BITS_F32(kx_bf16_bits(v) << 16); }  // float_bits.h
 
 // out[i] = v for an output of float32 (OUT 0), fp16 (1) or bf16 (2) elements, rounded to nearest
 // even. Written as bits so that no backend-specific 16-bit float conversion is involved.
@@ -53,7 +46,7 @@ KX_INLINE void exl3_store_out(KX_DEVICE T* out, u64 i, float v) {
   if (OUT == 0) {
     ((KX_DEVICE float*)out)[i] = v;
   } else {
-    ((KX_DEVICE u16*)out)[i] = (u16)(OUT == 1 ? KX_F32_TO_F16_BITS(v) : exl3_bf16_bits(v));
+    ((KX_DEVICE u16*)out)[i] = (u16)(OUT == 1 ? KX_F32_TO_F16_BITS(v) : kx_bf16_bits(v));
   }
 }
 

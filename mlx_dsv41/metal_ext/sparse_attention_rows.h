@@ -10,21 +10,14 @@
 #define SAR_WARPS 4   // SIMD groups; group w owns the dims w·DIM/4 .. +DIM/4 of the logit sums and of the output
 #define SAR_WORDS(DIM) ((DIM) / 2 + 4)  // words per staged bf16 row (+16 bytes: ldmatrix without bank conflicts)
 
-// bf16 bits of v rounded to nearest, ties to even (NaN stays NaN).
-KX_INLINE u32 sar_bf16_bits(float v) {
-  const u32 u = KX_F32_BITS(v);
-  if (KX_ISNAN(v)) return (u >> 16) | 0x40u;
-  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
-
-// p as bf16 hi + lo (hi = bf16(p), lo = bf16(p - hi): p - hi is exact), packed in pairs.
+// p as bf16 hi + lo (kx_bf16_bits: float_bits.h) (hi = bf16(p), lo = bf16(p - hi): p - hi is exact), packed in pairs.
 struct sar_split {
   u32 hi, lo;
 };
 
 KX_INLINE sar_split sar_split2(float a, float b) {
-  const u32 ha = sar_bf16_bits(a), hb = sar_bf16_bits(b);
-  const u32 la = sar_bf16_bits(SA_SUB(a, KX_BITS_F32(ha << 16))), lb = sar_bf16_bits(SA_SUB(b, KX_BITS_F32(hb << 16)));
+  const u32 ha = kx_bf16_bits(a), hb = kx_bf16_bits(b);
+  const u32 la = kx_bf16_bits(SA_SUB(a, KX_BITS_F32(ha << 16))), lb = kx_bf16_bits(SA_SUB(b, KX_BITS_F32(hb << 16)));
   sar_split s;
   s.hi = ha | (hb << 16);
   s.lo = la | (lb << 16);
