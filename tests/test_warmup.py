@@ -1,5 +1,6 @@
 """`python -m mlx_dsv41.warmup` (issue 17 item 2): builds what a first request needs on the demo
-(full and partial prefill chunks, decoding, DSpark), reports both passes and where the backend keeps
+(full and partial prefill chunks, decoding, DSpark), reports both passes (each with its time to the
+first token) and where the backend keeps
 compiled kernels, writes nothing to stdout but that line; a bad --model is one line and exit 1."""
 
 import re
@@ -19,7 +20,8 @@ def test_warmup_on_the_demo(tmp_path_factory):
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     line = r.stdout.strip()
     assert "\n" not in line
-    passes = r"first pass [\d.]+ s, then [\d.]+ s"
+    ttft = r"\(first token after [\d.]+ s"
+    passes = rf"first pass [\d.]+ s {ttft}\), then [\d.]+ s {ttft}: a warm process's time to first token\)"
     assert re.fullmatch(rf"Warmed up \S+ for prompts of 24 tokens: {passes}\. Compiled kernels are kept in: .+", line)
 
 
