@@ -78,24 +78,18 @@ def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, ou
         w = cpu_weight(trellis, codebook) if owner is None else _held_weight(owner, "linear", trellis, codebook)
         return reference.linear(x, trellis, suh, svh, codebook, bias, out_features, out_dtype, w)
     out_dtype = out_dtype or x.dtype
+    if bias is not None and bias.shape[0] != n:  # the kernels read a bias as long as the padded outputs
+        bias = reference.pad_features(bias[None], n)[0]
     if x.shape[0] <= GEMV_MAX_ROWS:
-        y = _gemv(x, trellis, suh, svh, codebook, bias, out_dtype)
+        y = launch.run_gemv(x, trellis, suh, svh, codebook, bias, out_dtype)
         return y if out_features == n else y[:, :out_features]
     # Prefill: W̃ once per call, then the exact product with fp32 sums between the two transforms
     # (docs/exl3.md#many-row-gemm): an fp16 GEMM would round its sums to fp16 before the output
     # transform (a second rounding; issue 15).
     w = reconstruct(trellis, codebook)
-    if bias is not None:
-        bias = reference.pad_features(bias[None], n)[0]
     zeros = graph_constants.full((x.shape[0],), 0, mx.int32)  # every row through the one suh / svh
     y = transformed_product(x, suh[None], svh[None], zeros, product_by_span(w[None], None), out_dtype, bias=bias)
     return y if out_features == n else y[:, :out_features]
-
-
-def _gemv(x, trellis, suh, svh, codebook, bias, out_dtype):
-    if bias is not None and bias.shape[0] != svh.shape[0]:
-        bias = reference.pad_features(bias[None], svh.shape[0])[0]
-    return launch.run_gemv(x, trellis, suh, svh, codebook, bias, out_dtype)
 
 
 def _check_experts_args(x, indices, weights, w1):

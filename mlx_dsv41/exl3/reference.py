@@ -58,8 +58,7 @@ def project_slots(v, proj, experts, product, out_dtype=mx.bfloat16):
     """Row i of v through expert experts[i] of an EXL3ExpertProjection: its input transform,
     ``product(xh)`` (fp16 xh times the row's own expert's W̃, float32), its output transform, rounded once to
     out_dtype (docs/exl3.md#forward) -> [S, out_features]."""
-    xh = input_transform(pad_features(v, proj.k), proj.suh[experts])
-    return output_transform(product(xh), proj.svh[experts])[:, : proj.out_features].astype(out_dtype)
+    return with_transforms(product, v, proj.suh[experts], proj.svh[experts], None, proj.out_features, out_dtype)
 
 
 def slot_experts(rows, slot_weights, experts, projections, tildes, limit, product):
@@ -78,9 +77,10 @@ def slot_experts(rows, slot_weights, experts, projections, tildes, limit, produc
 
 def with_transforms(product, x, suh, svh, bias=None, out_features=None, out_dtype=None):
     """y = H(product(xh)) ⊙ svh (+ bias) [m, out_features] in out_dtype (default x.dtype), with
-    xh = fp16(H(fp16(x ⊙ suh))) and product(xh) = xh @ W̃ in float32 (docs/exl3.md#forward)."""
-    out_features = svh.shape[0] if out_features is None else out_features
-    xh = input_transform(pad_features(x, suh.shape[0]), suh)
+    xh = fp16(H(fp16(x ⊙ suh))) and product(xh) = xh @ W̃ in float32 (docs/exl3.md#forward). suh
+    [k] and svh [n] serve every row, or [m, k] and [m, n] give each row its own (routed slots)."""
+    out_features = svh.shape[-1] if out_features is None else out_features
+    xh = input_transform(pad_features(x, suh.shape[-1]), suh)
     y = output_transform(product(xh), svh)[:, :out_features]
     if bias is not None:
         y = y + bias[:out_features].astype(mx.float32)

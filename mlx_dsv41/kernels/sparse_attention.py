@@ -131,7 +131,6 @@ def _launch_args(q, window, pool, indices, sinks, scale: float, variant: str) ->
     """Call kwargs for one kernel launch (also what CI compiles)."""
     B, S, H, D = q.shape
     W, T, N = window.shape[1], pool.shape[1], indices.shape[2]
-    threads = _GROUPS.get(variant, 1) * _LANES
     if window.dtype != pool.dtype:  # one key type per kernel; bf16 -> fp32 is exact
         window, pool = window.astype(mx.float32), pool.astype(mx.float32)
     # Empty inputs are never read (HAS_* false: the kernel takes 0 for their sizes); stand-ins keep
@@ -145,7 +144,7 @@ def _launch_args(q, window, pool, indices, sinks, scale: float, variant: str) ->
     if variant == "rows":
         threads, blocks = _ROWS_THREADS, B * S * (H // _ROWS_HEADS)
     else:
-        blocks = B * S * H
+        threads, blocks = _GROUPS[variant] * _LANES, B * S * H
     return dict(
         inputs=[q, window, pool, indices, sinks],
         output_shapes=[(B, S, H, D)],
