@@ -24,8 +24,14 @@ every compile-time tuning constant (sparse_attention.TUNABLE) on every case; ser
 outputs are compared byte for byte (every tuning). Results: markdown tables on stdout and
 bench_sparse_attention.json in --out.
 
+`--rows-sweep R [R ...]` (CUDA) measures only where `auto`'s rows rule should start
+(sparse_attention.ROWS_AUTO_MIN): GPU µs of serial, parallel and rows at each row count, 128 and
+640 keys, each call's output cast back to bf16 to feed the next (the rows kernel reads bf16 q;
+the cast is in every variant's time), and the fewest rows from which rows is the fastest.
+
     python3 benchmarks/bench_sparse_attention.py --out /tmp/bench_out   (on the GPU machine)
     python3 benchmarks/bench_sparse_attention.py --out /tmp/bench_out --quick   (fewer repeats)
+    python3 benchmarks/bench_sparse_attention.py --out /tmp/bench_out --quick --rows-sweep 1 2 4 8 16 32
 """
 
 from __future__ import annotations
@@ -158,6 +164,38 @@ def independent_us(call, inputs, scale, calls, repeats) -> float:
     return statistics.median(samples[1:])
 
 
+def rows_sweep(row_counts, repeats: int, out: Path) -> int:
+    """GPU µs per call of each kernel over row_counts at 128 and 640 keys (see the docstring)."""
+    scale, kernels, table = D**-0.5, ("serial", "parallel", "rows"), []
+    for keys in (128, 640):
+        for rows in row_counts:
+            inputs = make_inputs(rows, keys, seed=rows)
+            q, rest = inputs[0], inputs[1:]
+            us = {}
+            for v in kernels:
+                call = launcher(v)
+                us[v] = device_us(lambda i, o: call(o.astype(mx.bfloat16), *rest, scale), q, repeats, GRAPH_NODES - 2)
+            table.append(dict(rows=rows, keys=keys, gpu_us=us, fastest=min(kernels, key=us.get)))
+            print(f"  keys={keys} rows={rows}: {us}", file=sys.stderr, flush=True)
+    print("| keys | rows | serial GPU µs | parallel GPU µs | rows kernel GPU µs | fastest |")
+    print("|---:|---:|---:|---:|---:|---|")
+    for r in table:
+        us = r["gpu_us"]
+        print(
+            f"| {r['keys']} | {r['rows']} | {us['serial']:.1f} | {us['parallel']:.1f} | {us['rows']:.1f} "
+            f"| {r['fastest']} |"
+        )
+    start = {}
+    for keys in (128, 640):
+        wins = [r["fastest"] == "rows" for r in table if r["keys"] == keys]
+        start[keys] = next((row_counts[i] for i in range(len(wins)) if all(wins[i:])), None)
+    print(f"rows kernel fastest from (rows per call, by keys): {start}; ROWS_AUTO_MIN = {sa.ROWS_AUTO_MIN}")
+    (out / "bench_sparse_attention_rows_sweep.json").write_text(
+        json.dumps(dict(mlx=mx.__version__, table=table, rows_fastest_from=start), indent=2)
+    )
+    return 0
+
+
 def tunings():
     """Every combination of the tunable constants, as dicts."""
     names = sorted(sa.TUNABLE)
@@ -175,6 +213,7 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=64, help="decode calls per evaluation")
     ap.add_argument("--prefill-calls", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="5 repeats, no tuning sweep")
+    ap.add_argument("--rows-sweep", type=int, nargs="+", help="only: where auto's rows rule should start (CUDA)")
     args = ap.parse_args()
     if backend() == "cpu":
         print("bench_sparse_attention: needs an MLX GPU backend (Metal or CUDA); nothing measured")
@@ -182,6 +221,11 @@ def main() -> int:
     if args.quick:
         args.repeats = min(args.repeats, 5)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.rows_sweep:
+        if backend() != "cuda":
+            print("bench_sparse_attention: --rows-sweep needs CUDA (the rows kernel); nothing measured")
+            return 2
+        return rows_sweep(sorted(args.rows_sweep), args.repeats, args.out)
     scale = D**-0.5
     t_start = time.perf_counter()
     default_tuning = sa.tuning()

@@ -1,35 +1,50 @@
 #!/usr/bin/env bash
-# One device call for what this tree has not yet run on a GPU (docs/benchmarks.md, eleventh session,
-# "Next device session"): the GPU tests of the new kernels and paths, side by side in processes of
-# their own, then the attention kernels and the model's prefill beside mlx-lm and with the rows
-# attention kernel, each stage under its own
+# One device call for what this tree has not yet run or measured on a GPU (docs/benchmarks.md,
+# twelfth session): the GPU tests of what changed, then the measurements, each stage under its own
 # time limit so that a slow one leaves the others' results. Every stage's whole output goes to
-# $OUT/<stage>.log; $OUT/stages.txt lists the exit codes; the PTX cache is packed for the next call.
-# Usage (repository root, MLX bundle carried in .gpu/): bash benchmarks/gpu_verify.sh  (about 10 minutes)
+# logs/<stage>.log, benchmark results beside it; $OUT keeps three files (the device tool returns
+# only a few): stages.txt (exit codes), logs.tar.gz and ptx-cache.tar.xz (for the next call's .gpu/).
+# Usage (repository root, MLX bundle carried in .gpu/): bash benchmarks/gpu_verify.sh [STAGE ...]
+# Name stages to run only those. Stages share GPU_BUDGET seconds (default 540, under the device
+# tool's 600 s per command): each is cut to what is left, so the packing at the end always runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=benchmarks/gpu_env.sh
 . benchmarks/gpu_env.sh
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+WANTED=" ${*:-tests agreement sweep demo_ttft dspark prefill_parts} "
+DEADLINE=$((SECONDS + ${GPU_BUDGET:-540}))
 
-stage() {  # stage NAME SECONDS COMMAND...
-  local name=$1 limit=$2
+stage() {  # stage NAME SECONDS COMMAND...: runs only if NAME was asked for, within the budget
+  local name=$1 limit=$2 left=$((DEADLINE - SECONDS))
   shift 2
+  [[ $WANTED == *" $name "* ]] || return 0
+  if ((left < limit)); then limit=$left; fi
+  if ((limit < 20)); then echo "$name skipped (budget)" | tee -a "$OUT/stages.txt"; return 0; fi
   echo "== $name"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   echo "$name rc=$?" | tee -a "$OUT/stages.txt"
-  tail -n 20 "$OUT/$name.log"
+  tail -n 24 "$LOGS/$name.log"
 }
 
-TESTS="tests/gpu/test_sparse_attention_rows_gpu.py tests/gpu/test_exl3_rows_gpu.py tests/gpu/test_model_gpu.py"
-TESTS="$TESTS tests/gpu/test_f16_gemm_gpu.py"
-# beside them: the model's equalities (decode == prefill, chunked == one, batched == solo) with the
-# rows attention kernel
-stage model_rows 180 env MLX_DSV41_ATTENTION=rows python3 -m pytest -q tests/gpu/test_model_gpu.py &
-stage tests 180 env GPU_JOBS=4 GPU_FILE_TIMEOUT=170 bash benchmarks/gpu_run.sh tests-parallel "$TESTS"
+TESTS="tests/gpu/test_sparse_attention_rows_gpu.py tests/gpu/test_model_gpu.py"
+# the GPU tests side by side; beside them, greedy DSpark against plain greedy on the demo (issue 18)
+stage tests 110 env OUT="$LOGS" GPU_JOBS=3 GPU_FILE_TIMEOUT=100 bash benchmarks/gpu_run.sh tests-parallel "$TESTS" &
+stage agreement 110 python3 benchmarks/dspark_agreement.py --demo --prompts 8 --tokens 64 &
 wait
-stage attention 60 python3 benchmarks/bench_sparse_attention.py --quick --out "$OUT"
-stage prefill_rows 190 env MLX_DSV41_ATTENTION=rows python3 benchmarks/bench_model.py --quick --prefill 2048 --out "$OUT"
-mv "$OUT/bench_model_prefill.md" "$OUT/bench_model_prefill_2k.md" 2>/dev/null
-stage prefill_8k 150 env MLX_DSV41_ATTENTION=rows python3 benchmarks/bench_model.py --quick --skip-mlx-lm \
-  --prefill 8192 --out "$OUT"
+# where auto's rows rule (sparse_attention.ROWS_AUTO_MIN) should start
+stage sweep 60 python3 benchmarks/bench_sparse_attention.py --quick --out "$LOGS" \
+  --rows-sweep 1 2 4 6 8 12 16 24 32 64 128
+# the demo's time to the first token in a warm process: the second pass (issue 17)
+stage demo_ttft 80 python3 -m mlx_dsv41.warmup --demo --tokens 40
+# the DSpark verify and draft costs against a decode step (issue 18 item 6)
+stage dspark 170 python3 benchmarks/bench_model.py --quick --dspark-only --verify-k 4 --skip-mlx-lm --out "$LOGS"
+# where a 2,048-token prefill goes, auto's kernels (issue 17 item 1)
+stage prefill_parts 150 python3 benchmarks/bench_model.py --quick --skip-mlx-lm --prefill-parts 2048 --out "$LOGS"
+# the fp32-sums costs of the MX linears (issue 15 item 4)
+stage linear 120 python3 benchmarks/bench_linear_arithmetic.py --rows 1 5 --repeats 5 --out "$LOGS"
+# decode, Flash-shaped, beside mlx-lm (issue 16)
+stage decode 240 python3 benchmarks/bench_model.py --quick --compiled --no-dspark --out "$LOGS"
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
 bash benchmarks/gpu_save_ptx.sh > /dev/null 2>&1 || true

@@ -65,6 +65,7 @@ class CLIError(Exception):
 class Attention(str, Enum):
     serial = "serial"
     parallel = "parallel"
+    rows = "rows"  # tensor cores, many rows (CUDA, bf16); other calls run serial
     auto = "auto"
 
 

@@ -382,6 +382,31 @@ def test_auto_times_each_shape_class_once(clean_selection, monkeypatch):
     assert sum(sa.variant_counts().values()) == 4 and sa.variant_counts()["reference"] == 0
 
 
+def test_auto_takes_rows_for_many_rows_where_it_runs(clean_selection, monkeypatch):
+    """auto's rows rule: from ROWS_AUTO_MIN query rows (B·S) on, on CUDA with bf16 inputs, the rows
+    kernel runs untimed; fewer rows, or inputs it refuses, go to the timed serial / parallel choice."""
+    ran = _fake_gpu(monkeypatch)
+    monkeypatch.setattr(sa, "backend", lambda: "cuda")
+    bf16 = mx.bfloat16
+    few, many = sa.ROWS_AUTO_MIN - 1, sa.ROWS_AUTO_MIN
+    sa.sparse_attention(*make_inputs(0, 1, many, 16, 256, 4, 4, 5, bf16, bf16), 0.0625)
+    sa.sparse_attention(*make_inputs(0, 2, many // 2, 16, 256, 4, 4, 5, bf16, bf16), 0.0625)  # B·S counts
+    assert ran == ["rows", "rows"] and not sa.auto_choices()
+    ran.clear()
+    sa.sparse_attention(*make_inputs(0, 1, few, 16, 256, 4, 4, 5, bf16, bf16), 0.0625)
+    sa.sparse_attention(*make_inputs(0, 1, many, 16, 256, 4, 4, 5), 0.0625)  # fp32: rows refuses
+    sa.sparse_attention(*make_inputs(0, 1, many, 8, 256, 4, 4, 5, bf16, bf16), 0.0625)  # 8 heads
+    assert "rows" not in ran and len(sa.auto_choices()) == 3
+    assert sa.variant_counts()["rows"] == 2
+    ran.clear()
+    sa.sparse_attention(*make_inputs(0, 1, many, 16, 256, 4, 4, 5, bf16, bf16), 0.0625, variant="parallel")
+    assert ran == ["parallel"]  # a named variant is not overridden
+    monkeypatch.setattr(sa, "backend", lambda: "metal")
+    ran.clear()
+    sa.sparse_attention(*make_inputs(0, 1, many, 16, 256, 4, 4, 5, bf16, bf16), 0.0625)
+    assert "rows" not in ran  # no tensor-core MMA in the Metal bodies
+
+
 def _fake_timing(monkeypatch, seconds):
     """Chains that take seconds[variant] per call; records (variant, args, calls) per chain."""
     chains = []

@@ -12,11 +12,13 @@ denominator only. Nonfinite inputs give what the formula gives in float64.
 On a GPU two kernels compute this (mlx_dsv41/metal_ext/sparse_attention.h): ``serial`` (one SIMD group per
 (b, s, h)) and ``parallel`` (eight SIMD groups). Their output bytes are identical by construction,
 so the choice is only about speed: ``variant=`` per call, else :func:`set_default_variant`, else
-``MLX_DSV41_ATTENTION``, else ``auto``, which times both once per shape class (see
-:func:`_auto_variant`) and keeps the faster. A third kernel, ``rows`` (sparse_attention_rows.h:
-a query row's heads as MMA tiles, for prefill), sums in another order and is held to float64
-within a stated bound instead (docs/model.md#attention-rows); it runs only when asked for, on
-CUDA with bf16 inputs (:func:`rows_refusal`), serial otherwise.
+``MLX_DSV41_ATTENTION``, else ``auto``. A third kernel, ``rows`` (sparse_attention_rows.h: a
+query row's heads as MMA tiles, for prefill), sums in another order and is held to float64
+within a stated bound instead (docs/model.md#attention-rows); it runs on CUDA with bf16 inputs
+(:func:`rows_refusal`), serial otherwise. ``auto`` takes ``rows`` for calls of at least
+``ROWS_AUTO_MIN`` query rows where it runs (a rule of shape, so that no output's bytes depend
+on timing noise), and otherwise times serial and parallel once per shape class (see
+:func:`_auto_variant`) and keeps the faster.
 Compile-time tuning constants of the kernels (:func:`set_tuning`, ``TUNABLE``) change speed,
 never bytes. On the CPU every variant runs :func:`sparse_attention_reference`.
 :func:`variant_counts` says which ran (for generation statistics). Under ``mx.compile`` the choice
@@ -62,6 +64,11 @@ _AUTO_CHAIN_SECONDS = 2e-3
 _AUTO_ROUNDS = 5  # timed chains per variant, the variants alternating
 # serial is chosen only when its median is below parallel's by more than this factor (noise).
 _AUTO_MARGIN = 1.05
+# auto takes the rows kernel from this many query rows (B·S) per call on: below it the rows
+# kernel's few threadgroups walk every key tile alone, and serial or parallel is faster (H200, 64
+# heads: rows loses at 16 rows and wins from 24 on, at 128 and at 640 keys;
+# docs/benchmarks.md#attention-rows-auto).
+ROWS_AUTO_MIN = 24
 
 
 def _check(q, window, pool, indices, sinks, scale):
@@ -449,7 +456,8 @@ def sparse_attention(q, window, pool, indices, sinks, scale: float, variant: str
         _reference_reasons[why_not] += 1
         return sparse_attention_reference(q, window, pool, indices, sinks, scale)
     if wanted == "auto":
-        wanted = _auto_variant(q, window, pool, indices)
+        many_rows = q.shape[0] * q.shape[1] >= ROWS_AUTO_MIN and rows_refusal(q, window, pool) is None
+        wanted = "rows" if many_rows else _auto_variant(q, window, pool, indices)
     if wanted == "parallel" and _parallel_refusal(q.dtype, window.dtype, q.shape[3]) is not None:
         wanted = "serial"
     if wanted == "rows" and rows_refusal(q, window, pool) is not None:

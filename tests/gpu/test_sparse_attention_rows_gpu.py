@@ -3,8 +3,8 @@ the kernel contract: the simulator's cases against float64 (random bf16 data, pa
 -1 and invalid indices, window- and pool-only calls, no keys, NaN / inf in q, keys and sinks);
 at Flash's prefill shape (64 heads, dim 512, 128 window keys and 512 picked from an 8,192-row
 pool) against float64 and the serial kernel, within the stated bound; five repeats byte-identical;
-the launch limit declared; the dispatch taking it only when asked and falling back to serial
-where it does not apply."""
+the launch limit declared; the dispatch taking it when asked or, under auto, from ROWS_AUTO_MIN
+query rows on, and falling back to serial where it does not apply."""
 
 import mlx.core as mx
 import numpy as np
@@ -50,7 +50,7 @@ def test_flash_prefill_shape_against_float64_and_serial():
         sa.ROWS(**dict(sa._launch_args(*inputs, scale, "rows"), threadgroup=(256, 1, 1)))
 
 
-def test_dispatch_takes_rows_only_when_asked_and_where_it_applies():
+def test_dispatch_takes_rows_when_asked_and_where_it_applies():
     inputs = make_case(*CASES["dim256-heads32-batch2"])
     sa.reset_variant_counts()
     mx.eval(sa.sparse_attention(*inputs, 0.0625, variant="rows"))
@@ -58,3 +58,17 @@ def test_dispatch_takes_rows_only_when_asked_and_where_it_applies():
     mx.eval(sa.sparse_attention(*inputs, 0.0625, variant="auto"))
     counts = sa.variant_counts()
     assert counts["rows"] == 1 and counts["reference"] == 0 and counts["serial"] + counts["parallel"] == 2
+
+
+def test_auto_takes_rows_from_its_row_count_on():
+    """auto: the rows kernel's own bytes from ROWS_AUTO_MIN query rows on, the timed serial /
+    parallel choice (serial's bytes) below it."""
+    many = make_case(6, 1, sa.ROWS_AUTO_MIN, 16, 512, 16, 64, 40)
+    few = [a[:, : sa.ROWS_AUTO_MIN - 1] if i in (0, 3) else a for i, a in enumerate(many)]
+    sa.reset_variant_counts()
+    got = np.array(sa.sparse_attention(*many, 0.0625, variant="auto"))
+    assert sa.variant_counts()["rows"] == 1
+    assert np.array_equal(got.view(np.uint32), np.array(sa._run("rows", *many, 0.0625)).view(np.uint32))
+    got = np.array(sa.sparse_attention(*few, 0.0625, variant="auto"))
+    assert sa.variant_counts()["rows"] == 1
+    assert np.array_equal(got.view(np.uint32), np.array(sa._run("serial", *few, 0.0625)).view(np.uint32))
