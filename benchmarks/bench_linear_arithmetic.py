@@ -1,7 +1,9 @@
 """What fp32 sums cost per linear (issue 15): device time and error of MLX's matmul kernels with the
 activation as it comes (bf16) against fp32 activations, and of our modules (quant/accumulation.py
 picks per backend, op, weight width and rows), at 1 and 512 rows; and the head held in bf16 and
-summed in fp32 (kernels/fp32_linear.py) against its fp32 copy, at 1, 5 (a DSpark verify) and 512 rows.
+summed in fp32 (kernels/fp32_linear.py) against its fp32 copy, at 1, 5 (a DSpark verify) and 512 rows;
+and fp32_gemv on weights of few rows (the mHC mixes' fn, a router), K split over 8 SIMD groups per
+output (the default below fp32_linear.SPLIT_BELOW_N rows) against one SIMD group per 4 outputs.
 
 Square 5120 x 5120 layers, so each call's output feeds the next (a dependent chain of --chain calls
 between two device clock stamps, medians of --repeats; bench_sparse_attention.device_us), in the
@@ -181,6 +183,41 @@ def head(rows_list, chain, repeats) -> list[dict]:
     return out
 
 
+def few_row_weights(rows_list, chain, repeats) -> list[dict]:
+    """fp32_gemv at split 8 (default) and split 1 on the mHC fn and a 256-expert router's shapes; the
+    chain feeds each output back through a fixed slice (the output is narrower than x)."""
+    out = []
+    for what, N, Kw, dtype in (
+        ("mHC fn 24 x 20480 fp32", 24, 4 * K, mx.float32),
+        ("router 256 x 5120", 256, K, mx.bfloat16),
+    ):
+        w = (mx.random.normal((N, Kw), key=mx.random.key(3)) * Kw**-0.5).astype(dtype)
+        for rows in rows_list:
+            x = mx.random.normal((rows, Kw), key=mx.random.key(rows)).astype(mx.bfloat16)
+            mx.eval(w, x)
+            want = np.array(x.astype(mx.float32), np.float64) @ np.array(w.astype(mx.float32), np.float64).T
+            for split in (8, 1):
+
+                def fn(v, split=split):
+                    return fp32_linear.GEMV(**fp32_linear.gemv_args(v, w, split=split))[0]
+
+                def step(i, prev, fn=fn):  # a dependent chain: x's first N columns become the output
+                    return mx.concatenate([fn(prev).astype(prev.dtype), prev[:, N:]], axis=1)
+
+                y = np.array(fn(x), np.float64)
+                out.append(
+                    {
+                        "what": what,
+                        "rows": rows,
+                        "variant": f"fp32_gemv, split {split}" + (" (default)" if split == 8 else ""),
+                        "us": device_us(step, x, repeats, chain),
+                        "rel_err": float(np.linalg.norm(y - want) / np.linalg.norm(want)),
+                    }
+                )
+                print(_row(out[-1]), flush=True)
+    return out
+
+
 HEADER = "| layer | rows | variant | device µs / call | rel. error vs float64 |\n|---|---|---|---|---|"
 
 
@@ -201,7 +238,8 @@ def main() -> int:
     if backend() != "cuda":
         print("bench_linear_arithmetic: needs MLX's CUDA backend (device clock stamps); nothing measured")
         return 0
-    results = head(sorted({*a.rows, 5}), a.chain, a.repeats) + linears(a.rows, a.chain, a.repeats)
+    results = few_row_weights([r for r in sorted({*a.rows, 5}) if r <= fp32_linear.MAX_ROWS], a.chain, a.repeats)
+    results += head(sorted({*a.rows, 5}), a.chain, a.repeats) + linears(a.rows, a.chain, a.repeats)
     results += experts(a.rows, a.chain, a.repeats)
     print("\n".join([HEADER, *map(_row, results)]))
     a.out.mkdir(parents=True, exist_ok=True)

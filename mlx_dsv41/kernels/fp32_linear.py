@@ -24,6 +24,10 @@ from mlx_dsv41.kernels import Kernel, backend, register
 
 MAX_ROWS = 8  # rows of x one fp32_gemv launch takes (its per-lane accumulators are M x COLS)
 _COLS, _THREADS = 4, 256  # outputs per SIMD group; 8 SIMD groups per threadgroup
+# Weights of fewer rows than this split K over a threadgroup's 8 SIMD groups, one output each: at
+# 4 outputs per SIMD group the mHC mixes' fn (24 rows) ran in one threadgroup, 126 µs per call on
+# the H200, 10 ms of a Flash decode step (docs/benchmarks.md, twelfth session).
+SPLIT_BELOW_N = 2048
 PIECE_BYTES = 1 << 26  # fp32 bytes of w widened at once off the kernel path
 _W_CODES = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
 
@@ -41,16 +45,20 @@ def linear_reference(x: mx.array, w: mx.array, piece_bytes: int = PIECE_BYTES) -
     return mx.concatenate([x @ w[i : i + rows].astype(mx.float32).T for i in range(0, N, rows)], axis=-1)
 
 
-def gemv_args(x: mx.array, w: mx.array, init_value=None, guard: int = 0) -> dict:
+def gemv_args(x: mx.array, w: mx.array, init_value=None, guard: int = 0, split: int | None = None) -> dict:
+    """Kernel kwargs; split: SIMD groups per output (1 or 8), by default 8 below SPLIT_BELOW_N rows
+    of w. It sets the order of an output's sums (fp32_gemv.metal), so it depends on w alone."""
     M, N = x.shape[0], w.shape[0]
-    per_group = _COLS * (_THREADS // 32)
+    split = split or (8 if N < SPLIT_BELOW_N else 1)
+    cols = 1 if split > 1 else _COLS
+    per_group = cols * (_THREADS // 32) // split
     return dict(
         inputs=[x, w],
         output_shapes=[(M + guard, N)],
         output_dtypes=[mx.float32],
         grid=(_THREADS * math.ceil(N / per_group), 1, 1),
         threadgroup=(_THREADS, 1, 1),
-        template=[("M", M), ("COLS", _COLS), ("W", _W_CODES[w.dtype])],
+        template=[("M", M), ("COLS", cols), ("SPLIT", split), ("W", _W_CODES[w.dtype])],
         init_value=init_value,
     )
 
@@ -85,4 +93,6 @@ def _examples():
         gemv_args(x[:1], w.astype(mx.float16)),
         gemv_args(x.astype(mx.bfloat16)[:2], w),
         gemv_args(mx.concatenate([x, x, x[:2]]), w.astype(mx.bfloat16)),
+        gemv_args(x[:1], w.astype(mx.bfloat16), split=1),
+        gemv_args(mx.concatenate([x, x, x[:2]]), w, split=1),
     ]

@@ -80,3 +80,19 @@ def test_many_rows_path_agrees_within_fp32_rounding():
     few = np.concatenate([np.array(fl.linear(x[i : i + 1], w)) for i in range(9)])
     scale = np.abs(f64(x) @ f64(w).T).max()
     assert np.abs(many - few).max() <= 1e-5 * scale  # fp32 sums of 5120 terms in two orders; bf16 is 4e-3
+
+
+@pytest.mark.parametrize("N,K,w_dtype", [(24, 20480, mx.float32), (256, 5120, mx.bfloat16)])
+def test_split_k_shapes_contract(N, K, w_dtype):
+    """Few-row weights (the mHC mixes' fn, a router) split K over 8 SIMD groups per output: float64,
+    poisoned guards, repeats byte-identical, a row's bytes solo == batched."""
+    x, w = _xw(6, 8, N=N, K=K, w_dtype=w_dtype)
+    x = x.astype(mx.bfloat16)
+    assert dict(fl.gemv_args(x, w)["template"])["SPLIT"] == 8
+    runs = [_kernel(x, w, guard=2) for _ in range(5)]
+    assert all(np.array_equal(r.view(np.uint32), runs[0].view(np.uint32)) for r in runs)
+    assert np.all(np.isnan(runs[0][8:])) and not np.any(np.isnan(runs[0][:8]))
+    want = f64(x) @ f64(w).T
+    assert np.abs(runs[0][:8] - want).max() < 1e-5 * np.abs(want).max()
+    for r in (0, 3, 7):
+        assert np.array_equal(_kernel(x[r : r + 1], w)[0].view(np.uint32), runs[0][r].view(np.uint32))
