@@ -20,7 +20,8 @@ from mlx_dsv41 import graph_constants
 from mlx_dsv41.kernels import Kernel, backend, register
 
 MAX_ROWS = 8  # rows sharing one weight read (the per-lane sums are M x COLS)
-_COLS, _THREADS = 4, 256
+_COLS = 4  # outputs per threadgroup (M x COLS <= 32 lane sums)
+_MAX_SPLIT = 8  # SIMD groups splitting k (the body's threadgroup memory holds 8)
 
 GEMV = register(
     Kernel(
@@ -28,7 +29,7 @@ GEMV = register(
         ("x", "w", "scales", "slots"),
         ("y",),
         includes=("mxfp4.h",),
-        max_threads=_THREADS,
+        max_threads=32 * _MAX_SPLIT,
         examples=lambda: _examples(),
     )
 )
@@ -36,18 +37,26 @@ GEMV = register(
 
 def gemv_args(x, weight, scales, slots, rows_per_group: int, guard: int = 0, init_value=None) -> dict:
     """Kernel kwargs: weight [E, N, K/8] and scales [E, N, K/32] stacked, slots int32 [G, 2] of
-    (first x row, expert); rows_per_group (M) consecutive x rows per group."""
+    (first x row, expert); rows_per_group (M) consecutive x rows per group. A threadgroup of
+    split(K) SIMD groups per COLS outputs of a group."""
     N, G = weight.shape[1], slots.shape[0]
-    per_tg = _COLS * (_THREADS // 32)
+    threads = 32 * split(weight.shape[2] * 8)
     return dict(
         inputs=[x, weight, scales, slots],
         output_shapes=[(G * rows_per_group + guard, N)],
         output_dtypes=[mx.float32],
-        grid=(_THREADS * math.ceil(N / per_tg), G, 1),
-        threadgroup=(_THREADS, 1, 1),
+        grid=(threads * math.ceil(N / _COLS), G, 1),
+        threadgroup=(threads, 1, 1),
         template=[("M", rows_per_group), ("COLS", _COLS)],
         init_value=init_value,
     )
+
+
+def split(K: int) -> int:
+    """SIMD groups per threadgroup (S), each taking a run of consecutive 256-k steps: about 4 steps
+    each (one batch of loads in flight per SIMD group), at most 8. From K alone, because it sets
+    the order of the sums."""
+    return min(_MAX_SPLIT, max(1, math.ceil(math.ceil(K / 256) / 4)))
 
 
 def takes_kernel(bits: int, mode: str, rows: int) -> bool:

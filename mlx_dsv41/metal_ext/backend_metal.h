@@ -100,6 +100,15 @@ KX_INLINE u32 kx_funnel_r(u32 lo, u32 hi, u32 s) { return (u32)(((((u64)hi) << 3
 #define KX_FUNNEL_R(lo, hi, s) kx_funnel_r((u32)(lo), (u32)(hi), (u32)(s))
 // The low 16 bits of lo and of hi in one u32 (lo in the low half).
 #define KX_PACK_LO16(lo, hi) ((((u32)(lo)) & 0xFFFFu) | (((u32)(hi)) << 16))
+// Byte n of the result is byte (s >> 4n) & 7 of the 8 bytes hi:lo (lo bytes 0-3); s a constant
+// whose nibbles are all < 8.
+KX_INLINE u32 kx_byte_perm(u32 lo, u32 hi, u32 s) {
+  const u64 v = ((u64)hi << 32) | lo;
+  u32 r = 0;
+  for (u32 n = 0; n < 4; n++) r |= (u32)((v >> (8 * ((s >> (4 * n)) & 7u))) & 0xFFu) << (8 * n);
+  return r;
+}
+#define KX_BYTE_PERM(lo, hi, s) kx_byte_perm((u32)(lo), (u32)(hi), (u32)(s))
 
 // No asynchronous global -> threadgroup copies here (see backend_cuda.h): bodies read device
 // memory directly where KX_HAS_ASYNC_COPY is 0 (Apple GPUs also have 32 KiB of threadgroup memory,

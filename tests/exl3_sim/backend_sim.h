@@ -216,6 +216,18 @@ inline u32 sim_funnel_r(u32 lo, u32 hi, u32 s) {
 #define KX_FUNNEL_L(lo, hi, s) sim_funnel_l((u32)(lo), (u32)(hi), (u32)(s))
 #define KX_FUNNEL_R(lo, hi, s) sim_funnel_r((u32)(lo), (u32)(hi), (u32)(s))
 #define KX_PACK_LO16(lo, hi) ((((u32)(lo)) & 0xFFFFu) | (((u32)(hi)) << 16))
+// Byte n of the result is byte (s >> 4n) & 7 of the 8 bytes hi:lo (lo bytes 0-3); a selector
+// nibble of 8 or more (PRMT's sign-replicate mode) is refused.
+inline u32 sim_byte_perm(u32 lo, u32 hi, u32 s) {
+  const u64 v = ((u64)hi << 32) | lo;
+  u32 r = 0;
+  for (u32 n = 0; n < 4; n++) {
+    if ((s >> (4 * n)) & 8u) sim_fail("KX_BYTE_PERM selector nibble over 7");
+    r |= (u32)((v >> (8 * ((s >> (4 * n)) & 7u))) & 0xFFu) << (8 * n);
+  }
+  return r;
+}
+#define KX_BYTE_PERM(lo, hi, s) sim_byte_perm((u32)(lo), (u32)(hi), (u32)(s))
 
 // ---- asynchronous copies ------------------------------------------------------------------------
 // Modelled as on CUDA (cp.async): the source is read when the copy is issued, the destination is
