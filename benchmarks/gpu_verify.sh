@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 . benchmarks/gpu_env.sh
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
-WANTED=" ${*:-agreement demo_ttft linear prefill} "
+WANTED=" ${*:-graphs demo_ttft agreement linear prefill} "
 DEADLINE=$((SECONDS + ${GPU_BUDGET:-540}))
 
 stage() {  # stage NAME SECONDS COMMAND...: runs only if NAME was asked for, within the budget
@@ -28,17 +28,32 @@ stage() {  # stage NAME SECONDS COMMAND...: runs only if NAME was asked for, wit
   tail -n 24 "$LOGS/$name.log"
 }
 
+# decode against MLX's CUDA graph settings: the step's ~2,000 launches make ~100 graphs of 20 nodes,
+# as many as MLX's graph cache holds (MLX_CUDA_GRAPH_CACHE_SIZE, 100): does the host re-instantiate
+# them every step? (issue 16; docs/benchmarks.md, twelfth session)
+graphs() {
+  for ops in 20 200; do
+    for cache in 100 1000; do
+      echo "MLX_MAX_OPS_PER_BUFFER=$ops MLX_CUDA_GRAPH_CACHE_SIZE=$cache"
+      MLX_MAX_OPS_PER_BUFFER=$ops MLX_CUDA_GRAPH_CACHE_SIZE=$cache python3 benchmarks/bench_model.py --quick \
+        --skip-mlx-lm --no-dspark --out "$LOGS/graphs_${ops}_$cache" | grep -A2 "^| model"
+    done
+  done
+}
+export LOGS
+export -f graphs
+stage graphs 240 bash -c graphs
 TESTS="tests/gpu/test_sparse_attention_rows_gpu.py tests/gpu/test_model_gpu.py tests/gpu/test_mxfp4_gemv_gpu.py"
 TESTS="$TESTS tests/gpu/test_fp32_linear_gpu.py tests/gpu/test_compiled_step_gpu.py"
 # the GPU tests side by side; beside them, greedy DSpark against plain greedy on the demo (issue 18)
 stage tests 140 env OUT="$LOGS" GPU_JOBS=5 GPU_FILE_TIMEOUT=130 bash benchmarks/gpu_run.sh tests-parallel "$TESTS" &
-stage agreement 200 python3 benchmarks/dspark_agreement.py --demo --prompts 8 --tokens 48 &
+stage agreement 150 python3 benchmarks/dspark_agreement.py --demo --prompts 8 --tokens 48 &
 wait
 # where auto's rows rule (sparse_attention.ROWS_AUTO_MIN) should start
 stage sweep 60 python3 benchmarks/bench_sparse_attention.py --quick --out "$LOGS" \
   --rows-sweep 1 2 4 6 8 12 16 24 32 64 128
 # the demo's time to the first token in a warm process: the second pass (issue 17)
-stage demo_ttft 240 python3 -m mlx_dsv41.warmup --demo --tokens 40
+stage demo_ttft 200 python3 -m mlx_dsv41.warmup --demo --tokens 40
 # where a 2,048-token prefill goes, auto's kernels (issue 17 item 1)
 stage prefill_parts 150 python3 benchmarks/bench_model.py --quick --skip-mlx-lm --prefill-parts 2048 --out "$LOGS"
 # the fp32-sums costs of the MX linears (issue 15 item 4)
