@@ -70,3 +70,13 @@ def test_slot_rule_is_written_once():
         header_text, _ = k.source("cuda")
         for name, value in exl3.SLOT_DEFINES:
             assert f"#define {name} ({value})" in header_text, k.name
+
+
+def test_threadgroup_memory_is_declared_at_kernel_scope():
+    """Metal takes threadgroup variables at a kernel's own scope only, and the stand-in header CI
+    compiles against does not check it: every KX_SHARED / KX_SHARED16 in a body starts its line."""
+    from mlx_dsv41 import metal_ext
+
+    for k in kernels.load_all().values():
+        nested = [line for line in metal_ext.body(k.name).splitlines() if re.match(r"\s+KX_SHARED", line)]
+        assert not nested, (k.name, nested)

@@ -13,6 +13,7 @@ const u32 N = w_shape[0], K = w_shape[1], C = K / 8;
 const u32 part = KX_WARP % SPLIT;
 const u32 n0 = (KX_TGID_X * (KX_TG_SIZE_X / KX_SIMD_WIDTH / SPLIT) + KX_WARP / SPLIT) * COLS;
 const bool live = n0 < N;  // the same for the whole SIMD group: the butterfly below has every lane
+KX_SHARED(float, sums, 8 * 8 * 4);  // SPLIT > 1: SIMD groups x M x COLS range sums (at most 8 x 8 x 4)
 float acc[M][COLS];
 for (int m = 0; m < M; m++)
   for (int j = 0; j < COLS; j++) acc[m][j] = 0.0f;
@@ -51,7 +52,6 @@ if (SPLIT == 1) {
 } else {
   // The range sums of the threadgroup's SIMD groups, then the first group of each SPLIT adds its
   // outputs' SPLIT sums in range order.
-  KX_SHARED(float, sums, 8 * 8 * 4);  // SIMD groups x M x COLS, at most 8 x 8 x 4
   if (KX_LANE == 0)
     for (int m = 0; m < M; m++)
       for (int j = 0; j < COLS; j++) sums[(KX_WARP * M + m) * COLS + j] = acc[m][j];
