@@ -455,12 +455,13 @@ def sparse_attention(q, window, pool, indices, sinks, scale: float, variant: str
         _counts["reference"] += 1
         _reference_reasons[why_not] += 1
         return sparse_attention_reference(q, window, pool, indices, sinks, scale)
+    rows_runs = wanted in ("rows", "auto") and rows_refusal(q, window, pool) is None
     if wanted == "auto":
-        many_rows = q.shape[0] * q.shape[1] >= ROWS_AUTO_MIN and rows_refusal(q, window, pool) is None
-        wanted = "rows" if many_rows else _auto_variant(q, window, pool, indices)
+        many_rows = q.shape[0] * q.shape[1] >= ROWS_AUTO_MIN
+        wanted = "rows" if rows_runs and many_rows else _auto_variant(q, window, pool, indices)
     if wanted == "parallel" and _parallel_refusal(q.dtype, window.dtype, q.shape[3]) is not None:
         wanted = "serial"
-    if wanted == "rows" and rows_refusal(q, window, pool) is not None:
+    if wanted == "rows" and not rows_runs:
         wanted = "serial"
     _counts[wanted] += 1
     return _run(wanted, q, window, pool, indices, sinks, float(scale))

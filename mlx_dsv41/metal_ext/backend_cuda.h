@@ -90,6 +90,8 @@ KX_INLINE u32 kx_hadd2_bits(u32 a, u32 b) {
 #define KX_FUNNEL_R(lo, hi, s) __funnelshift_r((u32)(lo), (u32)(hi), (u32)(s))
 // The low 16 bits of lo and of hi in one u32 (lo in the low half; one PRMT).
 #define KX_PACK_LO16(lo, hi) __byte_perm((u32)(lo), (u32)(hi), 0x5410u)
+// Whether pointer p allows 16-byte vector loads.
+#define KX_ALIGNED16(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0)
 // Byte n of the result is byte (s >> 4n) & 7 of the 8 bytes hi:lo (lo bytes 0-3); s a constant
 // whose nibbles are all < 8 (one PRMT).
 #define KX_BYTE_PERM(lo, hi, s) __byte_perm((u32)(lo), (u32)(hi), (u32)(s))

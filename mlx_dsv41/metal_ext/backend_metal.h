@@ -100,6 +100,9 @@ KX_INLINE u32 kx_funnel_r(u32 lo, u32 hi, u32 s) { return (u32)(((((u64)hi) << 3
 #define KX_FUNNEL_R(lo, hi, s) kx_funnel_r((u32)(lo), (u32)(hi), (u32)(s))
 // The low 16 bits of lo and of hi in one u32 (lo in the low half).
 #define KX_PACK_LO16(lo, hi) ((((u32)(lo)) & 0xFFFFu) | (((u32)(hi)) << 16))
+// Whether pointer p allows 16-byte vector loads: not checkable here (no pointer-to-integer
+// casts), so false; a body that knows its Metal inputs are aligned says so itself.
+#define KX_ALIGNED16(p) false
 // Byte n of the result is byte (s >> 4n) & 7 of the 8 bytes hi:lo (lo bytes 0-3); s a constant
 // whose nibbles are all < 8.
 KX_INLINE u32 kx_byte_perm(u32 lo, u32 hi, u32 s) {

@@ -6,10 +6,10 @@
 // elements apart, K % 32 == 0), else element by element with the same arithmetic. Metal: element
 // loads (this kernel serves CUDA; a Metal view's offset is not checked). Tests define
 // MXFP4_ELEMENT_LOADS to run the element path.
-#if defined(MXFP4_ELEMENT_LOADS) || !(defined(KX_CUDA) || defined(KX_SIM))
+#if defined(MXFP4_ELEMENT_LOADS)
 #define MXFP4_ALIGNED16(p) false
 #else
-#define MXFP4_ALIGNED16(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0)
+#define MXFP4_ALIGNED16(p) KX_ALIGNED16(p)
 #endif
 
 struct mxfp4_f8 {

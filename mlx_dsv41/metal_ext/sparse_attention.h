@@ -55,13 +55,13 @@
 #define SA_SUB(a, b) __fsub_rn((a), (b))
 #define SA_MUL(a, b) __fmul_rn((a), (b))
 #define SA_DIV(a, b) __fdiv_rn((a), (b))
-#define SA_ALIGNED16(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0)
+#define SA_ALIGNED16(p) KX_ALIGNED16(p)
 #elif defined(KX_SIM)  // the CPU simulator (tests): plain IEEE operations, built without contraction
 #define SA_ADD(a, b) ((a) + (b))
 #define SA_SUB(a, b) ((a) - (b))
 #define SA_MUL(a, b) ((a) * (b))
 #define SA_DIV(a, b) ((a) / (b))
-#define SA_ALIGNED16(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0)
+#define SA_ALIGNED16(p) KX_ALIGNED16(p)
 #else
 #pragma METAL fp contract(off)
 #define SA_ADD(a, b) ((a) + (b))

@@ -216,6 +216,7 @@ inline u32 sim_funnel_r(u32 lo, u32 hi, u32 s) {
 #define KX_FUNNEL_L(lo, hi, s) sim_funnel_l((u32)(lo), (u32)(hi), (u32)(s))
 #define KX_FUNNEL_R(lo, hi, s) sim_funnel_r((u32)(lo), (u32)(hi), (u32)(s))
 #define KX_PACK_LO16(lo, hi) ((((u32)(lo)) & 0xFFFFu) | (((u32)(hi)) << 16))
+#define KX_ALIGNED16(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0)
 // Byte n of the result is byte (s >> 4n) & 7 of the 8 bytes hi:lo (lo bytes 0-3); a selector
 // nibble of 8 or more (PRMT's sign-replicate mode) is refused.
 inline u32 sim_byte_perm(u32 lo, u32 hi, u32 s) {
