@@ -10,6 +10,7 @@ kernels; both catch name, type and syntax errors before a device is involved.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -73,9 +74,10 @@ def metal_source(kernel: Kernel, call: dict) -> str:
     return m.group(1)
 
 
-def cuda_source(kernel: Kernel, call: dict) -> str:
-    """The CUDA source MLX 0.32 would JIT for one call (assembled as MLX's build_kernel does)."""
-    header, body = kernel.source("cuda")
+def cuda_source(kernel: Kernel, call: dict, source: tuple[str, str] | None = None) -> str:
+    """The CUDA source MLX 0.32 would JIT for one call (assembled as MLX's build_kernel does), from
+    the kernel's (header, body) or the given ones."""
+    header, body = source or kernel.source("cuda")
     lines = [
         '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
         "#define inf cuda::std::numeric_limits<float>::infinity()\n",
@@ -134,9 +136,19 @@ def compile_metal(source: str) -> tuple[bool, str]:
 
 
 def compile_cuda(source: str) -> tuple[bool, str]:
+    """(compiled, nvcc's messages) for one CUDA source."""
+    ptx, log = cuda_ptx(source)
+    return ptx is not None, log
+
+
+@functools.cache
+def cuda_ptx(source: str) -> tuple[str | None, str]:
+    """(the PTX nvcc makes of source, or None; nvcc's messages). nvcc names file-local symbols after
+    the file and a hash of its text; those names are replaced by one placeholder, so two sources
+    that compile to the same code give the same text."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
-        return False, "nvcc not found"
+        return None, "nvcc not found"
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.cu"
         src.write_text(source)
@@ -145,4 +157,7 @@ def compile_cuda(source: str) -> tuple[bool, str]:
             capture_output=True,
             text=True,
         )
-        return r.returncode == 0, r.stderr
+        if r.returncode != 0:
+            return None, r.stderr
+        lines = (line for line in (Path(tmp) / "k.ptx").read_text().splitlines() if not line.startswith("//"))
+        return re.sub(r"_INTERNAL_[0-9a-f]{8}_\d+_k_cu_[0-9a-f]{8}", "_INTERNAL_", "\n".join(lines)), r.stderr

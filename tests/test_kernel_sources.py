@@ -36,6 +36,25 @@ def test_cuda_source_compiles(name, i):
     assert ok, f"{name} example {i}:\n{log[:4000]}"
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("name", sorted(kernels.load_all()))
+def test_pruned_source_compiles_to_the_same_ptx(name):
+    """What Kernel.source removes (comments, decided conditionals, header items the body does not
+    reach; kernels/source_text.py) changes nothing compiled: the PTX of a kernel's first example is
+    the PTX of its whole headers."""
+    from mlx_dsv41 import metal_ext
+    from mlx_dsv41.kernels.source_text import minified
+
+    k = kernels.REGISTRY[name]
+    call = k.examples()[0]
+    pruned_ptx, log = source_check.cuda_ptx(source_check.cuda_source(k, call))
+    assert pruned_ptx is not None, log[:4000]
+    whole = minified(k.prelude() + metal_ext.header("cuda", k.includes)), minified(metal_ext.body(k.name))
+    whole_ptx, log = source_check.cuda_ptx(source_check.cuda_source(k, call, source=whole))
+    assert whole_ptx is not None, log[:4000]
+    assert pruned_ptx == whole_ptx, f"{name}: pruning changed the PTX"
+
+
 def test_exl3_launch_constants_match_the_format():
     """The launcher's copies of format facts (it imports nothing of mlx_dsv41.exl3): the 128-block,
     and each codebook's CB template value, the header's EXL3_CB_* number."""
