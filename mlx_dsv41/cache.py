@@ -201,13 +201,20 @@ class LayerCache(_PositionalCache):
     def update_window(self, kv: mx.array) -> tuple[mx.array, mx.array]:
         """Store the window KV of the new tokens; return what their queries attend to.
 
-        Returns (window [B, ring_size + S, D], rows [S, window] int32): `window` is the ring as it
-        was, then the new rows; rows[s, c] indexes the row of `window` holding position
-        t - window + 1 + c (t = offset + s), or -1 when that position is before the start.
+        Returns (window [B, ring_size (+ S), D], rows [S, window] int32): rows[s, c] indexes the
+        row of `window` holding position t - window + 1 + c (t = offset + s), or -1 when that
+        position is before the start. When the ring, with the new rows written, still holds every
+        position the new queries see (S <= trim_slack + 1: decode steps, DSpark verifies), `window`
+        is the ring itself; otherwise it is the ring as it was, then the new rows (a copy of both:
+        two launches a layer on a GPU that the first case saves). The same keys in the same order
+        either way (docs/cache.md#window-ring).
         """
         B, S, D = kv.shape
         R = self.ring_size
         self._ensure_ring(B, D, kv.dtype)
+        if S <= R - self.window_size + 1:  # the writes replace positions before every query's window
+            self.ring = store_rows(self.ring, kv, self.position, R)
+            return self.ring, ring_window_rows(self.position, S, self.window_size, R)
         window = mx.concatenate([self.ring, kv], axis=1)
         rows = window_rows(self.position, S, self.window_size, R)
         # Only the last R new rows can survive in the ring; write them at their slots.
@@ -383,6 +390,13 @@ def window_rows(position: mx.array, length: int, window: int, ring: int) -> mx.a
     """rows [length, window] int32 of LayerCache.update_window for queries at position + s."""
     p = position + _window_offsets(length, window)
     return mx.where(p < 0, -1, mx.where(p >= position, ring + p - position, p % ring)).astype(mx.int32)
+
+
+def ring_window_rows(position: mx.array, length: int, window: int, ring: int) -> mx.array:
+    """rows [length, window] int32 of the ring itself for queries at position + s (the new rows
+    already written at their slots)."""
+    p = position + _window_offsets(length, window)
+    return mx.where(p < 0, -1, p % ring).astype(mx.int32)
 
 
 def make_layer_cache(args: ModelArgs, layer_id: int, trim_slack: int = DEFAULT_TRIM_SLACK) -> LayerCache:
