@@ -13,5 +13,13 @@ export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}
 if [ -f .gpu/ptx-cache.tar.xz ] && [ ! -d "$MLX_PTX_CACHE_DIR" ]; then
   mkdir -p "$MLX_PTX_CACHE_DIR" && tar -xJf .gpu/ptx-cache.tar.xz -C "$MLX_PTX_CACHE_DIR"
 fi
+# The driver's own JIT cache (PTX -> SASS, per process otherwise): a fresh machine's first run of a
+# cached PTX module still pays the driver's compile; carried like the PTX cache.
+export CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-/tmp/cuda-compute-cache}
+export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
+if [ -f .gpu/cuda-cache.tar.xz ] && [ ! -d "$CUDA_CACHE_PATH" ]; then
+  mkdir -p "$CUDA_CACHE_PATH" && tar -xJf .gpu/cuda-cache.tar.xz -C "$CUDA_CACHE_PATH"
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
+export PYTHONFAULTHANDLER=1  # a stage killed with SIGABRT on time-out prints its Python stacks

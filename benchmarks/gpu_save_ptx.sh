@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Pack the CUDA JIT's PTX cache into $OUT/ptx-cache.tar.xz so the next call on a fresh GPU machine
-# can carry it back in .gpu/ (benchmarks/gpu_env.sh unpacks it). Run after the tests or benchmarks.
+# Pack the CUDA JIT's PTX cache into $OUT/ptx-cache.tar.xz (and the driver's cache into
+# cuda-cache.tar.xz) so the next call on a fresh GPU machine can carry them back in .gpu/ (benchmarks/gpu_env.sh unpacks it). Run after the tests or benchmarks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_env.sh
 tar -cJf "$OUT/ptx-cache.tar.xz" -C "$MLX_PTX_CACHE_DIR" .
-ls -l "$OUT/ptx-cache.tar.xz"
+if [ -d "$CUDA_CACHE_PATH" ]; then tar -cJf "$OUT/cuda-cache.tar.xz" -C "$CUDA_CACHE_PATH" .; fi
+ls -l "$OUT"/*-cache.tar.xz

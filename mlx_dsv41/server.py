@@ -179,6 +179,13 @@ def main_command(
         help="DSpark drafts per main forward for requests "
         "without num_draft_tokens: default the whole block, 'auto', or 0 (off).",
     ),
+    warmup: int = typer.Option(
+        0,
+        "--warmup",
+        min=0,
+        help="Before listening, generate once from a random prompt of this many tokens, so that the "
+        "first request does not wait for kernel compiles (0: off; see mlx_dsv41.warmup).",
+    ),
 ):
     from mlx_dsv41.demo import DemoError
     from mlx_dsv41.kernels import sparse_attention
@@ -203,6 +210,15 @@ def main_command(
         check_draft(loaded, draft_value)
         if not loaded.mtp and draft_value != 0:
             print(f"NOTE: no DSpark speculative decoding: {loaded.dspark_unavailable}", file=sys.stderr, flush=True)
+        if warmup:
+            from mlx_dsv41.warmup import warm_up
+
+            first, total = warm_up(loaded, tokenizer, warmup, prefill_step_size, draft_value)
+            print(
+                f"Warmed up for prompts of {warmup} tokens in {total:.1f} s (first token after {first:.2f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     except (CLIError, DemoError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(1) from None

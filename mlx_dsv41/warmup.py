@@ -1,10 +1,14 @@
 """`python -m mlx_dsv41.warmup --model DIR` (or `--demo`): build the kernels a first request needs, ahead
 of it, and say how long that took.
 
-MLX compiles each custom kernel and each fused graph the first time a shape needs it; on CUDA a
-cold process spends tens of seconds there before its first token (docs/benchmarks.md#prefill).
-The results are kept on disk (CUDA: `MLX_PTX_CACHE_DIR`, by default `<tmp>/mlx/<version>/ptx`), so
-a process started after this one finds them. The warm-up generates from a random prompt of
+MLX compiles each custom kernel and each fused graph the first time a shape needs it. On CUDA,
+MLX keeps its own fused kernels on disk (`MLX_PTX_CACHE_DIR`, by default
+`<tmp>/mlx/<version>/ptx`) but compiles custom kernels, this package's, again in every process
+(NVRTC; MLX's `custom_kernel.cpp` asks its JIT module for no disk cache): on the H200 the demo's
+first token took 156 s in a new process, the Flash-shaped model's first prefill 46 s
+(docs/benchmarks.md#first-run-cost). So on CUDA a separate warm-up process saves only MLX's part;
+a server warms itself up with `mlx_dsv41.server --warmup N`, which runs this same generation
+before it listens. The warm-up generates from a random prompt of
 `--tokens` tokens: full and partial prefill chunks, decode steps at both compressor parities, and
 with DSpark its verify and draft shapes. It reports both passes, each with its time to the first
 token; the second pass's is what a request sees in a warm process. Prompts longer than `--tokens` may meet shapes it did
@@ -32,7 +36,8 @@ def kernel_cache() -> str:
 
     if hasattr(mx, "cuda") and mx.cuda.is_available():
         default = Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"  # MLX's own default
-        return os.environ.get("MLX_PTX_CACHE_DIR") or str(default)
+        where = os.environ.get("MLX_PTX_CACHE_DIR") or str(default)
+        return f"{where} (MLX's own; this package's kernels compile in each process: server --warmup)"
     if mx.metal.is_available():
         return "Metal's own shader cache"
     return "none (the CPU runs the plain-MLX reference; nothing is compiled)"

@@ -72,7 +72,7 @@ def demo_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_dsv41.server", "--demo", "--port", "0", "--max-tokens", "4"],
+            [sys.executable, "-m", "mlx_dsv41.server", "--demo", "--port", "0", "--max-tokens", "4", "--warmup", "12"],
             cwd=demo_helpers.REPO,
             env=demo_helpers.demo_env(tmp_path_factory),
             stdout=out,

@@ -48,6 +48,14 @@ def test_binds_localhost_and_names_one_model(server):
     assert json.loads(request(server, "GET", "/health")[1]) == {"status": "ok"}
 
 
+def test_warmup_runs_before_the_server_listens(server):
+    """--warmup N (the session's server is started with 12): one generation before listening, so a
+    CUDA process has compiled its kernels before the first request (mlx_dsv41/warmup.py)."""
+    log = server[2].read_text()
+    m = re.search(r"Warmed up for prompts of 12 tokens in [\d.]+ s \(first token after [\d.]+ s\)", log)
+    assert m and m.start() < log.index("Serving on"), log[-2000:]
+
+
 def test_chat_completion_uses_the_v41_encoding(server):
     """Chat mode unless the request asks for reasoning; usage counts the official encoding."""
     from mlx_dsv41 import chat
