@@ -73,6 +73,13 @@ maybe_elsewhere();
 #else
 fallback();
 #endif
+#if A
+#if B
+dead_nested();
+#elif defined(ELSEWHERE)
+dead_nested_elsewhere();
+#endif
+#endif
 #if !B
 dead_b();
 #else
@@ -83,7 +90,8 @@ live_b();
 #endif
 """)
     out = resolved(text)
-    assert "dead_a" not in out and "dead_b" not in out and "nested_dead" not in out
+    assert "dead_a" not in out and "dead_b" not in out and "nested_dead" not in out and "dead_nested" not in out
+    assert out.count("#if") == out.count("#endif")
     assert "#if defined(ELSEWHERE)\nmaybe_elsewhere();\n#else\nfallback();\n#endif" in out
     assert "live_b();" in out
 

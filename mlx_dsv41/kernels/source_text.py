@@ -100,6 +100,8 @@ def resolved(header: str) -> str:
         elif not branch.decided:
             if outer:
                 out.append(line)
+        elif not outer:  # a chain inside a dropped branch: none of it is kept
+            continue
         elif kind == "else":
             branch.emit, branch.taken = not branch.taken, True
         elif branch.taken:
