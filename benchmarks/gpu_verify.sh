@@ -72,6 +72,6 @@ run() {  # run NAME: one stage
   esac
 }
 
-for name in ${*:-decode graphs}; do run "$name"; done
+for name in ${*:-tests decode graphs}; do run "$name"; done
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
 bash benchmarks/gpu_save_ptx.sh > /dev/null 2>&1 || true

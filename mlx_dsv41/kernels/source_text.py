@@ -4,7 +4,8 @@ MLX builds a custom kernel's source string when the kernel is called and hashes 
 launch, on both backends (CUDA: the JIT module's name; Metal: the library's name), so each byte of
 header is host time per launch: ~0.2 µs per KB on the H200's host, and a decode step launches about
 1,700 custom kernels (docs/design.md#kernel-source-size). A kernel includes whole helper headers
-but uses a few of their items; `pruned` keeps only the items the body reaches.
+but uses a few of their items: `resolved` drops the conditional branches the backend header rules
+out, then `pruned` keeps only the items the body reaches.
 """
 
 from __future__ import annotations
@@ -61,17 +62,6 @@ def resolved(header: str) -> str:
     stack: list[_Branch] = []
     out: list[str] = []
 
-    def decide(cond: str) -> bool | None:
-        m = _CONDITION.match(cond.strip())
-        if not m:
-            return None
-        negate, name = bool(m.group(1)), m.group(3) or m.group(4)
-        if m.group(3):
-            known = True if name in values else None
-        else:
-            known = None if values.get(name) is None else bool(values[name])
-        return None if known is None else known != negate
-
     for line in _logical_lines(header):
         emitting = all(b.emit for b in stack)
         directive = re.match(r"#\s*(if|elif|else|endif)\b\s*(.*)", line)
@@ -86,7 +76,7 @@ def resolved(header: str) -> str:
             continue
         kind, cond = directive.groups()
         if kind == "if":
-            known = decide(cond) if emitting else False
+            known = _decide(cond, values) if emitting else False
             stack.append(_Branch(known is not None, emit=known is not False, taken=known is True))
             if known is None and emitting:
                 out.append(line)
@@ -107,7 +97,7 @@ def resolved(header: str) -> str:
         elif branch.taken:
             branch.emit = False
         else:  # an #elif after branches known to be dead
-            known = decide(cond)
+            known = _decide(cond, values)
             if known is None:  # the chain goes on for the compiler, from here
                 out.append(f"#if {cond}")
                 branch.decided, branch.emit = False, True
@@ -116,6 +106,20 @@ def resolved(header: str) -> str:
     if stack:
         raise ValueError("kernel header has an #if without its #endif")
     return "".join(line + "\n" for line in out)
+
+
+def _decide(cond: str, values: dict[str, int | None]) -> bool | None:
+    """An #if condition's value from the names #defined so far (`values`), or None if the text
+    does not decide it."""
+    m = _CONDITION.match(cond.strip())
+    if not m:
+        return None
+    negate, name = bool(m.group(1)), m.group(3) or m.group(4)
+    if m.group(3):
+        known = True if name in values else None
+    else:
+        known = None if values.get(name) is None else bool(values[name])
+    return None if known is None else known != negate
 
 
 @dataclass
