@@ -117,6 +117,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flash_model  # noqa: E402 (benchmarks/ is not a package)
 from count_ops import VIEWS  # noqa: E402
 
+from mlx_dsv41 import kernels  # noqa: E402
 from mlx_dsv41.kernels import backend  # noqa: E402
 from mlx_dsv41.model import compiled_step  # noqa: E402
 from mlx_dsv41.synthetic import hf_config  # noqa: E402
@@ -817,7 +818,27 @@ def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
         os.environ.pop(compiled_step.ENV_VAR, None)
     else:
         os.environ[compiled_step.ENV_VAR] = saved
+    if a.whole_kernel_sources:
+        with whole_kernel_sources():
+            runs.append(measure(f"{runs[-1]['label']}, whole kernel sources", build, a, prompt_len))
     return runs
+
+
+@contextlib.contextmanager
+def whole_kernel_sources():
+    """Every kernel compiled from its whole headers (Kernel.whole_source, what Kernel.source prunes):
+    the same launches and the same code, more text for MLX to hash per launch
+    (docs/design.md#kernel-source-size)."""
+    registry, pruned = kernels.load_all().values(), kernels.Kernel.source
+    for k in registry:
+        k._built.clear()  # the kernel objects MLX built from the pruned sources
+    kernels.Kernel.source = kernels.Kernel.whole_source
+    try:
+        yield
+    finally:
+        kernels.Kernel.source = pruned
+        for k in registry:
+            k._built.clear()
 
 
 def add_prefill_args(ap: argparse.ArgumentParser) -> None:
@@ -870,6 +891,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-mlx-lm", action="store_true")
+    ap.add_argument(
+        "--whole-kernel-sources",
+        action="store_true",
+        help="also time our decode with every kernel compiled from its whole headers (the A/B of pruning)",
+    )
     ap.add_argument("--compiled", action="store_true", help="time our step both eagerly and compiled")
     ap.add_argument(
         "--dspark",

@@ -276,3 +276,18 @@ def test_load_reports_the_peak_and_the_head_as_stored(tmp_path, monkeypatch, cap
     assert result["head"]["dtype"] == "bfloat16" and result["params_GB"] > 0
     assert result["peak_over_params"] <= 1.05
     assert "| peak / parameters |" in capsys.readouterr().out
+
+
+def test_whole_kernel_sources_swaps_the_sources_and_puts_them_back():
+    """--whole-kernel-sources (the A/B of pruning): inside, every kernel compiles from its whole
+    headers and no kernel object built from the pruned ones is kept; afterwards the pruned sources
+    are back."""
+    from mlx_dsv41 import kernels
+
+    k = kernels.load_all()["exl3_gemv"]
+    pruned = k.source("cuda")
+    k._built["cuda"] = object()  # stands in for a kernel object MLX built from the pruned source
+    with bench_model.whole_kernel_sources():
+        assert k.source("cuda") == k.whole_source("cuda") and not k._built
+        assert len("".join(k.source("cuda"))) > len("".join(pruned))
+    assert k.source("cuda") == pruned and not k._built

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from mlx_dsv41 import kernels, metal_ext
+from mlx_dsv41 import kernels
 from mlx_dsv41.kernels.source_text import items, minified, pruned, resolved
 
 HEADER = minified(r"""
@@ -101,7 +101,7 @@ def test_every_kernel_header_is_closed_and_smaller(backend_name):
     """Every name the pruned source uses that the full header defines is defined in the pruned one,
     and no kernel's source grew."""
     for k in kernels.load_all().values():
-        full = resolved(minified(k.prelude() + metal_ext.header(backend_name, k.includes)))
+        full = resolved(k.whole_source(backend_name)[0])
         header, body = k.source(backend_name)
         defined_full = {i.name for i in items(full) if i.name}
         defined_kept = {i.name for i in items(header) if i.name}

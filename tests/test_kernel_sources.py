@@ -42,15 +42,11 @@ def test_pruned_source_compiles_to_the_same_ptx(name):
     """What Kernel.source removes (comments, decided conditionals, header items the body does not
     reach; kernels/source_text.py) changes nothing compiled: the PTX of a kernel's first example is
     the PTX of its whole headers."""
-    from mlx_dsv41 import metal_ext
-    from mlx_dsv41.kernels.source_text import minified
-
     k = kernels.REGISTRY[name]
     call = k.examples()[0]
     pruned_ptx, log = source_check.cuda_ptx(source_check.cuda_source(k, call))
     assert pruned_ptx is not None, log[:4000]
-    whole = minified(k.prelude() + metal_ext.header("cuda", k.includes)), minified(metal_ext.body(k.name))
-    whole_ptx, log = source_check.cuda_ptx(source_check.cuda_source(k, call, source=whole))
+    whole_ptx, log = source_check.cuda_ptx(source_check.cuda_source(k, call, source=k.whole_source("cuda")))
     assert whole_ptx is not None, log[:4000]
     assert pruned_ptx == whole_ptx, f"{name}: pruning changed the PTX"
 

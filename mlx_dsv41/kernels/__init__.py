@@ -78,14 +78,19 @@ class Kernel:
     _built: dict = field(default_factory=dict, repr=False)
 
     def source(self, backend_name: str) -> tuple[str, str]:
-        """(header, body) as handed to MLX for ``backend_name``: comments, indentation and the header
-        items the body does not reach removed, because MLX hashes the whole source at every launch
-        (kernels/source_text.py)."""
+        """(header, body) as handed to MLX for ``backend_name``: `whole_source` less the header's
+        conditional branches and items the body does not reach, because MLX hashes the whole
+        source at every launch (kernels/source_text.py)."""
+        header, body = self.whole_source(backend_name)
+        return pruned(resolved(header), body), body
+
+    def whole_source(self, backend_name: str) -> tuple[str, str]:
+        """(header, body) without comments and indentation, every header item kept (what `source`
+        prunes; tests and benchmarks compare the two)."""
         body = minified(metal_ext.body(self.name))
-        header = pruned(resolved(minified(self.prelude() + metal_ext.header(backend_name, self.includes))), body)
         if backend_name == "metal":
             body = f"// attributes: {_METAL_ATTRIBUTE_NAMES}\n{body}"
-        return header, body
+        return minified(self.prelude() + metal_ext.header(backend_name, self.includes)), body
 
     def prelude(self) -> str:
         """``defines`` as #define lines, put before the headers."""
