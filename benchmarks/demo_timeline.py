@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="prompts of the agreement phase")
     parser.add_argument("--stacks", type=float, default=0.0, help="seconds between stack dumps (0: none)")
     a = parser.parse_args()
+    if a.tokens < 1 or a.prompt_tokens < 1 or a.prompts < 0 or a.stacks < 0:
+        parser.error("--tokens and --prompt-tokens must be >= 1, --prompts and --stacks >= 0")
     if a.stacks > 0:
         faulthandler.dump_traceback_later(a.stacks, repeat=True, file=sys.stderr)
     t0 = time.perf_counter()

@@ -214,7 +214,7 @@ class LayerCache(_PositionalCache):
         self._ensure_ring(B, D, kv.dtype)
         if S <= R - self.window_size + 1:  # the writes replace positions before every query's window
             self.ring = store_rows(self.ring, kv, self.position, R)
-            return self.ring, ring_window_rows(self.position, S, self.window_size, R)
+            return self.ring, window_rows(self.position, S, self.window_size, R, appended=False)
         window = mx.concatenate([self.ring, kv], axis=1)
         rows = window_rows(self.position, S, self.window_size, R)
         # Only the last R new rows can survive in the ring; write them at their slots.
@@ -386,17 +386,15 @@ def _window_offsets(length: int, window: int) -> np.ndarray:
     return (np.arange(length)[:, None] - window + 1 + np.arange(window)[None, :]).astype(np.int32)
 
 
-def window_rows(position: mx.array, length: int, window: int, ring: int) -> mx.array:
-    """rows [length, window] int32 of LayerCache.update_window for queries at position + s."""
+def window_rows(position: mx.array, length: int, window: int, ring: int, appended: bool = True) -> mx.array:
+    """rows [length, window] int32 of LayerCache.update_window for queries at position + s: slot p mod
+    ring of the ring, or with `appended` (the new rows after the ring as it was) row ring + p -
+    position for the new positions."""
     p = position + _window_offsets(length, window)
-    return mx.where(p < 0, -1, mx.where(p >= position, ring + p - position, p % ring)).astype(mx.int32)
-
-
-def ring_window_rows(position: mx.array, length: int, window: int, ring: int) -> mx.array:
-    """rows [length, window] int32 of the ring itself for queries at position + s (the new rows
-    already written at their slots)."""
-    p = position + _window_offsets(length, window)
-    return mx.where(p < 0, -1, p % ring).astype(mx.int32)
+    rows = p % ring
+    if appended:
+        rows = mx.where(p >= position, ring + p - position, rows)
+    return mx.where(p < 0, -1, rows).astype(mx.int32)
 
 
 def make_layer_cache(args: ModelArgs, layer_id: int, trim_slack: int = DEFAULT_TRIM_SLACK) -> LayerCache:
