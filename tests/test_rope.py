@@ -110,11 +110,15 @@ def test_make_rope_rejects_other_scaling_types():
 @pytest.mark.parametrize("ndim", [3, 4])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_the_gpu_launch_over_the_whole_vector_gives_the_tails_bytes(monkeypatch, ndim, inverse):
-    """The GPU path (one rope over the whole vector, infinite periods for the leading pairs) run
-    through MLX's CPU rope on fp32 input: the leading features pass unchanged and the tail gets the
-    CPU path's bytes. (bf16 input: MLX's GPU kernels compute in fp32 and round once, as the tail
-    path does; tests/gpu/test_rope_gpu.py checks it on the device.)"""
+    """The GPU path where the rope kernel refuses x (one mx.fast.rope over the whole vector,
+    infinite periods for the leading pairs) run through MLX's CPU rope on fp32 input: the leading
+    features pass unchanged and the tail gets the CPU path's bytes. (bf16 input: MLX's GPU kernels
+    compute in fp32 and round once, as the tail path does; tests/gpu/test_rope_gpu.py checks it on
+    the device.)"""
+    from mlx_dsv41.kernels import rope as rope_kernel
     from mlx_dsv41.model import rope as rope_module
+
+    monkeypatch.setattr(rope_kernel, "refusal", lambda x, quant: "refused for this test")
 
     rope = RoPE(64, 10000.0, FLASH_YARN)
     shape = (2, 5, 3, 512) if ndim == 4 else (2, 5, 512)

@@ -164,6 +164,7 @@ _OP_MODULES = (
     "moe_route",
     "fp32_linear",
     "fake_quant",
+    "rope",
     "f16_gemm",
     "mxfp4_gemv",
 )

@@ -39,6 +39,9 @@ typedef long long i64;
 #define KX_FMA(a, b, c) __fmaf_rn((a), (b), (c))
 #define KX_EXP(x) expf(x)
 #define KX_LOG(x) logf(x)  // IEEE-accurate (no fast math)
+#define KX_ROPE_COS(x) cosf(x)  // as MLX's CUDA rope: the accurate cos / sin (no fast math)
+#define KX_ROPE_SIN(x) sinf(x)
+#define KX_ROPE_INV(p) ((float)(1.0 / (double)(p)))  // MLX's rope divides in double (1.0 / freq)
 #define KX_SQRT(x) sqrtf(x)  // IEEE (NVRTC's default -prec-sqrt=true)
 #define KX_FMAX(a, b) fmaxf((a), (b))
 #define KX_RINT(x) rintf(x)  // round half to even

@@ -48,6 +48,9 @@ typedef long i64;
 #define KX_FMA(a, b, c) metal::fma((a), (b), (c))
 #define KX_EXP(x) metal::precise::exp(x)
 #define KX_LOG(x) metal::precise::log(x)
+#define KX_ROPE_COS(x) metal::fast::cos(x)  // as MLX's Metal rope
+#define KX_ROPE_SIN(x) metal::fast::sin(x)
+#define KX_ROPE_INV(p) (1.0f / (p))
 #define KX_SQRT(x) metal::precise::sqrt(x)
 #define KX_FMAX(a, b) metal::fmax((a), (b))
 #define KX_RINT(x) metal::rint(x)  // round half to even

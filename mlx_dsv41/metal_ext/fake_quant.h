@@ -27,3 +27,22 @@ KX_INLINE float fq_ue8m0_scale(float amax, float max_value) {
   const i32 inexact = (KX_F32_BITS(y) & 0x7FFFFFu) != 0u ? 1 : 0;
   return fq_exp2(fq_floor_log2(y) + inexact);
 }
+
+// v rounded to the block float format MODE (0: e4m3, ue8m0 scale; 1: e2m1, ue8m0 scale; 2: e2m1,
+// e4m3 scale) with one scale per `block` (16 or 32) consecutive lanes: the block's amax meets in a
+// xor butterfly over those lanes, so every lane of the SIMD group must call it (lanes without an
+// element pass 0). mlx_dsv41/model/fake_quant.py's operations, one for one.
+KX_INLINE float fq_quantize(float v, u32 block, int mode) {
+  float amax = fq_abs(v);
+  for (u32 m = block / 2; m > 0; m >>= 1) amax = fq_max(amax, KX_SHUFFLE_XOR(amax, m));
+  if (mode == 0) {
+    const float s = fq_ue8m0_scale(fq_max(amax, 1e-4f), 448.0f);
+    return fq_round_to_grid(v / s, 3, -6, 448.0f) * s;
+  }
+  if (mode == 1) {
+    const float s = fq_ue8m0_scale(fq_max(amax, 6.0f * KX_BITS_F32(0x00800000u)), 6.0f);  // amax/6 >= 2^-126
+    return fq_round_to_grid(v / s, 1, 0, 6.0f) * s;
+  }
+  const float s = fq_round_to_grid(fq_max(amax, 6.0f * KX_BITS_F32(0x3B000000u)) / 6.0f, 3, -6, 448.0f);  // 2^-9
+  return fq_round_to_grid(v / s, 1, 0, 6.0f) * s;
+}

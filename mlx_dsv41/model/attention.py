@@ -26,7 +26,7 @@ from mlx_dsv41.cache import LayerCache
 from mlx_dsv41.config import ModelArgs
 from mlx_dsv41.kernels.sparse_attention import sparse_attention
 from mlx_dsv41.model.compressor import Compressor
-from mlx_dsv41.model.fake_quant import fake_quant_fp4, fake_quant_fp8
+from mlx_dsv41.model.fake_quant import COMPRESSED_KV, WINDOW_KV
 from mlx_dsv41.model.indexer import Indexer
 from mlx_dsv41.model.norm import RMSNorm
 from mlx_dsv41.model.rope import make_rope
@@ -96,7 +96,7 @@ class Attention(nn.Module):
 
         o = sparse_attention(q, window, pool, indices, self.attn_sink.astype(mx.float32), self.scale)
         cache.advance(S)
-        return self.output(o.astype(x.dtype), position)
+        return self.output(o, position, x.dtype)
 
     def queries(self, x: mx.array, offset: mx.array | int) -> tuple[mx.array, mx.array]:
         """(q [B, S, H, head_dim] roped at offset.., qr [B, S, q_lora_rank]) of x [B, S, hidden]."""
@@ -107,12 +107,13 @@ class Attention(nn.Module):
     def window_keys(self, x: mx.array, offset: mx.array | int) -> mx.array:
         """The window KV [B, S, head_dim] of x at positions offset..: kv_norm(wkv(x)), roped, FP8
         fake-quantized over all dims (docs/model.md#attention)."""
-        return fake_quant_fp8(self.rope(self.kv_norm(self.wkv(x)), offset), 32)
+        return self.rope(self.kv_norm(self.wkv(x)), offset, then=WINDOW_KV)
 
-    def output(self, o: mx.array, offset: mx.array | int) -> mx.array:
-        """Attention output o [B, S, H, head_dim] at positions offset.. -> [B, S, hidden]."""
+    def output(self, o: mx.array, offset: mx.array | int, dtype) -> mx.array:
+        """Attention output o [B, S, H, head_dim] (fp32) at positions offset.. -> [B, S, hidden] in
+        dtype: o rounded to dtype, then the conjugate rotation at the query position."""
         B, S = o.shape[:2]
-        o = self.rope(o, offset, inverse=True)  # conjugate rotation at the query position
+        o = self.rope(o, offset, inverse=True, dtype=dtype)
         return self.wo_b(self.wo_a(o.reshape(B, S, self.o_groups, -1)).reshape(B, S, -1))
 
     def _compressed(self, x, qr, position: mx.array, cache: LayerCache, shared: dict):
@@ -124,7 +125,7 @@ class Attention(nn.Module):
             latent, first = self.compressor(x, cache)
             kv = keys = None
             if latent is not None:
-                kv = fake_quant_fp4(self.rope(latent, first, step=role.ratio), 16, scale="e4m3")
+                kv = self.rope(latent, first, step=role.ratio, then=COMPRESSED_KV)
                 keys = self.indexer.keys(latent, first)
             shared[f"kv.{me}"], shared[f"index_keys.{me}"] = cache.append_compressed(kv, keys)
         pool = _read(shared, "kv", role.kv_source, me)

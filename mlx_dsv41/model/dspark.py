@@ -65,7 +65,7 @@ class StageAttention(Attention):
         idx = mx.concatenate([rows[-1], graph_constants.arange(S, window.shape[1])])
         indices = mx.broadcast_to(idx, (B, S, idx.shape[0]))
         o = sparse_attention(q, keys, keys[:, :0], indices, self.attn_sink.astype(mx.float32), self.scale)
-        return self.output(o.astype(x.dtype), start)
+        return self.output(o, start, x.dtype)
 
 
 class MarkovHead(nn.Module):

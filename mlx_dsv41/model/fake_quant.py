@@ -113,3 +113,22 @@ def fake_quant_fp4(x: mx.array, block: int, scale: str = "ue8m0") -> mx.array:
         s = round_to_grid(_amax(b, _FP4_E4M3_AMAX_FLOOR) / E2M1.max_value, E4M3)
     # An e4m3 scale may round below amax/6: the quotient then exceeds 6 and saturates.
     return (round_to_grid(b / s, E2M1) * s).reshape(x.shape).astype(x.dtype)
+
+
+@dataclass(frozen=True)
+class FakeQuant:
+    """One use of the fake quantization (the table above), to hand to an op that ends with it (the
+    rope kernel applies it in the same launch)."""
+
+    block: int
+    mode: int  # kernels.fake_quant's FP8_UE8M0, FP4_UE8M0 or FP4_E4M3
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.mode == kernel.FP8_UE8M0:
+            return fake_quant_fp8(x, self.block)
+        return fake_quant_fp4(x, self.block, "ue8m0" if self.mode == kernel.FP4_UE8M0 else "e4m3")
+
+
+WINDOW_KV = FakeQuant(32, kernel.FP8_UE8M0)
+COMPRESSED_KV = FakeQuant(16, kernel.FP4_E4M3)
+INDEXER = FakeQuant(32, kernel.FP4_UE8M0)

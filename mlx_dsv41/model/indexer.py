@@ -28,7 +28,7 @@ import numpy as np
 
 from mlx_dsv41 import graph_constants
 from mlx_dsv41.config import ModelArgs
-from mlx_dsv41.model.fake_quant import fake_quant_fp4
+from mlx_dsv41.model.fake_quant import INDEXER
 from mlx_dsv41.model.norm import RMSNorm
 from mlx_dsv41.model.rope import RoPE, make_rope
 
@@ -114,8 +114,7 @@ class Indexer(nn.Module):
 
     def keys(self, latent: mx.array, first: mx.array | int) -> mx.array:
         """Index keys of compressed entries first.. from their pre-RoPE latents [B, n, head_dim]."""
-        k = self.rope(self.k_norm(self.wk(latent)), first, step=self.ratio)
-        return fake_quant_fp4(k, 32)
+        return self.rope(self.k_norm(self.wk(latent)), first, step=self.ratio, then=INDEXER)
 
     def __call__(
         self,
@@ -138,7 +137,7 @@ class Indexer(nn.Module):
             return mx.zeros((B, S, 0), mx.int32), None
         T = keys.shape[1]
         q = self.wq_b(qr).reshape(B, S, self.n_heads, self.head_dim)
-        q = fake_quant_fp4(self.rope(q, position), 32)
+        q = self.rope(q, position, then=INDEXER)
         # Flash: 128^-0.5 · 32^-0.5 = 1/64, a power of two, so the fp32 product equals a bf16 one.
         weights = self.weights_proj(x).astype(mx.float32) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         visible = visible_counts(position, S, self.ratio)

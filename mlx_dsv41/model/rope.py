@@ -18,6 +18,8 @@ import numpy as np
 
 from mlx_dsv41.config import ConfigError, ModelArgs
 from mlx_dsv41.kernels import backend
+from mlx_dsv41.kernels import rope as rope_kernel
+from mlx_dsv41.model.fake_quant import FakeQuant
 
 
 def yarn_correction_range(
@@ -66,17 +68,35 @@ class RoPE:
             self._wide[width] = mx.array(np.concatenate([lead, 1.0 / self.frequencies]).astype(np.float32))
         return self._wide[width]
 
-    def __call__(self, x: mx.array, offset: mx.array | int, *, step: int = 1, inverse: bool = False) -> mx.array:
+    def __call__(
+        self,
+        x: mx.array,
+        offset: mx.array | int,
+        *,
+        step: int = 1,
+        inverse: bool = False,
+        dtype=None,
+        then: FakeQuant | None = None,
+    ) -> mx.array:
+        """RoPE of x.astype(dtype) (dtype: x's own by default), then the fake quantization `then`."""
+        dtype = x.dtype if dtype is None else dtype
         scale = float(-step if inverse else step)
         if backend() != "cpu":
-            # One launch over the whole vector: MLX's GPU rope kernels compute in fp32 from any
-            # input dtype and round once, and the leading pairs get an infinite period (angle 0:
-            # they pass unchanged) -- the bytes of the fp32 tail below, without its slice, two
-            # casts and concatenation (docs/numerics.md#rope-launch).
-            return self._rope(x, x.shape[-1], scale, offset, self._whole_width(x.shape[-1]))
-        d = self.dims
-        tail = self._rope(x[..., -d:].astype(mx.float32), d, scale, offset, self._periods)
-        return mx.concatenate([x[..., :-d], tail.astype(x.dtype)], axis=-1)
+            quant = None if then is None else (then.block, then.mode)
+            if rope_kernel.refusal(x, quant) is None:
+                # One launch for the cast, the rotation and the fake quantization: the bytes of the
+                # whole-width mx.fast.rope below and of the fake_quant kernel (docs/numerics.md#rope-launch).
+                offset = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
+                return rope_kernel.run(x, offset, self._whole_width(x.shape[-1]), dtype, step, inverse, quant)
+            # MLX's GPU rope kernels compute in fp32 from any input dtype and round once, and the
+            # leading pairs get an infinite period (angle 0: they pass unchanged) -- the bytes of the
+            # fp32 tail below, without its slice, two casts and concatenation.
+            y = self._rope(x.astype(dtype), x.shape[-1], scale, offset, self._whole_width(x.shape[-1]))
+        else:
+            d, x = self.dims, x.astype(dtype)
+            tail = self._rope(x[..., -d:].astype(mx.float32), d, scale, offset, self._periods)
+            y = mx.concatenate([x[..., :-d], tail.astype(x.dtype)], axis=-1)
+        return y if then is None else then(y)
 
     @staticmethod
     def _rope(x: mx.array, dims: int, scale: float, offset, periods: mx.array) -> mx.array:

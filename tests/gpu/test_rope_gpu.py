@@ -1,13 +1,20 @@
-"""RoPE's GPU launch (docs/numerics.md#rope-launch) on the device: one mx.fast.rope over the whole
-bf16 vector with infinite periods for the leading pairs gives the bytes of the fp32 tail path
-(slice, fp32, rope, round once, concatenate), for 3-D keys and 4-D queries, forward and inverse,
-at Flash's widths; and a finite input passes its leading features through unchanged."""
+"""RoPE's GPU launches (docs/numerics.md#rope-launch) on the device.
+- One mx.fast.rope over the whole bf16 vector with infinite periods for the leading pairs (the path
+  where the rope kernel refuses) gives the bytes of the fp32 tail path (slice, fp32, rope, round
+  once, concatenate), for 3-D keys and 4-D queries, forward and inverse, at Flash's widths; a
+  finite input passes its leading features through unchanged.
+- The rope kernel gives the bytes of the launches it replaces (the cast, that mx.fast.rope, the
+  fake_quant kernel) for every use in the model, and keeps the kernel contract: NaN where they put
+  it, within one bf16 rounding of float64 elsewhere, poisoned guard rows untouched, five repeats
+  byte-identical, the launch limit declared."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from attention_stack import FLASH_YARN
 
+from mlx_dsv41.kernels import rope as rk
+from mlx_dsv41.model import fake_quant as fq
 from mlx_dsv41.model import rope as rope_module
 from mlx_dsv41.model.rope import RoPE
 
@@ -21,8 +28,82 @@ def test_one_launch_gives_the_fp32_tail_bytes(monkeypatch, shape, inverse, yarn)
     rope = RoPE(64, 10000.0 if yarn is None else 160000.0, yarn)
     x = mx.array(np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
     offset = mx.array(4093, mx.int32)
+    monkeypatch.setattr(rk, "refusal", lambda x, quant: "the path where the kernel refuses")
     whole = np.array(rope(x, offset, step=4 if yarn else 1, inverse=inverse).astype(mx.float32))
     monkeypatch.setattr(rope_module, "backend", lambda: "cpu")  # the tail path, still on the GPU stream
     tail = np.array(rope(x, offset, step=4 if yarn else 1, inverse=inverse).astype(mx.float32))
     assert np.array_equal(whole.view(np.uint32), tail.view(np.uint32))
     assert np.array_equal(whole[..., :-64], np.array(x.astype(mx.float32))[..., :-64])
+
+
+# ------------------------------------------------------------------------------ the rope kernel
+
+USES = {  # name: (shape, input dtype, step, inverse, fake quantization)
+    "queries": ((1, 1, 64, 512), mx.bfloat16, 1, False, None),
+    "queries_rows": ((1, 5, 64, 512), mx.bfloat16, 1, False, None),
+    "window_kv": ((1, 3, 512), mx.bfloat16, 1, False, fq.WINDOW_KV),
+    "output": ((2, 3, 64, 512), mx.float32, 1, True, None),
+    "compressed_kv": ((1, 2, 512), mx.bfloat16, 4, False, fq.COMPRESSED_KV),
+    "indexer_q": ((1, 1, 64, 128), mx.bfloat16, 1, False, fq.INDEXER),
+    "index_keys": ((1, 3, 128), mx.bfloat16, 128, False, fq.INDEXER),
+}
+
+
+def _bits(a):
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+def _launches_before(x, rope, offset, step, inverse, then):
+    """What the model launched before the rope kernel: the cast, the whole-width mx.fast.rope
+    (through a transpose for 4-D rows), the fake_quant kernel."""
+    y = x.astype(mx.bfloat16)
+    y = rope._rope(y, y.shape[-1], float(-step if inverse else step), offset, rope._whole_width(y.shape[-1]))
+    return y if then is None else then(y)
+
+
+@pytest.mark.parametrize("use", sorted(USES))
+@pytest.mark.parametrize("yarn", [None, FLASH_YARN])
+def test_the_rope_kernel_gives_the_bytes_of_the_launches_it_replaces(use, yarn):
+    shape, dtype, step, inverse, then = USES[use]
+    rope = RoPE(64, 10000.0 if yarn is None else 160000.0, yarn)
+    rng = np.random.default_rng(len(use))
+    x = mx.array((rng.standard_normal(shape) * np.exp2(rng.integers(-6, 7, shape))).astype(np.float32)).astype(dtype)
+    offset = mx.array(40961, mx.int32)
+    got = np.array(rope(x, offset, step=step, inverse=inverse, dtype=mx.bfloat16, then=then).astype(mx.float32))
+    want = np.array(_launches_before(x, rope, offset, step, inverse, then).astype(mx.float32))
+    assert np.array_equal(_bits(got), _bits(want))
+    assert np.count_nonzero(got) > got.size // 3
+
+
+def test_the_rope_kernel_contract_nonfinite_poison_guards_repeats_and_limit():
+    rope = RoPE(64, 10000.0)
+    rng = np.random.default_rng(5)
+    raw = rng.standard_normal((2, 3, 4, 128)).astype(np.float32)
+    raw[0, 0, 0, 3], raw[0, 1, 2, 100], raw[1, 2, 3, 127], raw[1, 0, 1, 64] = np.nan, np.inf, -np.inf, np.inf
+    x = mx.array(raw).astype(mx.bfloat16)
+    offset = mx.array(9, mx.int32)
+    periods = rope._whole_width(128)
+    for then in (None, fq.INDEXER):
+        quant = None if then is None else (then.block, then.mode)
+        call = rk.args(x, offset, periods, mx.bfloat16, 1, False, quant, init_value=float("nan"), guard=2)
+        runs = [np.array(rk.ROPE(**call)[0].astype(mx.float32)) for _ in range(5)]
+        assert all(np.array_equal(_bits(r), _bits(runs[0])) for r in runs)
+        assert np.all(np.isnan(runs[0][-2:]))  # guard rows keep the poison
+        got = runs[0][:-2].reshape(x.shape)
+        want = np.array(_launches_before(x, rope, offset, 1, False, then).astype(mx.float32))
+        nan = np.isnan(want)
+        assert nan.any() and np.array_equal(np.isnan(got), nan)  # NaN where MLX's launches put it
+        assert np.array_equal(_bits(got[~nan]), _bits(want[~nan]))
+        # float64: the rotated pairs of finite inputs, within one bf16 rounding
+        f = np.array(x.astype(mx.float32)).astype(np.float64)
+        angle = (9 + np.arange(3))[None, :, None, None] * (1.0 / np.array(periods, np.float64)[32:])
+        a, b = f[..., 64::2], f[..., 65::2]
+        turned = np.stack([a * np.cos(angle) - b * np.sin(angle), a * np.sin(angle) + b * np.cos(angle)], -1)
+        turned = turned.reshape(*f.shape[:-1], 64)
+        size = np.repeat(np.abs(a) + np.abs(b), 2, axis=-1)  # the pair's scale: bounds cancellation
+        ok = np.isfinite(turned)
+        if then is None:  # one bf16 rounding (2^-9 relative) and fp32 cos / sin
+            assert np.all(np.abs(got[..., 64:] - turned)[ok] <= 2**-8 * size[ok])
+    with pytest.raises(ValueError, match="declared limit"):
+        rk.ROPE(**dict(rk.args(x, offset, periods, mx.bfloat16, 1, False, None), threadgroup=(512, 1, 1)))

@@ -79,6 +79,10 @@ bool isinf(float x);
 bool isfinite(float x);
 uint popcount(uint x);
 uint clz(uint x);
+namespace fast {
+float cos(float x);
+float sin(float x);
+}  // namespace fast
 namespace precise {
 float exp(float x);
 float log(float x);

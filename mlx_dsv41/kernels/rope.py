@@ -1,0 +1,90 @@
+"""The rope kernel (docs/numerics.md#rope-launch): RoPE over whole rows of x [B, S, H, D] at
+positions offset.., in one launch, optionally with the cast before it and the fake quantization
+after it (docs/model.md#fake-quant), each of which is otherwise its own launch. It computes what
+mx.fast.rope computes, expression for expression, on rows laid out as the model holds them (no
+transpose to put positions on axis -2, so no copy after it).
+
+    run(x, offset, periods, out_dtype, step, inverse, quant) -> x's shape in out_dtype
+    quant: None or (block, mode), mode one of kernels.fake_quant's modes
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from mlx_dsv41.kernels import Kernel, fake_quant, register
+
+_THREADS = 256
+
+ROPE = register(
+    Kernel(
+        "rope",
+        ("x", "offset", "period"),
+        ("out",),
+        includes=("fake_quant.h",),
+        max_threads=_THREADS,
+        examples=lambda: _examples(),
+    )
+)
+
+
+def refusal(x: mx.array, quant: tuple[int, int] | None) -> str | None:
+    """Why the kernel cannot take x, or None."""
+    if x.ndim not in (3, 4) or x.size == 0 or x.shape[-1] % 2:
+        return f"rows [B, S, D] or [B, S, H, D] of even width, got {x.shape}"
+    if x.size >= 1 << 31:
+        return f"{x.size} elements: the kernel indexes with 32 bits"
+    if quant is not None and not fake_quant.takes(x, quant[0]):
+        return f"fake quantization in blocks of {quant[0]} along a last axis of {x.shape[-1]}"
+    return None
+
+
+def args(
+    x: mx.array,
+    offset: mx.array,
+    periods: mx.array,
+    out_dtype,
+    step: int,
+    inverse: bool,
+    quant: tuple[int, int] | None,
+    init_value=None,
+    guard: int = 0,
+) -> dict:
+    """Launch kwargs: one thread per element of x (3-D x is [B, S, 1, D]); ``guard`` extra output rows (tests)."""
+    rows4 = x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1]) if x.ndim == 3 else x
+    block, mode = quant or (32, 0)
+    n = rows4.size
+    return dict(
+        inputs=[rows4, offset.astype(mx.int32).reshape(1), periods],
+        output_shapes=[(n // x.shape[-1] + guard, x.shape[-1])],
+        output_dtypes=[out_dtype],
+        grid=(_THREADS * math.ceil(n / _THREADS), 1, 1),
+        threadgroup=(_THREADS, 1, 1),
+        template=[
+            ("T", out_dtype),
+            ("STEP", int(step)),
+            ("INVERSE", int(bool(inverse))),
+            ("QUANT", int(quant is not None)),
+            ("BLOCK", block),
+            ("MODE", mode),
+        ],
+        init_value=init_value,
+    )
+
+
+def run(x, offset, periods, out_dtype, step: int, inverse: bool, quant: tuple[int, int] | None) -> mx.array:
+    return ROPE(**args(x, offset, periods, out_dtype, step, inverse, quant))[0].reshape(x.shape)
+
+
+def _examples():
+    x = (mx.random.normal((2, 3, 4, 64), key=mx.random.key(8)) * 3).astype(mx.bfloat16)
+    periods = mx.array([float("inf")] * 16 + [10000.0 ** (k / 16) for k in range(16)])
+    offset = mx.array(5, mx.int32)
+    return [
+        args(x, offset, periods, mx.bfloat16, 1, False, None),
+        args(x.astype(mx.float32), offset, periods, mx.bfloat16, 1, True, None),
+        args(x[:, :, 0], offset, periods, mx.bfloat16, 4, False, (32, fake_quant.FP8_UE8M0)),
+        args(x, offset, periods, mx.bfloat16, 1, False, (16, fake_quant.FP4_E4M3)),
+    ]

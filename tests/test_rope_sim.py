@@ -1,0 +1,109 @@
+"""The rope kernel body (mlx_dsv41/metal_ext/rope.metal) on the CPU simulator, through the model's
+own RoPE calls (model/rope.py takes the kernel when the backend is a GPU): for the five uses (queries
+[B, S, H, D], window keys with FP8, the fp32 attention output rounded then turned back, compressed
+keys at step r with FP4 / e4m3, indexer queries with FP4), forward and inverse, plain and YaRN
+frequencies, against the CPU path (slice, fp32 rope, round, concatenate, fake_quant):
+- the fake quantization and the cast are exact: the kernel's output is the fake_quant kernel's
+  bytes on the kernel's own unquantized rope, and an fp32 input gives the bytes of its bf16 copy;
+- the rotation is within one bf16 rounding of the CPU path (cos / sin are the C library's here,
+  MLX's own on the CPU; tests/gpu/test_rope_gpu.py holds the kernel to mx.fast.rope's bytes on the
+  device);
+- guard rows keep their poison."""
+
+import shutil
+
+import exl3_sim
+import mlx.core as mx
+import numpy as np
+import pytest
+from attention_stack import FLASH_YARN
+
+from mlx_dsv41.kernels import fake_quant as fqk
+from mlx_dsv41.kernels import rope as rope_kernel
+from mlx_dsv41.model import fake_quant as fq
+from mlx_dsv41.model import rope as rope_module
+from mlx_dsv41.model.rope import RoPE
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel simulator needs g++")
+
+USES = {  # name: (shape, input dtype, step, inverse, then)
+    "queries": ((1, 3, 4, 128), mx.bfloat16, 1, False, None),
+    "window_kv": ((2, 3, 128), mx.bfloat16, 1, False, fq.WINDOW_KV),
+    "output": ((1, 3, 4, 128), mx.float32, 1, True, None),
+    "compressed_kv": ((1, 2, 128), mx.bfloat16, 4, False, fq.COMPRESSED_KV),
+    "indexer_q": ((1, 2, 4, 64), mx.bfloat16, 1, False, fq.INDEXER),
+}
+
+
+def _x(shape, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return mx.array((rng.standard_normal(shape) * np.exp2(rng.integers(-4, 5, shape))).astype(np.float32)).astype(dtype)
+
+
+def _bits(a):
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+def _np(a):
+    return np.array(a.astype(mx.float32))
+
+
+@pytest.mark.parametrize("use", sorted(USES))
+@pytest.mark.parametrize("yarn", [None, FLASH_YARN])
+def test_the_kernel_gives_the_cpu_path_within_one_rounding(monkeypatch, use, yarn):
+    shape, dtype, step, inverse, then = USES[use]
+    rope = RoPE(64, 10000.0 if yarn is None else 160000.0, yarn)
+    x, offset = _x(shape, dtype), mx.array(4093, mx.int32)
+    cpu = _np(rope(x, offset, step=step, inverse=inverse, dtype=mx.bfloat16, then=then))
+    plain_cpu = _np(rope(x, offset, step=step, inverse=inverse, dtype=mx.bfloat16))
+    monkeypatch.setattr(rope_module, "backend", lambda: "cuda")
+    monkeypatch.setattr(fq, "backend", lambda: "cuda")
+    calls = []
+    sims = {k.name: exl3_sim.launcher(k) for k in (rope_kernel.ROPE, fqk.FAKE_QUANT)}
+
+    def run_on_sim(self, **call):
+        calls.append(self.name)
+        return sims[self.name](**call)
+
+    monkeypatch.setattr(type(rope_kernel.ROPE), "__call__", run_on_sim)
+    got = _np(rope(x, offset, step=step, inverse=inverse, dtype=mx.bfloat16, then=then))
+    plain = rope(x, offset, step=step, inverse=inverse, dtype=mx.bfloat16)
+    assert calls == ["rope", "rope"]  # one launch each, the cast and the quantization included
+    # the rotation: within one bf16 rounding of the CPU path; the leading features pass unchanged
+    np.testing.assert_allclose(_np(plain), plain_cpu, rtol=2**-7, atol=1e-30)
+    lead = _np(x.astype(mx.bfloat16))[..., :-64]
+    assert np.array_equal(_bits(_np(plain)[..., :-64]), _bits(lead))
+    if then is None:
+        assert np.array_equal(_bits(got), _bits(_np(plain)))
+        return
+    # the quantization: the fake_quant kernel's bytes on the kernel's own rope
+    assert np.array_equal(_bits(got), _bits(_np(then(plain))))
+    assert calls[-1] == "fake_quant"
+    assert np.count_nonzero(got) > got.size // 3
+    assert np.mean(got == cpu) > 0.9  # the same blocks, mostly the same values as the CPU path
+
+
+def test_an_fp32_input_is_rounded_first_and_guard_rows_keep_their_poison():
+    x = _x((1, 3, 4, 128), mx.float32, seed=1)
+    periods = RoPE(64, 10000.0)._whole_width(128)
+    offset = mx.array(17, mx.int32)
+    specs = [
+        (rope_kernel.ROPE, rope_kernel.args(x, offset, periods, mx.bfloat16, 1, True, None, guard=2)),
+        (
+            rope_kernel.ROPE,
+            rope_kernel.args(x.astype(mx.bfloat16), offset, periods, mx.bfloat16, 1, True, None, guard=2),
+        ),
+    ]
+    program = exl3_sim.build(specs, mma=False)
+    (from_fp32,), (from_bf16,) = program.run(0), program.run(1)
+    assert np.all(_bits(from_fp32[-2:]) == 0xFFFF) and np.all(_bits(from_bf16[-2:]) == 0xFFFF)
+    assert np.array_equal(_bits(from_fp32), _bits(from_bf16))
+    assert np.count_nonzero(from_fp32[:-2].astype(np.float32)) > from_fp32.size // 2
+
+
+def test_refusals():
+    assert rope_kernel.refusal(mx.zeros((2, 3, 64)), None) is None
+    assert rope_kernel.refusal(mx.zeros((2, 64)), None) is not None
+    assert rope_kernel.refusal(mx.zeros((2, 3, 63)), None) is not None
+    assert rope_kernel.refusal(mx.zeros((2, 3, 48)), (32, fqk.FP8_UE8M0)) is not None
