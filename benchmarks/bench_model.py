@@ -652,7 +652,7 @@ def part_targets() -> list[tuple[str, object, str]]:
     from mlx_dsv41.quant.official import MXLinear
 
     linears = (nn.Linear, nn.QuantizedLinear, DenseLinear, MXLinear, GroupedLinear, GroupSlices, EXL3Linear)
-    mhc, engram = "mHC: mixes, collapse + norm, expand", "Engram: host hash, row reads, gate"
+    mhc, engram = "mHC: site (collapse + norm, mixes), expand", "Engram: host hash, row reads, gate"
     targets = [
         ("sparse attention kernel", attention, "sparse_attention"),
         ("indexer: scores, top-k, keys (its GEMMs apart)", Indexer, "__call__"),
@@ -663,7 +663,7 @@ def part_targets() -> list[tuple[str, object, str]]:
         ("MoE router", Gate, "__call__"),
         *[("MoE routed experts", cls, "__call__") for cls in (EXL3Experts, DenseExperts, MXExperts)],
         ("MoE, the rest: slot sum, shared-expert SwiGLU", MoE, "__call__"),
-        *[(mhc, deepseek_v41, name) for name in ("hc_mixes", "collapse_norm", "expand")],
+        *[(mhc, deepseek_v41, name) for name in ("hc_site", "collapse_norm", "expand")],
         (engram, Engram, "__call__"),
         (engram, deepseek_v41.Model, "_engram_inputs"),
     ]

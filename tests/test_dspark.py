@@ -23,7 +23,7 @@ from mlx_dsv41.loading import LoadError, is_converted, load_converted, load_mode
 from mlx_dsv41.model.deepseek_v41 import Block
 from mlx_dsv41.model.dspark import draft_block
 from mlx_dsv41.model.engram import MemoryRowSource
-from mlx_dsv41.model.hyper_connections import collapse, expand, initial_pre
+from mlx_dsv41.model.hyper_connections import collapse, expand, hc_mixes, initial_pre
 from mlx_dsv41.synthetic import (
     TINY,
     TINY_DSPARK,
@@ -137,7 +137,7 @@ def spec_block(model, hidden: mx.array, token: int):
     pre = initial_pre(1, S, args.hc_mult)
     for stage in stages:
         attn = stage.attn
-        a_pre, a_post, a_comb = stage._mixes(streams, "attn")
+        a_pre, a_post, a_comb = mixes(stage, streams, "attn")
         y = stage.attn_norm(collapse(streams, pre))
         ring = [attn.window_keys(main_x[:, t : t + 1], t) for t in range(max(0, p - W + 1), p + 1)]
         keys = mx.concatenate([*ring, attn.window_keys(y, p + 1)], axis=1)[0].astype(mx.float32)
@@ -147,8 +147,8 @@ def spec_block(model, hidden: mx.array, token: int):
         top = mx.maximum(mx.max(scores, axis=-1, keepdims=True), sink)
         weights = mx.exp(scores - top)
         o = (weights @ keys) / (mx.sum(weights, axis=-1, keepdims=True) + mx.exp(sink - top))
-        streams = expand(attn.output(o[None].astype(y.dtype), p + 1), streams, a_post, a_comb)
-        f_pre, f_post, f_comb = stage._mixes(streams, "ffn")
+        streams = expand(attn.output(o[None], p + 1, y.dtype), streams, a_post, a_comb)
+        f_pre, f_post, f_comb = mixes(stage, streams, "ffn")
         streams = expand(stage.ffn(stage.ffn_norm(collapse(streams, a_pre))), streams, f_post, f_comb)
         pre = f_pre
     z = collapse(streams, pre)[0]
@@ -162,6 +162,14 @@ def spec_block(model, hidden: mx.array, token: int):
         confidence.append((mx.concatenate([z[i], e]).astype(mx.float32) @ proj.T)[0])
         tokens.append(int(mx.argmax(logits[-1])))
     return tokens, mx.stack(logits), mx.stack(confidence)
+
+
+def mixes(block, streams, site: str):
+    """A site's mixes as the spec states them (model/hyper_connections.hc_mixes)."""
+    p = lambda name: getattr(block, f"hc_{site}_{name}")  # noqa: E731
+    return hc_mixes(
+        streams, p("fn"), p("base"), p("scale"), iters=block.hc_iters, hc_eps=block.hc_eps, norm_eps=block.norm_eps
+    )
 
 
 @pytest.mark.parametrize("length", [3, 13])

@@ -53,13 +53,19 @@ def runs():
     post = mx.array(rng.uniform(0, 2, (T, HC)).astype(np.float32))
     comb = mx.array(rng.uniform(0, 1, (T, HC * HC)).astype(np.float32))  # not symmetric
     specs = [
-        (hc.MIX, hc.mix_args(mm, z, mx.array(base), mx.array(scale), ITERS, HC_EPS, NORM_EPS, guard=GUARD)),
+        (
+            hc.MIX,
+            hc.mix_args(
+                mm, s, mx.array(base), mx.array(scale), pre, weight, ITERS, HC_EPS, NORM_EPS, NORM_EPS, guard=GUARD
+            ),
+        ),
         (hc.COLLAPSE_NORM, hc.collapse_norm_args(s, pre, weight, NORM_EPS, guard=GUARD)),
         (hc.EXPAND, hc.expand_args(y, s, post, comb, guard=GUARD)),
     ]
     program = exl3_sim.build(specs, mma=True)
     data = dict(s=s, fn=fn, base=base, scale=scale, pre=pre, weight=weight, y=y, post=post, comb=comb)
-    return data, [program.run(i)[0] for i in range(len(specs))]
+    mix, site_input = program.run(0)
+    return data, [mix, *(program.run(i)[0] for i in range(1, len(specs))), site_input]
 
 
 def _guards_poisoned(out, rows):
@@ -68,7 +74,7 @@ def _guards_poisoned(out, rows):
 
 
 def test_mix_matches_float64_with_every_sinkhorn_iteration(runs):
-    d, (mix, _, _) = runs
+    d, (mix, _, _, _) = runs
     assert _guards_poisoned(mix, T)
     pre, post, comb = mixes_f64(f64(d["s"]), d["fn"], d["base"], d["scale"])
     got = mix[:T].astype(np.float64)
@@ -79,8 +85,11 @@ def test_mix_matches_float64_with_every_sinkhorn_iteration(runs):
     assert np.abs(wrong - comb).max() > 100 * 5e-6
 
 
-def test_collapse_norm_matches_float64(runs):
-    d, (_, out, _) = runs
+@pytest.mark.parametrize("kernel", ["hc_collapse_norm", "hc_mix"])
+def test_collapse_norm_matches_float64(runs, kernel):
+    """hc_collapse_norm, and hc_mix's site input (the same collapse and norm, summed in its own order)."""
+    d, (_, collapse_norm_out, _, site_input) = runs
+    out = collapse_norm_out if kernel == "hc_collapse_norm" else site_input
     assert _guards_poisoned(out, T)
     x = rb(np.einsum("ti,tid->td", f64(d["pre"]), f64(d["s"])))
     want = rb(x / np.sqrt(np.mean(x * x, -1, keepdims=True) + NORM_EPS) * f64(d["weight"]))
@@ -89,7 +98,7 @@ def test_collapse_norm_matches_float64(runs):
 
 
 def test_expand_matches_float64_and_mixes_with_comb_transposed(runs):
-    d, (_, _, out) = runs
+    d, (_, _, out, _) = runs
     assert _guards_poisoned(out, T)
     c = f64(d["comb"]).reshape(T, HC, HC)
     want = rb(f64(d["post"])[..., None] * f64(d["y"])[:, None, :] + np.einsum("tij,tid->tjd", c, f64(d["s"])))

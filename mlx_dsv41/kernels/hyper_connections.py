@@ -1,14 +1,16 @@
 """mHC ops (docs/model.md#mhc), each on a Metal/CUDA kernel or plain MLX:
 
     mixes(streams [.., HC, D], fn, base, scale)     -> pre [.., HC], post [.., HC], comb [.., HC, HC]
+    site(streams, pre, weight, eps, fn, base, scale) -> collapse_norm(streams, pre, weight, eps), mixes(..)
     collapse(streams, pre)                         -> Σ_i pre[i]·stream_i, in the stream dtype
     collapse_norm(streams, pre, weight, eps)       -> rms_norm(collapse(streams, pre), weight)
     expand(y [.., D], residual [.., HC, D], post, comb) -> post[j]·y + Σ_i comb[i, j]·old_i
 
 On the CPU the plain-MLX reference runs (its bytes are the project's CPU reference); on a GPU:
-- ``mixes``: one MLX matmul z · fnᵀ (z the streams in fp32) and hc_mix, which does the RMS
-  statistic, the gates, the row softmax and all Sinkhorn iterations in one launch (the reference
-  is ~150 MLX primitives per site, most of them Sinkhorn's);
+- ``site`` (a Block site's input and mixes; ``mixes`` alone is a site whose input is dropped):
+  fp32_gemv for z · fnᵀ (z the streams in fp32) and hc_mix, which does the site's collapse and
+  RMSNorm, the mixes' RMS statistic, the gates, the row softmax and all Sinkhorn iterations in one
+  launch (the reference is ~150 MLX primitives per site, most of them Sinkhorn's);
 - ``collapse_norm``: hc_collapse_norm (the collapse, its rounding to the stream dtype, the RMSNorm);
 - ``expand``: hc_expand.
 The kernels sum in fp32 in a fixed order (one threadgroup per token), so a token's bytes do not
@@ -27,16 +29,17 @@ import mlx.core as mx
 from mlx_dsv41 import graph_constants
 from mlx_dsv41.kernels import Kernel, backend, float_bits, fp32_linear, register
 
-_THREADS = 256  # hc_mix / hc_collapse_norm: one threadgroup of this many threads per token
+_THREADS = 256  # hc_collapse_norm, hc_expand: threads per threadgroup (hc_collapse_norm: one per token)
+_MIX_THREADS = 1024  # hc_mix: one threadgroup per token; every stream element's load in flight at once
 _FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 MIX = register(
     Kernel(
         "hc_mix",
-        ("mm", "streams", "base", "scale"),
-        ("out",),
+        ("mm", "streams", "base", "scale", "pre", "weight"),
+        ("out", "x"),
         includes=("hc.h",),
-        max_threads=_THREADS,
+        max_threads=_MIX_THREADS,
         examples=lambda: _example_mix(),
     )
 )
@@ -136,6 +139,34 @@ def mixes(streams, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: floa
     """streams [..., HC, D] -> pre [..., HC], post [..., HC], comb [..., HC, HC] (fp32); fn
     [(2+HC)·HC, HC·D], base [(2+HC)·HC], scale [3] are one site's fp32 parameters and comb[..., i, j]
     is the weight of old stream i in new stream j."""
+    if backend() == "cpu":
+        _check_site(streams, fn, base, scale, iters)
+        return mixes_reference(streams, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+    hc, dim = _check_streams(streams, "hc mixes")
+    unit = graph_constants.full((*streams.shape[:-1],), 1.0, mx.float32)
+    weight = graph_constants.full((dim,), 1.0, mx.float32)
+    return site(streams, unit, weight, norm_eps, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)[1]
+
+
+def site(streams, pre, weight, eps: float, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: float):
+    """One Block site: (its input collapse_norm(streams, pre, weight, eps) [..., D], its mixes (pre,
+    post, comb) as `mixes` gives them). On a GPU: fp32_gemv and hc_mix, two launches."""
+    hc, dim = _check_site(streams, fn, base, scale, iters)
+    _check_collapse(streams, pre, weight, "hc site")
+    if backend() == "cpu":
+        x = collapse_norm_reference(streams, pre, weight, eps)
+        return x, mixes_reference(streams, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+    lead = streams.shape[:-2]
+    flat = streams.reshape(_rows(lead), hc, dim)
+    mm = fp32_linear.linear(flat.reshape(-1, hc * dim), fn)  # [T, mix] fp32 (docs/numerics.md#fp32-linears)
+    pre = pre.astype(mx.float32).reshape(-1, hc)
+    out, x = MIX(**mix_args(mm, flat, base, scale, pre, weight, iters, hc_eps, norm_eps, eps))
+    out = out.reshape(*lead, (2 + hc) * hc)
+    mixed = out[..., :hc], out[..., hc : 2 * hc], out[..., 2 * hc :].reshape(*lead, hc, hc)
+    return x.reshape(*lead, dim), mixed
+
+
+def _check_site(streams, fn, base, scale, iters: int) -> tuple[int, int]:
     hc, dim = _check_streams(streams, "hc mixes")
     mix = (2 + hc) * hc
     if fn.shape != (mix, hc * dim) or base.shape != (mix,) or scale.shape != (3,):
@@ -145,22 +176,19 @@ def mixes(streams, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: floa
         )
     if iters < 1:
         raise ValueError(f"hc mixes: need at least one Sinkhorn iteration, got {iters}")
-    if backend() == "cpu":
-        return mixes_reference(streams, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
-    lead = streams.shape[:-2]
-    z = streams.reshape(_rows(lead), hc * dim)
-    mm = fp32_linear.linear(z, fn)  # [T, mix] fp32: fp32_gemv for up to 8 rows (docs/numerics.md#fp32-linears)
-    out = MIX(**mix_args(mm, z, base, scale, iters, hc_eps, norm_eps))[0].reshape(*lead, mix)
-    return out[..., :hc], out[..., hc : 2 * hc], out[..., 2 * hc :].reshape(*lead, hc, hc)
+    return hc, dim
+
+
+def _check_collapse(streams, pre, weight, what: str) -> None:
+    lead, dim = streams.shape[:-1], streams.shape[-1]
+    if pre.shape != lead or weight.shape != (dim,):
+        raise ValueError(f"{what}: pre {lead} and weight [{dim}] expected, got {pre.shape}, {weight.shape}")
 
 
 def collapse_norm(streams, pre, weight, eps: float) -> mx.array:
     """rms_norm(collapse(streams, pre), weight) in the stream dtype: [..., HC, D] -> [..., D]."""
     hc, dim = _check_streams(streams, "hc collapse_norm")
-    if pre.shape != streams.shape[:-1] or weight.shape != (dim,):
-        raise ValueError(
-            f"hc collapse_norm: pre {streams.shape[:-1]} and weight [{dim}] expected, got {pre.shape}, {weight.shape}"
-        )
+    _check_collapse(streams, pre, weight, "hc collapse_norm")
     if backend() == "cpu":
         return collapse_norm_reference(streams, pre, weight, eps)
     lead = streams.shape[:-2]
@@ -205,21 +233,37 @@ def expand(y, residual, post, comb) -> mx.array:
 # ------------------------------------------------------------------------------- launch kwargs
 
 
-def mix_args(mm, z, base, scale, iters: int, hc_eps: float, norm_eps: float, init_value=None, guard: int = 0) -> dict:
-    """hc_mix call kwargs: one threadgroup per row of z [T, HC·D]; ``guard`` extra output rows (tests)."""
-    T, mix = mm.shape
-    hc = int(round((math.sqrt(4 + 4 * mix) - 2) / 2))
+def mix_args(
+    mm,
+    streams,
+    base,
+    scale,
+    pre,
+    weight,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    eps: float,
+    init_value=None,
+    guard: int = 0,
+) -> dict:
+    """hc_mix call kwargs: one threadgroup per token of streams [T, HC, D]; ``guard`` extra output
+    rows (tests)."""
+    T, hc, dim = streams.shape
     return dict(
-        inputs=[mm, z, base.astype(mx.float32), scale.astype(mx.float32)],
-        output_shapes=[(T + guard, mix)],
-        output_dtypes=[mx.float32],
-        grid=(_THREADS * T, 1, 1),
-        threadgroup=(_THREADS, 1, 1),
+        inputs=[mm, streams, base.astype(mx.float32), scale.astype(mx.float32), pre, weight],
+        output_shapes=[(T + guard, (2 + hc) * hc), (T + guard, dim)],
+        output_dtypes=[mx.float32, streams.dtype],
+        grid=(_MIX_THREADS * T, 1, 1),
+        threadgroup=(_MIX_THREADS, 1, 1),
         template=[
+            ("T", streams.dtype),
             ("HC", hc),
             ("ITERS", int(iters)),
             ("HC_EPS_BITS", float_bits(hc_eps)),
             ("NORM_EPS_BITS", float_bits(norm_eps)),
+            ("EPS_BITS", float_bits(eps)),
+            ("THREADS", _MIX_THREADS),
         ],
         init_value=init_value,
     )
@@ -262,10 +306,11 @@ def _example_mix():
     s = _example_streams()
     T, hc, dim = s.shape
     mix = (2 + hc) * hc
-    z = s.reshape(T, hc * dim)
+    pre, w = mx.ones((T, hc)), mx.ones((dim,))
+    s2 = mx.zeros((T, 2, dim), mx.float32)
     return [
-        mix_args(mx.zeros((T, mix)), z, mx.zeros((mix,)), mx.ones((3,)), 20, 1e-6, 1e-20),
-        mix_args(mx.zeros((T, 8)), mx.zeros((T, 2 * dim), mx.float32), mx.zeros((8,)), mx.ones((3,)), 3, 1e-6, 1e-20),
+        mix_args(mx.zeros((T, mix)), s, mx.zeros((mix,)), mx.ones((3,)), pre, w, 20, 1e-6, 1e-20, 1e-20),
+        mix_args(mx.zeros((T, 8)), s2, mx.zeros((8,)), mx.ones((3,)), mx.ones((T, 2)), w, 3, 1e-6, 1e-20, 1e-6),
     ]
 
 

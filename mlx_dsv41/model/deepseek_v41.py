@@ -38,7 +38,7 @@ from mlx_dsv41.model import compiled_step
 from mlx_dsv41.model.attention import Attention
 from mlx_dsv41.model.engram import Engram, RowSource
 from mlx_dsv41.model.engram_hash import CompressedTokenMap, EngramHashLayout
-from mlx_dsv41.model.hyper_connections import collapse_norm, expand, hc_mixes, initial_pre
+from mlx_dsv41.model.hyper_connections import collapse_norm, expand, hc_site, initial_pre
 from mlx_dsv41.model.moe import MoE
 from mlx_dsv41.model.norm import RMSNorm
 
@@ -66,9 +66,13 @@ class Block(nn.Module):
         if args.role(layer_id).engram:
             self.engram = Engram(args)
 
-    def _mixes(self, streams: mx.array, site: str):
-        return hc_mixes(
+    def _site(self, streams: mx.array, pre: mx.array, site: str):
+        """(the site's input: its norm of the streams collapsed with `pre`, the site's mixes)."""
+        return hc_site(
             streams,
+            pre,
+            getattr(self, f"{site}_norm").weight,
+            self.norm_eps,
             getattr(self, f"hc_{site}_fn"),
             getattr(self, f"hc_{site}_base"),
             getattr(self, f"hc_{site}_scale"),
@@ -92,12 +96,10 @@ class Block(nn.Module):
             streams = self.engram(streams, engram_rows, engram_live)
         # Single-pass mHC (docs/model.md#mhc, docs/model.md#mhc-schedule): each site collapses with
         # the previous site's pre.
-        a_pre, a_post, a_comb = self._mixes(streams, "attn")
-        x = self.attn(collapse_norm(streams, pre, self.attn_norm.weight, self.norm_eps), cache, shared)
-        streams = expand(x, streams, a_post, a_comb)
-        f_pre, f_post, f_comb = self._mixes(streams, "ffn")
-        x = self.ffn(collapse_norm(streams, a_pre, self.ffn_norm.weight, self.norm_eps))
-        streams = expand(x, streams, f_post, f_comb)
+        x, (a_pre, a_post, a_comb) = self._site(streams, pre, "attn")
+        streams = expand(self.attn(x, cache, shared), streams, a_post, a_comb)
+        x, (f_pre, f_post, f_comb) = self._site(streams, a_pre, "ffn")
+        streams = expand(self.ffn(x), streams, f_post, f_comb)
         return streams, f_pre
 
 

@@ -5,7 +5,7 @@ three mixes from the streams in fp32: `pre` (how the *next* site collapses the s
 input), `post` (how the site's output is spread over the streams) and `comb` (a doubly stochastic
 HC×HC stream mix, made by Sinkhorn). The lag is the V4.1 "single-pass" change: a site collapses
 with the `pre` computed at the site before it (docs/model.md#mhc-schedule); the Block does that
-bookkeeping.
+bookkeeping: a site's input (its norm of the collapse) and its mixes come from one `hc_site` call.
 
 The math and its kernels are in mlx_dsv41.kernels.hyper_connections (plain MLX on the CPU, one
 launch per op on a GPU); this module is the model's view of them.
@@ -18,8 +18,9 @@ import numpy as np
 
 from mlx_dsv41 import graph_constants
 from mlx_dsv41.kernels.hyper_connections import collapse, collapse_norm, expand, mixes
+from mlx_dsv41.kernels.hyper_connections import site as hc_site
 
-__all__ = ["collapse", "collapse_norm", "expand", "hc_mixes", "initial_pre"]
+__all__ = ["collapse", "collapse_norm", "expand", "hc_mixes", "hc_site", "initial_pre"]
 
 
 def hc_mixes(

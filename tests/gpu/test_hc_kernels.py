@@ -32,11 +32,24 @@ def _inputs(seed, T=5, peaked=4.0):
     return s, fn, base, scale
 
 
-def _mix_kernel(s, fn, base, scale, guard=0, init_value=None, mm=None):
+def _site_kernel(s, fn, base, scale, guard=0, init_value=None, mm=None, pre=None):
+    """hc_mix's two outputs: the mixes and the site input (pre, by default, and weight from _site_norm)."""
     T = s.shape[0]
-    z = s.reshape(T, HC * D)
-    mm = z.astype(mx.float32) @ fn.T if mm is None else mm
-    return np.array(hc.MIX(**hc.mix_args(mm, z, base, scale, ITERS, HC_EPS, NORM_EPS, init_value, guard))[0])
+    mm = s.reshape(T, HC * D).astype(mx.float32) @ fn.T if mm is None else mm
+    default_pre, w = _site_norm(T)
+    pre = default_pre if pre is None else pre
+    call = hc.mix_args(mm, s, base, scale, pre, w, ITERS, HC_EPS, NORM_EPS, NORM_EPS, init_value, guard)
+    return [np.array(o.astype(mx.float32)) for o in hc.MIX(**call)]
+
+
+def _site_norm(T):
+    rng = np.random.default_rng(11)
+    pre = mx.array(rng.uniform(0.1, 1, (T, HC)).astype(np.float32))
+    return pre, mx.array((1 + 0.1 * rng.standard_normal(D)).astype(np.float32))
+
+
+def _mix_kernel(*a, **k):
+    return _site_kernel(*a, **k)[0]
 
 
 def _same_bytes(a, b):
@@ -139,8 +152,49 @@ def test_ops_on_the_model_shapes_match_the_mlx_reference():
 
 
 def test_launch_limits_are_declared():
-    for kernel in (hc.MIX, hc.COLLAPSE_NORM, hc.EXPAND):
+    for kernel in (hc.COLLAPSE_NORM, hc.EXPAND):
         assert kernel.max_threads == 256
+    assert hc.MIX.max_threads == 1024
+
+
+def test_site_input_contract():
+    """hc_mix's second output, the site input: collapse_norm against float64 (and within a rounding of
+    the hc_collapse_norm kernel, which sums in another order), poison and guards, five repeats, a
+    token's bytes solo == batched, NaN where float64 has it."""
+    s, fn, base, scale = _inputs(7, T=6)
+    runs = [_site_kernel(s, fn, base, scale, guard=2, init_value=NAN)[1] for _ in range(5)]
+    assert all(_same_bytes(r, runs[0]) for r in runs) and np.all(np.isnan(runs[0][6:]))
+    pre, w = _site_norm(6)
+    want = _collapse_norm_f64(f64(s), f64(pre), f64(w))
+    got = runs[0][:6]
+    assert np.mean(got == want) > 0.98 and np.abs(got - want).max() <= 2**-7 * np.abs(want).max()
+    other = np.array(hc.COLLAPSE_NORM(**hc.collapse_norm_args(s, pre, w, NORM_EPS))[0].astype(mx.float32))
+    assert np.mean(other == got) > 0.98
+    mm = s.reshape(6, HC * D).astype(mx.float32) @ fn.T
+    solo = _site_kernel(s[2:3], fn, base, scale, mm=mm[2:3], pre=pre[2:3])
+    batched = _site_kernel(s, fn, base, scale, mm=mm)
+    assert _same_bytes(solo[0], batched[0][2:3]) and _same_bytes(solo[1], batched[1][2:3])
+    raw = np.array(s.astype(mx.float32))
+    raw[4, 2, 77] = np.inf
+    got = _site_kernel(mx.array(raw).astype(mx.bfloat16), fn, base, scale)[1]
+    with np.errstate(all="ignore"):
+        want = _collapse_norm_f64(raw.astype(np.float64), f64(pre), f64(w))
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got[4]).all()
+
+
+def test_site_is_the_block_s_collapse_norm_and_mixes():
+    """The op the Block calls (kernels.hyper_connections.site, [B, S, HC, D]) against the plain-MLX
+    references on this GPU."""
+    s, fn, base, scale = _inputs(8, T=6)
+    s4 = s.reshape(2, 3, HC, D)
+    pre, w = _site_norm(6)
+    pre = pre.reshape(2, 3, HC)
+    x, mixed = hc.site(s4, pre, w, NORM_EPS, fn, base, scale, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    ref = hc.mixes_reference(s4, fn, base, scale, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    for g, r in zip(mixed, ref):
+        np.testing.assert_allclose(np.array(g), np.array(r), rtol=0, atol=1e-5)
+    xr = hc.collapse_norm_reference(s4, pre, w, NORM_EPS)
+    assert x.shape == (2, 3, D) and np.mean(f64(x) == f64(xr)) > 0.98
 
 
 def test_rms_norm_is_one_stream_collapse_norm():
