@@ -94,6 +94,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import inspect
 import io
@@ -821,7 +822,30 @@ def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
     if a.whole_kernel_sources:
         with whole_kernel_sources():
             runs.append(measure(f"{runs[-1]['label']}, whole kernel sources", build, a, prompt_len))
+    if a.exl3_tuning:
+        with exl3_tuning(a.exl3_tuning) as changed:
+            runs.append(measure(f"{runs[-1]['label']}, EXL3 {changed}", build, a, prompt_len))
     return runs
+
+
+@contextlib.contextmanager
+def exl3_tuning(settings: list[str]):
+    """kernels.exl3.TUNING with the given `field=value` changes (the launch plan of the EXL3 product
+    kernels: e.g. dense_single_blocks=1 runs every dense linear as one exl3_gemv launch, k unsplit)."""
+    from mlx_dsv41.kernels import exl3 as exl3_kernels
+
+    saved = exl3_kernels.TUNING
+    changes = {}
+    for item in settings:
+        name, _, value = item.partition("=")
+        if name not in {f.name for f in dataclasses.fields(saved)} or not value.lstrip("-").isdigit():
+            raise SystemExit(f"error: --exl3-tuning wants FIELD=INT with a field of kernels.exl3.Tuning, got {item!r}")
+        changes[name] = int(value)
+    exl3_kernels.TUNING = dataclasses.replace(saved, **changes)
+    try:
+        yield ", ".join(settings)
+    finally:
+        exl3_kernels.TUNING = saved
 
 
 @contextlib.contextmanager
@@ -895,6 +919,13 @@ def main() -> int:
         "--whole-kernel-sources",
         action="store_true",
         help="also time our decode with every kernel compiled from its whole headers (the A/B of pruning)",
+    )
+    ap.add_argument(
+        "--exl3-tuning",
+        nargs="+",
+        default=[],
+        metavar="FIELD=INT",
+        help="also time our decode with these kernels.exl3.Tuning fields changed (e.g. dense_single_blocks=1)",
     )
     ap.add_argument("--compiled", action="store_true", help="time our step both eagerly and compiled")
     ap.add_argument(

@@ -41,14 +41,19 @@ graphs() {
 }
 export LOGS
 export -f graphs
-TESTS="tests/gpu/test_sparse_attention_rows_gpu.py tests/gpu/test_model_gpu.py tests/gpu/test_mxfp4_gemv_gpu.py"
-TESTS="$TESTS tests/gpu/test_fp32_linear_gpu.py tests/gpu/test_compiled_step_gpu.py"
+# GPU_TESTS: the files (or pytest node ids) the tests stage runs, GPU_JOBS at a time (default: the
+# files that cover this session's kernels and the token path)
+TESTS=${GPU_TESTS:-"tests/gpu/test_rope_gpu.py tests/gpu/test_hc_kernels.py tests/gpu/test_fake_quant_gpu.py
+tests/gpu/test_model_gpu.py tests/gpu/test_compiled_step_gpu.py
+tests/gpu/test_exl3_kernels.py::test_shared_expert_adds_the_routed_slots_in_the_moes_order
+tests/gpu/test_exl3_kernels.py::test_grouped_linear_on_the_gpu_matches_each_group_and_its_contract
+tests/gpu/test_exl3_kernels.py::test_gemv_rows_and_splits"}
 
 run() {  # run NAME: one stage
   case $1 in
     graphs) stage graphs 330 bash -c graphs ;;
     # the GPU tests side by side, five files at a time (each process compiles its own kernels)
-    tests) stage tests 240 env OUT="$LOGS" GPU_JOBS=5 GPU_FILE_TIMEOUT=230 bash benchmarks/gpu_run.sh tests-parallel "$TESTS" ;;
+    tests) stage tests 240 env OUT="$LOGS" GPU_JOBS=${GPU_JOBS:-8} GPU_FILE_TIMEOUT=230 bash benchmarks/gpu_run.sh tests-parallel "$TESTS" ;;
     # greedy DSpark against plain greedy on the demo (issue 18)
     agreement) stage agreement 230 python3 benchmarks/dspark_agreement.py --demo --prompts 4 --tokens 32 ;;
     # the demo in one process: cold, a warm time to first token, greedy DSpark == plain (issues 17, 18)
@@ -66,8 +71,9 @@ run() {  # run NAME: one stage
     dspark) stage dspark 170 python3 benchmarks/bench_model.py --quick --dspark-only --verify-k 4 --skip-mlx-lm --out "$LOGS" ;;
     # prefill with auto's kernels, three timed passes per size (issue 17 item 2)
     prefill) stage prefill 150 python3 benchmarks/bench_model.py --skip-mlx-lm --prefill 2048 8192 --repeats 3 --out "$LOGS" ;;
-    # decode, Flash-shaped, beside mlx-lm (issue 16)
-    decode) stage decode 300 python3 benchmarks/bench_model.py --quick --no-dspark --out "$LOGS" ;;
+    # decode, Flash-shaped, beside mlx-lm (issue 16); again with every dense EXL3 linear in one launch
+    decode) stage decode 330 python3 benchmarks/bench_model.py --quick --no-dspark --out "$LOGS" \
+      --exl3-tuning dense_single_blocks=1 ;;
     # decode from the pruned and from the whole kernel sources, one process (issue 16)
     pruning) stage pruning 300 python3 benchmarks/bench_model.py --quick --no-dspark --skip-mlx-lm \
       --whole-kernel-sources --out "$LOGS/pruning" ;;
@@ -75,6 +81,6 @@ run() {  # run NAME: one stage
   esac
 }
 
-for name in ${*:-tests decode graphs}; do run "$name"; done
+for name in ${*:-decode tests}; do run "$name"; done
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
 bash benchmarks/gpu_save_ptx.sh > /dev/null 2>&1 || true

@@ -291,3 +291,20 @@ def test_whole_kernel_sources_swaps_the_sources_and_puts_them_back():
         assert k.source("cuda") == k.whole_source("cuda") and not k._built
         assert len("".join(k.source("cuda"))) > len("".join(pruned))
     assert k.source("cuda") == pruned and not k._built
+
+
+def test_exl3_tuning_changes_the_plan_inside_and_refuses_unknown_fields():
+    """--exl3-tuning (an A/B of the EXL3 launch plan): inside, the dense plan uses the changed
+    Tuning (dense_single_blocks=1: one exl3_gemv launch, k unsplit); afterwards the default is back;
+    a field Tuning does not have is refused with one line."""
+    from mlx_dsv41.kernels import exl3 as exl3_kernels
+
+    default = exl3_kernels.TUNING
+    assert exl3_kernels.dense_plan(32, 8, default)[0] > 1  # a narrow output splits k by default
+    with bench_model.exl3_tuning(["dense_single_blocks=1"]) as changed:
+        assert changed == "dense_single_blocks=1"
+        assert exl3_kernels.dense_plan(32, 8, exl3_kernels.TUNING) == (1, 32)
+    assert exl3_kernels.TUNING is default
+    with pytest.raises(SystemExit, match="FIELD=INT"):
+        with bench_model.exl3_tuning(["no_such_field=3"]):
+            pass

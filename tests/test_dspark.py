@@ -23,7 +23,7 @@ from mlx_dsv41.loading import LoadError, is_converted, load_converted, load_mode
 from mlx_dsv41.model.deepseek_v41 import Block
 from mlx_dsv41.model.dspark import draft_block
 from mlx_dsv41.model.engram import MemoryRowSource
-from mlx_dsv41.model.hyper_connections import collapse, expand, hc_mixes, initial_pre
+from mlx_dsv41.model.hyper_connections import collapse, expand_reference, hc_mixes, initial_pre
 from mlx_dsv41.synthetic import (
     TINY,
     TINY_DSPARK,
@@ -147,9 +147,9 @@ def spec_block(model, hidden: mx.array, token: int):
         top = mx.maximum(mx.max(scores, axis=-1, keepdims=True), sink)
         weights = mx.exp(scores - top)
         o = (weights @ keys) / (mx.sum(weights, axis=-1, keepdims=True) + mx.exp(sink - top))
-        streams = expand(attn.output(o[None], p + 1, y.dtype), streams, a_post, a_comb)
+        streams = expand_reference(attn.output(o[None], p + 1, y.dtype), streams, a_post, a_comb)
         f_pre, f_post, f_comb = mixes(stage, streams, "ffn")
-        streams = expand(stage.ffn(stage.ffn_norm(collapse(streams, a_pre))), streams, f_post, f_comb)
+        streams = expand_reference(stage.ffn(stage.ffn_norm(collapse(streams, a_pre))), streams, f_post, f_comb)
         pre = f_pre
     z = collapse(streams, pre)[0]
     base = model.head(last.norm(z).astype(mx.float32))

@@ -9,12 +9,13 @@ tests (tests/gpu/test_exl3_kernels.py) repeat this on the device."""
 import shutil
 
 import exl3_sim
+import ml_dtypes
 import mlx.core as mx
 import numpy as np
 import pytest
 from exl3_numpy import rel_err
 
-from mlx_dsv41.exl3 import EXL3Experts, reference
+from mlx_dsv41.exl3 import EXL3Experts, EXL3Linear, reference
 from mlx_dsv41.exl3.synthetic import random_experts_tensors, random_linear_tensors
 from mlx_dsv41.kernels import exl3 as launch
 
@@ -366,7 +367,8 @@ def grouped_run(request):
         calls.append((launch.EXPERT_DOWN, call))
         shape = call["output_shapes"][0]
         prev = mx.zeros((shape[0] - 1, *shape[1:]))
-    calls.append((launch.EXPERT_DOWN_FINISH, launch.down_finish_args(prev, indices, proj, 0, guard=1)))
+    finish = launch.down_finish_args(prev, indices, proj, 0, guard=1, out_dtype=mx.bfloat16)  # as run_grouped
+    calls.append((launch.EXPERT_DOWN_FINISH, finish))
     program = exl3_sim.build(calls, mma=request.param)
     xh = program.run(0)[0]
     assert np.all(xh[-1] == 0xFFFFFFFF)  # guard untouched
@@ -378,9 +380,8 @@ def grouped_run(request):
         out = program.run(i, call)[0]
         assert np.all(np.isnan(out[-1])) and not np.any(np.isnan(out[:-1]))
         partial = out[:-1]
-    y = program.run(len(calls) - 1, with_input(calls[-1][1], "partial", mx.array(partial), launch.EXPERT_DOWN_FINISH))[
-        0
-    ]
+    y = program.run(len(calls) - 1, with_input(calls[-1][1], "partial", mx.array(partial), launch.EXPERT_DOWN_FINISH))
+    y = y[0].astype(np.float32)
     assert np.all(np.isnan(y[-1]))
     return layer, x, y[:-1, :200].reshape(T, G, 200), len(proj.groups)
 
@@ -402,3 +403,25 @@ def test_grouped_linear_matches_each_group_alone(grouped_run):
             axis=1,
         ),
     )
+
+
+def test_the_shared_experts_finish_adds_the_routed_slots_in_slot_order():
+    """exl3_expert_down_finish with ADD (the shared expert's last launch): bf16((Σ_s routed[t, s] in
+    slot order) + its own bf16 output), fp32 sums as quant.combine_moe adds them; guard row kept."""
+    w2 = EXL3Linear.from_stored(random_linear_tensors(384, 256, 3, seed=9, prefix="p"), "p").as_single_expert()
+    T, k = 3, 6
+    rng = np.random.default_rng(4)
+    one = mx.zeros((T, 1), mx.int32)
+    partial = mx.array(rng.normal(0, 1, (T, launch.down_plan(w2)[0], w2.n)).astype(np.float32))
+    routed = mx.array(rng.normal(0, 1, (T, k, w2.n)).astype(np.float32))
+    alone = launch.down_finish_args(partial, one, w2, 0, guard=1)
+    added = launch.down_finish_args(partial, one, w2, 0, guard=1, out_dtype=mx.bfloat16, add=routed)
+    program = exl3_sim.build([(launch.EXPERT_DOWN_FINISH, alone), (launch.EXPERT_DOWN_FINISH, added)], mma=False)
+    y, combined = program.run(0)[0], program.run(1)[0].astype(np.float32)
+    assert np.all(np.isnan(combined[-1])) and np.all(np.isnan(y[-1]))
+    r = np.array(routed)
+    acc = r[:, 0]
+    for s in range(1, k):
+        acc = (acc + r[:, s]).astype(np.float32)
+    want = (acc + y[:-1]).astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(combined[:-1], want) and np.count_nonzero(want) > want.size // 2

@@ -60,7 +60,7 @@ def runs():
             ),
         ),
         (hc.COLLAPSE_NORM, hc.collapse_norm_args(s, pre, weight, NORM_EPS, guard=GUARD)),
-        (hc.EXPAND, hc.expand_args(y, s, post, comb, guard=GUARD)),
+        (hc.EXPAND, hc.expand_args(y, s, mx.concatenate([pre, post, comb], axis=-1), guard=GUARD)),
     ]
     program = exl3_sim.build(specs, mma=True)
     data = dict(s=s, fn=fn, base=base, scale=scale, pre=pre, weight=weight, y=y, post=post, comb=comb)

@@ -5,7 +5,7 @@ import mlx.core as mx
 import numpy as np
 from attention_stack import rb
 
-from mlx_dsv41.model.hyper_connections import collapse, expand, hc_mixes, initial_pre
+from mlx_dsv41.model.hyper_connections import collapse, expand, hc_mixes, initial_mixes, initial_pre
 
 rng = np.random.default_rng(11)
 HC, D, ITERS, HC_EPS, NORM_EPS = 4, 48, 20, 1e-6, 1e-20
@@ -93,12 +93,8 @@ def test_collapse_and_expand_match_float64_then_bf16():
     ref = np.einsum("bsi,bsid->bsd", pre.astype(np.float32).astype(np.float64), streams)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), ref, rtol=2**-8, atol=1e-6)
 
-    got = expand(
-        mx.array(y.astype(np.float32)).astype(mx.bfloat16),
-        s_mx,
-        mx.array(post.astype(np.float32)),
-        mx.array(comb.astype(np.float32)),
-    )
+    mixes = np.concatenate([pre, post, comb.reshape(2, 5, HC * HC)], axis=-1)  # pre | post | comb
+    got = expand(mx.array(y.astype(np.float32)).astype(mx.bfloat16), s_mx, mx.array(mixes.astype(np.float32)))
     assert got.dtype == mx.bfloat16
     p32, c32 = post.astype(np.float32).astype(np.float64), comb.astype(np.float32).astype(np.float64)
     # new_j = post_j·y + Σ_i C[i, j]·old_i: the sum runs over the FIRST index of C.
@@ -117,3 +113,6 @@ def test_layer0_one_hot_pre_returns_the_embedding():
     pre = initial_pre(2, 3, HC)
     assert np.array_equal(np.array(pre), np.broadcast_to(np.eye(HC)[0], (2, 3, HC)))
     assert mx.array_equal(collapse(streams, pre), h).item()
+    mixes = initial_mixes(2, 3, HC)  # what layer 0 reads: the one-hot pre, then zeros
+    assert mixes.shape == (2, 3, (2 + HC) * HC) and np.array_equal(np.array(mixes)[..., :HC], np.array(pre))
+    assert not np.array(mixes)[..., HC:].any() and mx.array_equal(collapse(streams, mixes), h).item()

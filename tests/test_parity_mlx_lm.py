@@ -34,8 +34,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_dsv41.model.hyper_connections import initial_pre
-from mlx_dsv41.model.moe import sum_slots
+from mlx_dsv41.model.hyper_connections import initial_mixes
+from mlx_dsv41.quant.experts import sum_slots
 from mlx_dsv41.synthetic import hf_config, random_weights, tiny_args, tiny_model
 from mlx_dsv41.synthetic_checkpoints import write_official_checkpoint
 
@@ -125,19 +125,19 @@ def _layerwise(ours, theirs, ids):
     B, S = ids.shape
     h = ours.embed(ids)
     streams = mx.broadcast_to(h[:, :, None, :], (B, S, 4, h.shape[-1]))
-    pre = initial_pre(B, S, 4)
+    mixes = initial_mixes(B, S, 4)  # ours: a site's mixes (pre | post | comb); mlx-lm: the pre
     window = mx.broadcast_to(
         ref._window_indices(previous=0, length=S, window=ours.args.sliding_window), (B, S, ours.args.sliding_window)
     )
     caches, their_caches = ours.make_cache(), theirs.model.make_cache()
     shared, their_shared, out = {}, {}, []
     for o, t, c, tc in zip(ours.layers, theirs.model.layers, caches, their_caches):
-        nxt, nxt_pre = o(streams, pre, c, shared)
-        other, _ = t(streams, pre, start_pos=0, window_idx=window, cache=tc, shared=their_shared)
+        nxt, nxt_mixes = o(streams, mixes, c, shared)
+        other, _ = t(streams, mixes[..., :4], start_pos=0, window_idx=window, cache=tc, shared=their_shared)
         a, b = np.array(nxt.astype(mx.float32)), np.array(other.astype(mx.float32))
         rms = np.sqrt((a**2).mean(-1, keepdims=True))
         out.append(((a != b).mean(), (np.abs(a - b) / rms).max()))
-        streams, pre = nxt, nxt_pre
+        streams, mixes = nxt, nxt_mixes
     return np.array(out)
 
 

@@ -45,9 +45,8 @@ class EXL3Linear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"EXL3Linear expects [..., {self.in_features}], got {x.shape}")
-        lead = x.shape[:-1]
-        y = ops.linear(
-            x.reshape(-1, self.in_features),
+        return ops.linear(
+            x,
             self.trellis,
             self.suh,
             self.svh,
@@ -56,7 +55,6 @@ class EXL3Linear(nn.Module):
             out_features=self.out_features,
             owner=self,
         )
-        return y.reshape(*lead, self.out_features)
 
     def as_single_expert(self) -> EXL3ExpertProjection:
         """This linear as a one-expert EXL3ExpertProjection over the same arrays (made once), so

@@ -23,6 +23,8 @@ On the CPU every op runs the plain-MLX reference (mlx_dsv41.exl3.reference). On 
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
 
@@ -34,7 +36,7 @@ from mlx_dsv41.exl3.trellis import check_trellis
 from mlx_dsv41.kernels import backend, f16_gemm
 from mlx_dsv41.kernels import exl3 as launch
 from mlx_dsv41.kernels.exl3 import GEMV_MAX_ROWS
-from mlx_dsv41.quant.experts import check_routing, swiglu
+from mlx_dsv41.quant.experts import check_routing, combine_moe, swiglu
 
 FUSED_MAX_TOKENS = 10  # tokens served by the fused expert kernels (60 slots at Flash top-6)
 _X_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -43,12 +45,12 @@ _X_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 def _check_linear_args(x, trellis, suh, svh, codebook, bias) -> int:
     """The weight's padded output count n, once the call's arguments are checked."""
     k, n, *_ = check_linear(trellis, suh, svh, codebook)
-    if x.ndim != 2:
-        raise ValueError(f"exl3 linear: x must be [m, in], got shape {x.shape}")
+    if x.ndim < 2:
+        raise ValueError(f"exl3 linear: x must be [..., in] with rows, got shape {x.shape}")
     if x.dtype not in _X_DTYPES:
         raise ValueError(f"exl3 linear: x must be float32, float16 or bfloat16, got {x.dtype}")
-    if not k - BLOCK < x.shape[1] <= k:
-        raise ValueError(f"exl3 linear: x has {x.shape[1]} features, the weight is padded to {k}")
+    if not k - BLOCK < x.shape[-1] <= k:
+        raise ValueError(f"exl3 linear: x has {x.shape[-1]} features, the weight is padded to {k}")
     if bias is not None and (bias.ndim != 1 or not n - BLOCK < bias.shape[0] <= n):
         raise ValueError(f"exl3 linear: bias {bias.shape} does not match {n} (padded) outputs")
     return n
@@ -66,30 +68,35 @@ def reconstruct(trellis: mx.array, codebook: str) -> mx.array:
 
 
 def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, out_dtype=None, owner=None):
-    """y [m, out_features] = x [m, in] · W (+ bias) in ``out_dtype`` (default x.dtype). ``owner``
-    (the module holding the trellis) keeps the CPU path's decoded W̃ for the next call."""
+    """y [..., out_features] = x [..., in] · W (+ bias) in ``out_dtype`` (default x.dtype), rows in
+    order. ``owner`` (the module holding the trellis) keeps the CPU path's decoded W̃ for the next
+    call. A GPU decode step's rows go to the kernels as they are (a reshape is a graph node)."""
     n = _check_linear_args(x, trellis, suh, svh, codebook, bias)
     out_features = n if out_features is None else out_features
     if out_dtype is not None and out_dtype not in _X_DTYPES:
         raise ValueError(f"exl3 linear: out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
-    if x.shape[0] == 0:
-        return mx.zeros((0, out_features), out_dtype or x.dtype)
+    lead, m = x.shape[:-1], math.prod(x.shape[:-1])
+    if m == 0:
+        return mx.zeros((*lead, out_features), out_dtype or x.dtype)
     if backend() == "cpu":
         w = cpu_weight(trellis, codebook) if owner is None else _held_weight(owner, "linear", trellis, codebook)
-        return reference.linear(x, trellis, suh, svh, codebook, bias, out_features, out_dtype, w)
+        y = reference.linear(x.reshape(m, -1), trellis, suh, svh, codebook, bias, out_features, out_dtype, w)
+        return y.reshape(*lead, out_features)
     out_dtype = out_dtype or x.dtype
     if bias is not None and bias.shape[0] != n:  # the kernels read a bias as long as the padded outputs
         bias = reference.pad_features(bias[None], n)[0]
-    if x.shape[0] <= GEMV_MAX_ROWS:
+    if m <= GEMV_MAX_ROWS:
         y = launch.run_gemv(x, trellis, suh, svh, codebook, bias, out_dtype)
-        return y if out_features == n else y[:, :out_features]
+        return y if out_features == n else y[..., :out_features]
     # Prefill: W̃ once per call, then the exact product with fp32 sums between the two transforms
     # (docs/exl3.md#many-row-gemm): an fp16 GEMM would round its sums to fp16 before the output
     # transform (a second rounding; issue 15).
     w = reconstruct(trellis, codebook)
-    zeros = graph_constants.full((x.shape[0],), 0, mx.int32)  # every row through the one suh / svh
-    y = transformed_product(x, suh[None], svh[None], zeros, product_by_span(w[None], None), out_dtype, bias=bias)
-    return y if out_features == n else y[:, :out_features]
+    zeros = graph_constants.full((m,), 0, mx.int32)  # every row through the one suh / svh
+    y = transformed_product(
+        x.reshape(m, -1), suh[None], svh[None], zeros, product_by_span(w[None], None), out_dtype, bias=bias
+    )
+    return (y if out_features == n else y[:, :out_features]).reshape(*lead, out_features)
 
 
 def _check_experts_args(x, indices, weights, w1):
@@ -244,18 +251,23 @@ def decoded_stack(proj, experts) -> mx.array:
     return stack
 
 
-def swiglu_mlp(x, w1, w3, w2, limit: float) -> mx.array:
+def swiglu_mlp(x, w1, w3, w2, limit: float, routed=None) -> mx.array:
     """w2(bf16(silu(min(g, L)) · clamp(u, -L, L))), g = w1(x), u = w3(x), for EXL3Linear w1, w3, w2:
-    the shared expert (docs/model.md#moe, weight 1) -> [T, out] in x.dtype. On a GPU, up to
-    FUSED_MAX_TOKENS tokens run the fused expert kernels as one expert of weight 1 (w1 and w3 in one
-    launch, the SwiGLU and w2's input transform in another: 4 launches instead of 7, the same
-    roundings); otherwise, and on the CPU, the three linears."""
+    the shared expert (docs/model.md#moe, weight 1) -> [T, out] in x.dtype; with ``routed`` (the
+    routed slots [T, k, out] fp32), the MoE's output instead (quant.combine_moe's arithmetic). On a
+    GPU, up to FUSED_MAX_TOKENS tokens run the fused expert kernels as one expert of weight 1 (w1
+    and w3 in one launch, the SwiGLU and w2's input transform in another, the combine with the
+    routed slots in the last: 4 launches instead of 7 or 8, the same roundings); otherwise, and on
+    the CPU, the three linears."""
     T = x.shape[0]
     if backend() == "cpu" or not 0 < T <= FUSED_MAX_TOKENS:
-        return w2(swiglu(w1(x), w3(x), limit, dtype=x.dtype))
+        return combine_moe(routed, w2(swiglu(w1(x), w3(x), limit, dtype=x.dtype)))
     projections = [lin.as_single_expert() for lin in (w1, w3, w2)]
-    y = launch.run_experts(x, mx.zeros((T, 1), mx.int32), mx.ones((T, 1), mx.float32), *projections, 0, limit)
-    return y[:, 0].astype(x.dtype)
+    one_slot = graph_constants.full((T, 1), 0, mx.int32), graph_constants.full((T, 1), 1.0, mx.float32)
+    if routed is not None and w2.out_features == projections[2].n and x.dtype in (mx.bfloat16, mx.float32):
+        return launch.run_experts(x, *one_slot, *projections, 0, limit, add=routed)
+    y = launch.run_experts(x, *one_slot, *projections, 0, limit)
+    return combine_moe(routed, y[:, 0].astype(x.dtype))
 
 
 def grouped(x, proj) -> mx.array:

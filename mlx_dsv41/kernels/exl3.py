@@ -205,7 +205,7 @@ EXPERT_DOWN = register(
 EXPERT_DOWN_FINISH = register(
     Kernel(
         "exl3_expert_down_finish",
-        ("partial", "indices", "svh2"),
+        ("partial", "indices", "svh2", "add"),
         ("out",),
         includes=_EXPERT_HEADERS,
         defines=SLOT_DEFINES,
@@ -292,6 +292,11 @@ def reconstruct_args(trellis, codebook: str, guard_rows: int = 0, init_value=Non
     )
 
 
+def _rows_out(x, n: int, guard_rows: int) -> tuple:
+    """The output of x [..., in]'s rows: [..., n], or [m + guard_rows, n] with guard rows (tests)."""
+    return (*x.shape[:-1], n) if not guard_rows else (math.prod(x.shape[:-1]) + guard_rows, n)
+
+
 def gemv_args(
     x,
     trellis,
@@ -305,12 +310,14 @@ def gemv_args(
     guard_rows: int = 0,
     init_value=None,
 ) -> list[dict]:
-    """Call kwargs of exl3_gemv (and exl3_gemv_out when k is split); the second call's partial
-    input is filled in by the caller. Tests: ``splits`` / ``tuning`` override the plan;
-    ``guard_rows`` adds never-written rows to y (splits to the partial sums)."""
+    """Call kwargs of exl3_gemv (and exl3_gemv_out when k is split) for x [..., in] (rows in order,
+    not reshaped: y is [..., n]); the second call's partial input is filled in by the caller.
+    Tests: ``splits`` / ``tuning`` override the plan; ``guard_rows`` adds never-written rows to y
+    ([m + guard_rows, n]; splits to the partial sums)."""
     t = tuning or TUNING
     k2 = _k2(trellis)
-    m, rows_t = x.shape[0], _rows_template(x.shape[0])
+    m = math.prod(x.shape[:-1])
+    rows_t = _rows_template(m)
     k_blocks, n_blocks = trellis.shape[0] // 8, trellis.shape[1] // 8
     n = n_blocks * BLOCK
     splits, per_split = dense_plan(k_blocks, n_blocks, t) if splits is None else _even_splits(k_blocks, splits)
@@ -320,7 +327,7 @@ def gemv_args(
     bias_in = bias if has_bias else svh
     gemv = dict(
         inputs=[x, suh, trellis, svh, bias_in],
-        output_shapes=[(m + guard_rows, n) if fused else (splits + guard_rows, m, n)],
+        output_shapes=[_rows_out(x, n, guard_rows) if fused else (splits + guard_rows, m, n)],
         output_dtypes=[out_dtype if fused else mx.float32],
         grid=(n_blocks * _LANES * t.warps, splits, 1),
         threadgroup=(_LANES * t.warps, 1, 1),
@@ -340,7 +347,7 @@ def gemv_args(
         return [gemv]
     finish = dict(
         inputs=[None, svh, bias_in],
-        output_shapes=[(m + guard_rows, n)],
+        output_shapes=[_rows_out(x, n, guard_rows)],
         output_dtypes=[out_dtype],
         grid=(n_blocks * 8 * _LANES, m, 1),
         threadgroup=(8 * _LANES, 1, 1),
@@ -449,15 +456,19 @@ def down_args(xh, indices, w2, group, lo: int, prev=None, tuning=None, guard: in
     )
 
 
-def down_finish_args(partial, indices, w2, lo: int, guard: int = 0, init_value=None) -> dict:
-    """exl3_expert_down_finish call kwargs: y [slots, n] from the partials of every w2 group."""
+def down_finish_args(
+    partial, indices, w2, lo: int, guard: int = 0, init_value=None, out_dtype=mx.float32, add=None
+) -> dict:
+    """exl3_expert_down_finish call kwargs: y [slots, n] from the partials of every w2 group, bf16
+    values held in ``out_dtype`` (float32 or bfloat16: the same values). ``add`` [slots, k, n] fp32
+    (one slot per token: the shared expert): y is the MoE's output, out_dtype(Σ add + y)."""
     slots = indices.size
     return dict(
-        inputs=[partial, indices, w2.svh],
+        inputs=[partial, indices, w2.svh, w2.svh if add is None else add],
         output_shapes=[(slots + guard, w2.n)],
-        output_dtypes=[mx.float32],
+        output_dtypes=[out_dtype],
         **_block_per_simd_group_launch(w2.n // BLOCK, slots),
-        template=[("LO", int(lo)), ("SPLITS", partial.shape[1])],
+        template=[("T", out_dtype), ("LO", int(lo)), ("SPLITS", partial.shape[1]), ("ADD", add is not None)],
         init_value=init_value,
     )
 
@@ -518,8 +529,8 @@ def _group(proj, key):
 
 
 def run_gemv(x, trellis, suh, svh, codebook: str, bias, out_dtype) -> mx.array:
-    """exl3_gemv, and exl3_gemv_out when k is split: y [m, n] for m <= GEMV_MAX_ROWS rows (bias, if
-    any, padded to n)."""
+    """exl3_gemv, and exl3_gemv_out when k is split: y [..., n] for x [..., in] of at most
+    GEMV_MAX_ROWS rows (bias, if any, padded to n)."""
     calls = gemv_args(x, trellis, suh, svh, codebook, bias, out_dtype)
     out = GEMV(**calls[0])[0]
     if len(calls) == 2:
@@ -528,8 +539,10 @@ def run_gemv(x, trellis, suh, svh, codebook: str, bias, out_dtype) -> mx.array:
     return out
 
 
-def run_experts(x, indices, weights, w1, w3, w2, lo, limit):
-    """The fused expert kernels: per-slot outputs [T, k, w2.out_features] float32 (bf16-valued)."""
+def run_experts(x, indices, weights, w1, w3, w2, lo, limit, add=None):
+    """The fused expert kernels: per-slot outputs [T, k, w2.out_features] float32 (bf16-valued); with
+    ``add`` (routed slots [T, k', n] fp32; one slot per token here: the shared expert), the MoE's
+    output [T, n] in x.dtype instead (see down_finish_args)."""
     T, top_k = indices.shape
     gu = None
     for key in gate_up_keys(w1, w3):
@@ -538,6 +551,8 @@ def run_experts(x, indices, weights, w1, w3, w2, lo, limit):
     partial = None
     for group in w2.groups:
         partial = EXPERT_DOWN(**down_args(xh, indices, w2, group, lo, prev=partial))[0]
+    if add is not None:
+        return EXPERT_DOWN_FINISH(**down_finish_args(partial, indices, w2, lo, out_dtype=x.dtype, add=add))[0]
     y = EXPERT_DOWN_FINISH(**down_finish_args(partial, indices, w2, lo))[0]
     if w2.out_features != w2.n:
         y = y[:, : w2.out_features]
@@ -560,7 +575,9 @@ def run_grouped(x, proj) -> mx.array:
     partial = None
     for group in proj.groups:
         partial = EXPERT_DOWN(**down_args(xh, indices, proj, group, 0, prev=partial))[0]
-    y = EXPERT_DOWN_FINISH(**down_finish_args(partial, indices, proj, 0))[0]  # bf16-valued float32
+    # bf16 values: stored in x's dtype by the kernel when that is bf16 (no cast launch after it)
+    out_dtype = x.dtype if x.dtype in (mx.bfloat16, mx.float32) else mx.float32
+    y = EXPERT_DOWN_FINISH(**down_finish_args(partial, indices, proj, 0, out_dtype=out_dtype))[0]
     return y[:, : proj.out_features].reshape(T, G, proj.out_features).astype(x.dtype)
 
 
@@ -683,4 +700,10 @@ def _example_rows(out: bool = False):
 def _example_down_finish():
     ex, x, indices, weights = _example_experts()
     partial = mx.zeros((indices.size, down_plan(ex.w2)[0], ex.w2.n), mx.float32)
-    return [down_finish_args(partial, indices, ex.w2, 1)]
+    T = indices.shape[0]
+    one_slot = mx.full((T, 1), 1, mx.int32)  # the shared expert's call: one slot per token, with the routed slots
+    routed = mx.zeros((T, indices.shape[1], ex.w2.n), mx.float32)
+    return [
+        down_finish_args(partial, indices, ex.w2, 1),
+        down_finish_args(partial[:T], one_slot, ex.w2, 1, out_dtype=mx.bfloat16, add=routed),
+    ]

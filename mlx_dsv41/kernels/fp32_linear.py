@@ -46,15 +46,17 @@ def linear_reference(x: mx.array, w: mx.array, piece_bytes: int = PIECE_BYTES) -
 
 
 def gemv_args(x: mx.array, w: mx.array, init_value=None, guard: int = 0, split: int | None = None) -> dict:
-    """Kernel kwargs; split: SIMD groups per output (1 or 8), by default 8 below SPLIT_BELOW_N rows
-    of w. It sets the order of an output's sums (fp32_gemv.metal), so it depends on w alone."""
-    M, N = x.shape[0], w.shape[0]
+    """Kernel kwargs for x [..., K] (rows in order; no reshape: the output is [..., N], or [M + guard,
+    N] with ``guard`` rows for tests); split: SIMD groups per output (1 or 8), by default 8 below
+    SPLIT_BELOW_N rows of w. It sets the order of an output's sums (fp32_gemv.metal), so it depends
+    on w alone."""
+    M, N = math.prod(x.shape[:-1]), w.shape[0]
     split = split or (8 if N < SPLIT_BELOW_N else 1)
     cols = 1 if split > 1 else _COLS
     per_group = cols * (_THREADS // 32) // split
     return dict(
         inputs=[x, w],
-        output_shapes=[(M + guard, N)],
+        output_shapes=[(*x.shape[:-1], N) if not guard else (M + guard, N)],
         output_dtypes=[mx.float32],
         grid=(_THREADS * math.ceil(N / per_group), 1, 1),
         threadgroup=(_THREADS, 1, 1),
@@ -77,12 +79,9 @@ def linear(x: mx.array, w: mx.array) -> mx.array:
         raise ValueError(f"fp32 linear: x {x.shape} does not end in K = {K} (w {w.shape})")
     lead = x.shape[:-1]
     rows = math.prod(lead)
-    x2 = x.reshape(rows, K)
     if takes_kernel(rows, w):
-        y = GEMV(**gemv_args(x2, w))[0]
-    else:
-        y = linear_reference(x2.astype(mx.float32), w)
-    return y.reshape(*lead, N)
+        return GEMV(**gemv_args(x, w))[0]  # [..., N]: the kernel reads x's rows in order
+    return linear_reference(x.reshape(rows, K).astype(mx.float32), w).reshape(*lead, N)
 
 
 def _examples():

@@ -1,10 +1,16 @@
 """mHC ops (docs/model.md#mhc), each on a Metal/CUDA kernel or plain MLX:
 
     mixes(streams [.., HC, D], fn, base, scale)     -> pre [.., HC], post [.., HC], comb [.., HC, HC]
-    site(streams, pre, weight, eps, fn, base, scale) -> collapse_norm(streams, pre, weight, eps), mixes(..)
+    site(streams, prev, weight, eps, fn, base, scale) -> collapse_norm(streams, prev, weight, eps),
+                                                       m = pre | post | comb [.., (2+HC)·HC]
     collapse(streams, pre)                         -> Σ_i pre[i]·stream_i, in the stream dtype
     collapse_norm(streams, pre, weight, eps)       -> rms_norm(collapse(streams, pre), weight)
-    expand(y [.., D], residual [.., HC, D], post, comb) -> post[j]·y + Σ_i comb[i, j]·old_i
+    expand(y [.., D], residual [.., HC, D], m)     -> post[j]·y + Σ_i comb[i, j]·old_i
+
+A site's mixes travel as one array m [.., (2+HC)·HC] (`split` gives pre, post, comb): the kernels
+read their parts in place, so a site costs no slices or reshapes (each a graph node that a decode
+step would build and evaluate). Wherever a `pre` is read, an array whose first HC columns are the
+pre may be given (a site's m: the next site collapses with it).
 
 On the CPU the plain-MLX reference runs (its bytes are the project's CPU reference); on a GPU:
 - ``site`` (a Block site's input and mixes; ``mixes`` alone is a site whose input is dropped):
@@ -13,6 +19,7 @@ On the CPU the plain-MLX reference runs (its bytes are the project's CPU referen
   launch (the reference is ~150 MLX primitives per site, most of them Sinkhorn's);
 - ``collapse_norm``: hc_collapse_norm (the collapse, its rounding to the stream dtype, the RMSNorm);
 - ``expand``: hc_expand.
+The kernels take the arrays in the model's shapes (tokens = the leading dims).
 The kernels sum in fp32 in a fixed order (one threadgroup per token), so a token's bytes do not
 depend on the other tokens of the call; they differ from the MLX reference on the same GPU only
 by fp32 summation order and fused multiply-adds (tests/gpu/test_hc_kernels.py bounds both
@@ -56,7 +63,7 @@ COLLAPSE_NORM = register(
 EXPAND = register(
     Kernel(
         "hc_expand",
-        ("y", "residual", "post", "comb"),
+        ("y", "residual", "mixes"),
         ("out",),
         max_threads=_THREADS,
         examples=lambda: _example_expand(),
@@ -97,8 +104,9 @@ def mixes_reference(streams, fn, base, scale, *, iters: int, hc_eps: float, norm
 
 
 def collapse(streams: mx.array, pre: mx.array) -> mx.array:
-    """Σ_i pre[i]·stream_i in fp32, cast to the stream dtype: [B, S, HC, D] -> [B, S, D]."""
-    x = pre[..., None, :] @ streams.astype(mx.float32)  # [B, S, 1, D]
+    """Σ_i pre[i]·stream_i in fp32, cast to the stream dtype: [B, S, HC, D] -> [B, S, D] (pre: the
+    first HC columns of [B, S, >= HC])."""
+    x = pre[..., None, : streams.shape[-2]] @ streams.astype(mx.float32)  # [B, S, 1, D]
     return x.squeeze(-2).astype(streams.dtype)
 
 
@@ -132,6 +140,11 @@ def _rows(shape) -> int:
     return math.prod(shape) if shape else 1
 
 
+def split(m: mx.array, hc: int) -> tuple[mx.array, mx.array, mx.array]:
+    """A site's mixes m [.., (2+HC)·HC] -> pre [.., HC], post [.., HC], comb [.., HC, HC]."""
+    return m[..., :hc], m[..., hc : 2 * hc], m[..., 2 * hc :].reshape(*m.shape[:-1], hc, hc)
+
+
 # ------------------------------------------------------------------------------- ops
 
 
@@ -139,31 +152,28 @@ def mixes(streams, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: floa
     """streams [..., HC, D] -> pre [..., HC], post [..., HC], comb [..., HC, HC] (fp32); fn
     [(2+HC)·HC, HC·D], base [(2+HC)·HC], scale [3] are one site's fp32 parameters and comb[..., i, j]
     is the weight of old stream i in new stream j."""
+    hc, dim = _check_site(streams, fn, base, scale, iters)
     if backend() == "cpu":
-        _check_site(streams, fn, base, scale, iters)
         return mixes_reference(streams, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
-    hc, dim = _check_streams(streams, "hc mixes")
     unit = graph_constants.full((*streams.shape[:-1],), 1.0, mx.float32)
     weight = graph_constants.full((dim,), 1.0, mx.float32)
-    return site(streams, unit, weight, norm_eps, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)[1]
+    m = site(streams, unit, weight, norm_eps, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)[1]
+    return split(m, hc)
 
 
-def site(streams, pre, weight, eps: float, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: float):
-    """One Block site: (its input collapse_norm(streams, pre, weight, eps) [..., D], its mixes (pre,
-    post, comb) as `mixes` gives them). On a GPU: fp32_gemv and hc_mix, two launches."""
+def site(streams, prev, weight, eps: float, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: float):
+    """One Block site: (its input collapse_norm(streams, prev, weight, eps) [..., D], its mixes m
+    [..., (2+HC)·HC]); prev: the previous site's m (or any [..., >= HC] array whose first HC columns
+    are the pre). On a GPU: fp32_gemv and hc_mix, two launches."""
     hc, dim = _check_site(streams, fn, base, scale, iters)
-    _check_collapse(streams, pre, weight, "hc site")
+    _check_collapse(streams, prev, weight, "hc site")
     if backend() == "cpu":
-        x = collapse_norm_reference(streams, pre, weight, eps)
-        return x, mixes_reference(streams, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
-    lead = streams.shape[:-2]
-    flat = streams.reshape(_rows(lead), hc, dim)
-    mm = fp32_linear.linear(flat.reshape(-1, hc * dim), fn)  # [T, mix] fp32 (docs/numerics.md#fp32-linears)
-    pre = pre.astype(mx.float32).reshape(-1, hc)
-    out, x = MIX(**mix_args(mm, flat, base, scale, pre, weight, iters, hc_eps, norm_eps, eps))
-    out = out.reshape(*lead, (2 + hc) * hc)
-    mixed = out[..., :hc], out[..., hc : 2 * hc], out[..., 2 * hc :].reshape(*lead, hc, hc)
-    return x.reshape(*lead, dim), mixed
+        x = collapse_norm_reference(streams, prev[..., :hc], weight, eps)
+        pre, post, comb = mixes_reference(streams, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+        return x, mx.concatenate([pre, post, comb.reshape(*comb.shape[:-2], hc * hc)], axis=-1)
+    mm = fp32_linear.linear(streams.reshape(*streams.shape[:-2], hc * dim), fn)  # fp32 (docs/numerics.md#fp32-linears)
+    out, x = MIX(**mix_args(mm, streams, base, scale, prev, weight, iters, hc_eps, norm_eps, eps))
+    return x, out
 
 
 def _check_site(streams, fn, base, scale, iters: int) -> tuple[int, int]:
@@ -180,57 +190,57 @@ def _check_site(streams, fn, base, scale, iters: int) -> tuple[int, int]:
 
 
 def _check_collapse(streams, pre, weight, what: str) -> None:
-    lead, dim = streams.shape[:-1], streams.shape[-1]
-    if pre.shape != lead or weight.shape != (dim,):
-        raise ValueError(f"{what}: pre {lead} and weight [{dim}] expected, got {pre.shape}, {weight.shape}")
+    lead, hc, dim = streams.shape[:-2], streams.shape[-2], streams.shape[-1]
+    if pre.shape[:-1] != lead or pre.shape[-1] < hc or weight.shape != (dim,):
+        raise ValueError(
+            f"{what}: pre {(*lead, hc)} (or wider) and weight [{dim}] expected, got {pre.shape}, {weight.shape}"
+        )
 
 
 def collapse_norm(streams, pre, weight, eps: float) -> mx.array:
-    """rms_norm(collapse(streams, pre), weight) in the stream dtype: [..., HC, D] -> [..., D]."""
-    hc, dim = _check_streams(streams, "hc collapse_norm")
+    """rms_norm(collapse(streams, pre), weight) in the stream dtype: [..., HC, D] -> [..., D] (pre:
+    the first HC columns of [..., >= HC])."""
+    hc, _ = _check_streams(streams, "hc collapse_norm")
     _check_collapse(streams, pre, weight, "hc collapse_norm")
     if backend() == "cpu":
-        return collapse_norm_reference(streams, pre, weight, eps)
-    lead = streams.shape[:-2]
-    flat = streams.reshape(_rows(lead), hc, dim)
-    out = COLLAPSE_NORM(**collapse_norm_args(flat, pre.astype(mx.float32).reshape(-1, hc), weight, eps))[0]
-    return out.reshape(*lead, dim)
+        return collapse_norm_reference(streams, pre[..., :hc], weight, eps)
+    return COLLAPSE_NORM(**collapse_norm_args(streams, pre, weight, eps))[0]
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """The model's RMSNorm of x [..., D] (docs/numerics.md#dtypes: fp32 math, rounded once to
     x.dtype). On a GPU it is hc_collapse_norm over one stream of weight 1 (that collapse is exact):
-    one launch, where mx.fast.rms_norm needs a cast on each side to compute in fp32."""
+    one launch, where mx.fast.rms_norm needs a cast on each side to compute in fp32. x is that one
+    stream as it is ([..., D] read as [..., 1, D]: no reshape)."""
     if backend() == "cpu":
         return mx.fast.rms_norm(x.astype(mx.float32), weight.astype(mx.float32), eps).astype(x.dtype)
+    if x.ndim < 2 or x.dtype not in _FLOAT_DTYPES or weight.shape != (x.shape[-1],):
+        raise ValueError(f"rms_norm: x float [..., D] and weight [D] expected, got {x.dtype} {x.shape}, {weight.shape}")
     one = graph_constants.full((*x.shape[:-1], 1), 1.0, mx.float32)
-    return collapse_norm(x[..., None, :], one, weight, eps)
+    return COLLAPSE_NORM(**collapse_norm_args(x, one, weight, eps, hc=1))[0]
 
 
-def expand(y, residual, post, comb) -> mx.array:
-    """new_j = post[j]·y + Σ_i comb[i, j]·old_i in fp32, cast to the stream dtype."""
+def expand(y, residual, m) -> mx.array:
+    """new_j = post[j]·y + Σ_i comb[i, j]·old_i in fp32, cast to the stream dtype (post, comb: the
+    parts of a site's mixes m)."""
     hc, dim = _check_streams(residual, "hc expand")
     lead = residual.shape[:-2]
-    if y.shape != (*lead, dim) or post.shape != (*lead, hc) or comb.shape != (*lead, hc, hc):
+    if y.shape != (*lead, dim) or m.shape != (*lead, (2 + hc) * hc):
         raise ValueError(
-            f"hc expand: y {(*lead, dim)}, post {(*lead, hc)}, comb {(*lead, hc, hc)} expected, "
-            f"got {y.shape}, {post.shape}, {comb.shape}"
+            f"hc expand: y {(*lead, dim)} and mixes {(*lead, (2 + hc) * hc)} expected, got {y.shape}, {m.shape}"
         )
     if backend() == "cpu":
+        _, post, comb = split(m, hc)
         return expand_reference(y, residual, post, comb)
-    rows = _rows(lead)
-    out = EXPAND(
-        **expand_args(
-            y.reshape(rows, dim),
-            residual.reshape(rows, hc, dim),
-            post.astype(mx.float32).reshape(rows, hc),
-            comb.astype(mx.float32).reshape(rows, hc * hc),
-        )
-    )[0]
-    return out.reshape(residual.shape)
+    return EXPAND(**expand_args(y, residual, m))[0]
 
 
 # ------------------------------------------------------------------------------- launch kwargs
+
+
+def _out_shape(lead, width: int, guard: int) -> tuple:
+    """An output [*lead, width], or [rows + guard, width] with ``guard`` rows past the end (tests)."""
+    return (*lead, width) if not guard else (_rows(lead) + guard, width)
 
 
 def mix_args(
@@ -247,12 +257,12 @@ def mix_args(
     init_value=None,
     guard: int = 0,
 ) -> dict:
-    """hc_mix call kwargs: one threadgroup per token of streams [T, HC, D]; ``guard`` extra output
-    rows (tests)."""
-    T, hc, dim = streams.shape
+    """hc_mix call kwargs: one threadgroup per token of streams [..., HC, D] (pre: [..., >= HC])."""
+    *lead, hc, dim = streams.shape
+    T = _rows(lead)
     return dict(
-        inputs=[mm, streams, base.astype(mx.float32), scale.astype(mx.float32), pre, weight],
-        output_shapes=[(T + guard, (2 + hc) * hc), (T + guard, dim)],
+        inputs=[mm, streams, base.astype(mx.float32), scale.astype(mx.float32), pre.astype(mx.float32), weight],
+        output_shapes=[_out_shape(lead, (2 + hc) * hc, guard), _out_shape(lead, dim, guard)],
         output_dtypes=[mx.float32, streams.dtype],
         grid=(_MIX_THREADS * T, 1, 1),
         threadgroup=(_MIX_THREADS, 1, 1),
@@ -269,26 +279,32 @@ def mix_args(
     )
 
 
-def collapse_norm_args(streams, pre, weight, eps: float, init_value=None, guard: int = 0) -> dict:
-    T, hc, dim = streams.shape
+def collapse_norm_args(streams, pre, weight, eps: float, init_value=None, guard: int = 0, hc=None) -> dict:
+    """hc_collapse_norm call kwargs for streams [..., HC, D] (hc=1: x [..., D] as one stream)."""
+    if hc is None:
+        *lead, hc, dim = streams.shape
+    else:
+        *lead, dim = streams.shape
     return dict(
-        inputs=[streams, pre, weight],
-        output_shapes=[(T + guard, dim)],
+        inputs=[streams, pre.astype(mx.float32), weight],
+        output_shapes=[_out_shape(lead, dim, guard)],
         output_dtypes=[streams.dtype],
-        grid=(_THREADS * T, 1, 1),
+        grid=(_THREADS * _rows(lead), 1, 1),
         threadgroup=(_THREADS, 1, 1),
         template=[("T", streams.dtype), ("HC", hc), ("EPS_BITS", float_bits(eps))],
         init_value=init_value,
     )
 
 
-def expand_args(y, residual, post, comb, init_value=None, guard: int = 0) -> dict:
-    T, hc, dim = residual.shape
+def expand_args(y, residual, m, init_value=None, guard: int = 0) -> dict:
+    """hc_expand call kwargs: residual [..., HC, D], y [..., D], the site's mixes m [..., (2+HC)·HC]."""
+    *lead, hc, dim = residual.shape
+    shape = tuple(residual.shape) if not guard else (_rows(lead) + guard, hc, dim)
     return dict(
-        inputs=[y, residual, post, comb],
-        output_shapes=[(T + guard, hc, dim)],
+        inputs=[y, residual, m.astype(mx.float32)],
+        output_shapes=[shape],
         output_dtypes=[residual.dtype],
-        grid=(-(-dim // _THREADS) * _THREADS, T, 1),
+        grid=(-(-dim // _THREADS) * _THREADS, _rows(lead), 1),
         threadgroup=(_THREADS, 1, 1),
         template=[("T", residual.dtype), ("HC", hc)],
         init_value=init_value,
@@ -306,26 +322,29 @@ def _example_mix():
     s = _example_streams()
     T, hc, dim = s.shape
     mix = (2 + hc) * hc
-    pre, w = mx.ones((T, hc)), mx.ones((dim,))
-    s2 = mx.zeros((T, 2, dim), mx.float32)
+    prev, w = mx.ones((T, mix)), mx.ones((dim,))
+    s2 = mx.zeros((1, T, 2, dim), mx.float32)
     return [
-        mix_args(mx.zeros((T, mix)), s, mx.zeros((mix,)), mx.ones((3,)), pre, w, 20, 1e-6, 1e-20, 1e-20),
-        mix_args(mx.zeros((T, 8)), s2, mx.zeros((8,)), mx.ones((3,)), mx.ones((T, 2)), w, 3, 1e-6, 1e-20, 1e-6),
+        mix_args(mx.zeros((T, mix)), s, mx.zeros((mix,)), mx.ones((3,)), prev, w, 20, 1e-6, 1e-20, 1e-20),
+        mix_args(mx.zeros((1, T, 8)), s2, mx.zeros((8,)), mx.ones((3,)), mx.ones((1, T, 2)), w, 3, 1e-6, 1e-20, 1e-6),
     ]
 
 
 def _example_collapse_norm():
     s = _example_streams()
+    T, hc, dim = s.shape
     return [
-        collapse_norm_args(s, mx.ones((s.shape[0], s.shape[1])), mx.ones((s.shape[2],), mx.bfloat16), 1e-20),
-        collapse_norm_args(s.astype(mx.float32), mx.ones((s.shape[0], s.shape[1])), mx.ones((s.shape[2],)), 1e-6),
+        collapse_norm_args(s, mx.ones((T, (2 + hc) * hc)), mx.ones((dim,), mx.bfloat16), 1e-20),
+        collapse_norm_args(s.astype(mx.float32), mx.ones((T, hc)), mx.ones((dim,)), 1e-6),
+        collapse_norm_args(s[:, 0], mx.ones((T, 1)), mx.ones((dim,)), 1e-20, hc=1),  # rms_norm
     ]
 
 
 def _example_expand():
     s = _example_streams()
     T, hc, dim = s.shape
+    m = mx.ones((T, (2 + hc) * hc))
     return [
-        expand_args(mx.zeros((T, dim), mx.bfloat16), s, mx.ones((T, hc)), mx.ones((T, hc * hc))),
-        expand_args(mx.zeros((T, dim), mx.float32), s.astype(mx.float32), mx.ones((T, hc)), mx.ones((T, hc * hc))),
+        expand_args(mx.zeros((T, dim), mx.bfloat16), s, m),
+        expand_args(mx.zeros((1, T, dim), mx.float32), s.astype(mx.float32)[None], m[None]),
     ]

@@ -31,7 +31,7 @@ ROPE = register(
 
 
 def refusal(x: mx.array, quant: tuple[int, int] | None) -> str | None:
-    """Why the kernel cannot take x, or None."""
+    """Why the kernel cannot take x, or None (the offset is one position: a 0-d array)."""
     if x.ndim not in (3, 4) or x.size == 0 or x.shape[-1] % 2:
         return f"rows [B, S, D] or [B, S, H, D] of even width, got {x.shape}"
     if x.size >= 1 << 31:
@@ -52,13 +52,15 @@ def args(
     init_value=None,
     guard: int = 0,
 ) -> dict:
-    """Launch kwargs: one thread per element of x (3-D x is [B, S, 1, D]); ``guard`` extra output rows (tests)."""
-    rows4 = x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1]) if x.ndim == 3 else x
+    """Launch kwargs: one thread per element of x, the output in x's shape (as rows [rows + guard,
+    D] with ``guard`` extra rows: tests). No reshape of x or of the output: each is a graph node a
+    decode step would build and evaluate."""
     block, mode = quant or (32, 0)
-    n = rows4.size
+    n = x.size
+    out_shape = x.shape if not guard else (n // x.shape[-1] + guard, x.shape[-1])
     return dict(
-        inputs=[rows4, offset.astype(mx.int32).reshape(1), periods],
-        output_shapes=[(n // x.shape[-1] + guard, x.shape[-1])],
+        inputs=[x, offset.astype(mx.int32).reshape(()) if offset.ndim else offset.astype(mx.int32), periods],
+        output_shapes=[out_shape],
         output_dtypes=[out_dtype],
         grid=(_THREADS * math.ceil(n / _THREADS), 1, 1),
         threadgroup=(_THREADS, 1, 1),
@@ -75,7 +77,7 @@ def args(
 
 
 def run(x, offset, periods, out_dtype, step: int, inverse: bool, quant: tuple[int, int] | None) -> mx.array:
-    return ROPE(**args(x, offset, periods, out_dtype, step, inverse, quant))[0].reshape(x.shape)
+    return ROPE(**args(x, offset, periods, out_dtype, step, inverse, quant))[0]
 
 
 def _examples():

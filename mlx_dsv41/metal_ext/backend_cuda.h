@@ -42,6 +42,8 @@ typedef long long i64;
 #define KX_ROPE_COS(x) cosf(x)  // as MLX's CUDA rope: the accurate cos / sin (no fast math)
 #define KX_ROPE_SIN(x) sinf(x)
 #define KX_ROPE_INV(p) ((float)(1.0 / (double)(p)))  // MLX's rope divides in double (1.0 / freq)
+// The value of a 0-d input (MLX passes every input as a pointer on CUDA, a 0-d one as a reference on Metal).
+#define KX_SCALAR(x) ((x)[0])
 #define KX_SQRT(x) sqrtf(x)  // IEEE (NVRTC's default -prec-sqrt=true)
 #define KX_FMAX(a, b) fmaxf((a), (b))
 #define KX_RINT(x) rintf(x)  // round half to even

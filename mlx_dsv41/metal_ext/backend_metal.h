@@ -51,6 +51,8 @@ typedef long i64;
 #define KX_ROPE_COS(x) metal::fast::cos(x)  // as MLX's Metal rope
 #define KX_ROPE_SIN(x) metal::fast::sin(x)
 #define KX_ROPE_INV(p) (1.0f / (p))
+// The value of a 0-d input (MLX passes it as `const constant T&` on Metal).
+#define KX_SCALAR(x) (x)
 #define KX_SQRT(x) metal::precise::sqrt(x)
 #define KX_FMAX(a, b) metal::fmax((a), (b))
 #define KX_RINT(x) metal::rint(x)  // round half to even

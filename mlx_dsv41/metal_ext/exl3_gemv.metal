@@ -1,17 +1,19 @@
 // exl3_gemv: y = x·W (+ bias) for M <= 8 rows of x, decoding the EXL3 trellis on the fly
 // (docs/exl3.md#forward; W̃ is never materialised). Threadgroup: NW SIMD groups for the 128 output
 // columns of block KX_TGID_X and the k split KX_TGID_Y (see exl3_matmul.h).
-//   FUSED (one split): applies H128, svh and the bias and writes out = y [m, n] (OUT: 0 float32,
+//   FUSED (one split): applies H128, svh and the bias and writes out = y [.., n] (OUT: 0 float32,
 //   1 fp16, 2 bf16).
 //   otherwise: writes float32 partial sums out [splits, m, n] for exl3_gemv_out.
-// Inputs: x [m, in] (in <= k, zero-extended), suh [k], trellis [k/16, n/16, 16K] int16, svh [n],
+// Inputs: x [.., in] (m rows: the leading dims; in <= k, zero-extended), suh [k], trellis [k/16, n/16, 16K] int16, svh [n],
 // bias [n] (read only if HAS_BIAS).
 // Template: K2, CB, M (1, 2, 4 or 8; rows >= m are zero), NC, NW, STAGES, XSW (exl3_matmul.h),
 // FUSED, HAS_BIAS, OUT, PER_SPLIT (128-blocks of k per split). Launch constants are template
 // values, never small arrays: see docs/design.md, "Launch constants".
 const u32 lane = KX_LANE, warp = KX_WARP;
 const u32 col_block = KX_TGID_X, split = KX_TGID_Y;
-const u32 rows = x_shape[0], in_features = x_shape[1];
+u32 rows = 1;
+for (int d = 0; d + 1 < x_ndim; d++) rows *= x_shape[d];
+const u32 in_features = x_shape[x_ndim - 1];
 const u32 tiles_k = trellis_shape[0], tiles_n = trellis_shape[1];
 const u32 n = tiles_n * 16, row_words = tiles_n * 4 * K2;
 const u32 kb_begin = split * (u32)PER_SPLIT;

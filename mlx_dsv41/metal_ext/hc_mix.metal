@@ -1,13 +1,14 @@
 // hc_mix: one mHC site for token KX_TGID_X (docs/model.md#mhc): the site's input and its mixes, from
-// the streams [T, HC, D], the previous site's pre [T, HC] and mm = z · fnᵀ [T, (2+HC)·HC] (z = the
-// token's HC·D streams in fp32; fp32_gemv):
+// the streams [.., HC, D], the previous site's pre (the first HC columns of pre [.., W]) and
+// mm = z · fnᵀ [.., (2+HC)·HC] (z = the token's HC·D streams in fp32; fp32_gemv):
 //   x = rms_norm(T(Σ_i pre[i] · stream_i), weight): the collapse in fp32 (FMAs in stream order)
 //     rounded to T as the reference holds it, then x · (1 / sqrt(mean(x²) + EPS)) · weight -> T;
 //   inv = 1 / sqrt(mean(z²) + NORM_EPS);  m = (mm · inv) · scale[part] + base
 //   pre' = sigmoid(m[0:HC]) + HC_EPS;  post = 2 · sigmoid(m[HC:2HC])
 //   comb = softmax over each row of m[2HC:] viewed [HC, HC], + HC_EPS; then Sinkhorn: columns,
 //   then (rows, columns) ITERS - 1 times, each x / (sum + HC_EPS).
-// out: [T, (2+HC)·HC] = pre' | post | comb (row-major, comb[i][j]: old stream i -> new stream j).
+// out: [.., (2+HC)·HC] = pre' | post | comb (row-major, comb[i][j]: old stream i -> new stream j);
+// x: [.., D].
 // THREADS threads (a multiple of 32, at most 1024): thread l reads dims l, l + THREADS, ... of
 // every stream, four dims' loads issued before they are summed (one memory round trip per pass at
 // Flash's D), and sums z² and x² in a fixed order; the collapse is recomputed for the output (the same operations give the same bits).
@@ -17,11 +18,11 @@
 // EPS_BITS, THREADS.
 const u32 lid = KX_LID_X, lane = KX_LANE, warp = KX_WARP;
 const u32 t = KX_TGID_X;
-const u32 D = streams_shape[2];
+const u32 D = streams_shape[streams_ndim - 1], pre_w = pre_shape[pre_ndim - 1];
 const u32 mix_width = (2 + HC) * HC;
 KX_SHARED(float, partials, 32);
 float p[HC];
-KX_UNROLL for (int i = 0; i < HC; i++) p[i] = pre[(u64)t * HC + i];
+KX_UNROLL for (int i = 0; i < HC; i++) p[i] = pre[(u64)t * pre_w + i];
 const u64 first = (u64)t * HC * D;
 float zsq = 0.0f, xsq = 0.0f;
 for (u32 d0 = lid; d0 < D; d0 += 4 * THREADS) {

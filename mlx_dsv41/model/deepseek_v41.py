@@ -38,7 +38,7 @@ from mlx_dsv41.model import compiled_step
 from mlx_dsv41.model.attention import Attention
 from mlx_dsv41.model.engram import Engram, RowSource
 from mlx_dsv41.model.engram_hash import CompressedTokenMap, EngramHashLayout
-from mlx_dsv41.model.hyper_connections import collapse_norm, expand, hc_site, initial_pre
+from mlx_dsv41.model.hyper_connections import collapse_norm, expand, hc_site, initial_mixes
 from mlx_dsv41.model.moe import MoE
 from mlx_dsv41.model.norm import RMSNorm
 
@@ -66,11 +66,12 @@ class Block(nn.Module):
         if args.role(layer_id).engram:
             self.engram = Engram(args)
 
-    def _site(self, streams: mx.array, pre: mx.array, site: str):
-        """(the site's input: its norm of the streams collapsed with `pre`, the site's mixes)."""
+    def _site(self, streams: mx.array, prev: mx.array, site: str):
+        """(the site's input: its norm of the streams collapsed with the pre of `prev`, the previous
+        site's mixes; this site's mixes)."""
         return hc_site(
             streams,
-            pre,
+            prev,
             getattr(self, f"{site}_norm").weight,
             self.norm_eps,
             getattr(self, f"hc_{site}_fn"),
@@ -84,23 +85,24 @@ class Block(nn.Module):
     def __call__(
         self,
         streams: mx.array,
-        pre: mx.array,
+        prev: mx.array,
         cache: LayerCache,
         shared: dict,
         engram_rows: mx.array | None = None,
         engram_live: mx.array | None = None,
     ) -> tuple[mx.array, mx.array]:
-        """streams [B, S, HC, D] bf16, pre [B, S, HC] fp32 (from the previous site) -> (streams, pre
-        for the next block's attention). Engram, if any, runs first (docs/model.md#top-level)."""
+        """streams [B, S, HC, D] bf16, prev [B, S, (2+HC)·HC] fp32 (the previous site's mixes, whose
+        pre this block's attention collapses with) -> (streams, the FFN site's mixes). Engram, if
+        any, runs first (docs/model.md#top-level)."""
         if engram_rows is not None:
             streams = self.engram(streams, engram_rows, engram_live)
         # Single-pass mHC (docs/model.md#mhc, docs/model.md#mhc-schedule): each site collapses with
-        # the previous site's pre.
-        x, (a_pre, a_post, a_comb) = self._site(streams, pre, "attn")
-        streams = expand(self.attn(x, cache, shared), streams, a_post, a_comb)
-        x, (f_pre, f_post, f_comb) = self._site(streams, a_pre, "ffn")
-        streams = expand(self.ffn(x), streams, f_post, f_comb)
-        return streams, f_pre
+        # the previous site's pre; a site's mixes are one array (post and comb read by expand).
+        x, attn_mixes = self._site(streams, prev, "attn")
+        streams = expand(self.attn(x, cache, shared), streams, attn_mixes)
+        x, ffn_mixes = self._site(streams, attn_mixes, "ffn")
+        streams = expand(self.ffn(x), streams, ffn_mixes)
+        return streams, ffn_mixes
 
 
 # Checkpoint tensors the text model never reads (docs/checkpoint.md#tensor-names;
@@ -291,15 +293,15 @@ class Model(nn.Module):
         B, S, D = h.shape
         hc = self.args.hc_mult
         streams = mx.broadcast_to(h[:, :, None, :], (B, S, hc, D))
-        pre = initial_pre(B, S, hc)
+        mixes = initial_mixes(B, S, hc)
         shared: dict = {}  # one per forward: sources publish compressed KV, index keys, top-k
         captured = []
         for i, (layer, layer_cache) in enumerate(zip(self.layers, caches)):
             if capture and i in self._capture_layers:
                 captured.append(mx.mean(streams.astype(mx.float32), axis=2).astype(streams.dtype))
-            streams, pre = layer(streams, pre, layer_cache, shared, rows.get(i), live)
-        # The last FFN site's pre (docs/model.md#head).
-        x = collapse_norm(streams, pre, self.norm.weight, self.args.rms_norm_eps)
+            streams, mixes = layer(streams, mixes, layer_cache, shared, rows.get(i), live)
+        # The last FFN site's pre (docs/model.md#head): the first columns of its mixes.
+        x = collapse_norm(streams, mixes, self.norm.weight, self.args.rms_norm_eps)
         logits = self.head(x.astype(mx.float32))
         # Evaluating the logits also materialises every cache array, so a long generation never
         # builds a lazy chain through state the logits do not read (e.g. pending groups).

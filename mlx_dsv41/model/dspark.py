@@ -39,7 +39,7 @@ from mlx_dsv41.kernels.sparse_attention import sparse_attention
 from mlx_dsv41.model import compiled_step
 from mlx_dsv41.model.attention import Attention
 from mlx_dsv41.model.deepseek_v41 import Block
-from mlx_dsv41.model.hyper_connections import collapse, initial_pre
+from mlx_dsv41.model.hyper_connections import collapse, initial_mixes
 from mlx_dsv41.model.norm import RMSNorm
 
 MAIN_X = "dspark.main_x"  # key of the shared dict: main_x rows of the positions the rings lack
@@ -191,10 +191,10 @@ def _draft_forward(model, rings: list[LayerCache], position: mx.array, rows: mx.
     noise = mx.full((B, S - 1), args.dspark_noise_token_id, dtype=mx.int32)
     h = model.embed(mx.concatenate([token[:, None], noise], axis=1))
     streams = mx.broadcast_to(h[:, :, None, :], (B, S, hc, h.shape[-1]))
-    pre = initial_pre(B, S, hc)
+    mixes = initial_mixes(B, S, hc)
     for stage, ring in zip(stages, rings):
-        streams, pre = stage(streams, pre, ring, shared)
-    z = collapse(streams, pre)  # the last stage's ffn pre; not normed (docs/dspark.md#output)
+        streams, mixes = stage(streams, mixes, ring, shared)
+    z = collapse(streams, mixes)  # with the last stage's ffn pre; not normed (docs/dspark.md#output)
     base = model.head(last.norm(z).astype(mx.float32))  # [B, S, V] fp32
     return _markov_chain(last, z, base, token, choose)
 

@@ -5,7 +5,8 @@ three mixes from the streams in fp32: `pre` (how the *next* site collapses the s
 input), `post` (how the site's output is spread over the streams) and `comb` (a doubly stochastic
 HC×HC stream mix, made by Sinkhorn). The lag is the V4.1 "single-pass" change: a site collapses
 with the `pre` computed at the site before it (docs/model.md#mhc-schedule); the Block does that
-bookkeeping: a site's input (its norm of the collapse) and its mixes come from one `hc_site` call.
+bookkeeping: a site's input (its norm of the collapse) and its mixes come from one `hc_site` call,
+the mixes as one array m = pre | post | comb [B, S, (2+HC)·HC] that the next ops read in place.
 
 The math and its kernels are in mlx_dsv41.kernels.hyper_connections (plain MLX on the CPU, one
 launch per op on a GPU); this module is the model's view of them.
@@ -17,10 +18,19 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dsv41 import graph_constants
-from mlx_dsv41.kernels.hyper_connections import collapse, collapse_norm, expand, mixes
+from mlx_dsv41.kernels.hyper_connections import collapse, collapse_norm, expand, expand_reference, mixes
 from mlx_dsv41.kernels.hyper_connections import site as hc_site
 
-__all__ = ["collapse", "collapse_norm", "expand", "hc_mixes", "hc_site", "initial_pre"]
+__all__ = [
+    "collapse",
+    "collapse_norm",
+    "expand",
+    "expand_reference",
+    "hc_mixes",
+    "hc_site",
+    "initial_mixes",
+    "initial_pre",
+]
 
 
 def hc_mixes(
@@ -39,8 +49,13 @@ def initial_pre(batch: int, length: int, hc: int) -> mx.array:
     return _one_hot_first(batch, length, hc)
 
 
+def initial_mixes(batch: int, length: int, hc: int) -> mx.array:
+    """What layer 0's first site reads as the previous site's mixes: the one-hot pre, then zeros."""
+    return _one_hot_first(batch, length, (2 + hc) * hc)
+
+
 @graph_constants.constant
-def _one_hot_first(batch: int, length: int, hc: int) -> np.ndarray:
-    pre = np.zeros((batch, length, hc), np.float32)
+def _one_hot_first(batch: int, length: int, width: int) -> np.ndarray:
+    pre = np.zeros((batch, length, width), np.float32)
     pre[..., 0] = 1.0
     return pre

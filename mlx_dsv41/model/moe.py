@@ -12,14 +12,6 @@ from mlx_dsv41.kernels.moe_route import route
 from mlx_dsv41.quant import DenseExperts, swiglu_mlp
 
 
-def sum_slots(slots: mx.array) -> mx.array:
-    """Per-slot outputs [T, k, D] fp32 -> [T, D], summed in slot order (the reference's order)."""
-    out = slots[:, 0]
-    for s in range(1, slots.shape[1]):
-        out = out + slots[:, s]
-    return out
-
-
 class Gate(nn.Module):
     """Router: `weight [E, D]` (held as stored, bf16; its logits are fp32), `bias [E]` fp32 (used only
     to choose experts)."""
@@ -49,9 +41,10 @@ class SharedExpert(nn.Module):
         self.w3 = nn.Linear(d, inter, bias=False)
         self.w2 = nn.Linear(inter, d, bias=False)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        """x [T, D] -> [T, D] in x.dtype."""
-        return swiglu_mlp(x, self.w1, self.w3, self.w2, self.limit)
+    def __call__(self, x: mx.array, routed: mx.array | None = None) -> mx.array:
+        """x [T, D] -> [T, D] in x.dtype; with the routed slots [T, k, D] fp32, the MoE's output
+        (quant.combine_moe: on a GPU the shared expert's last launch adds them)."""
+        return swiglu_mlp(x, self.w1, self.w3, self.w2, self.limit, routed)
 
 
 class MoE(nn.Module):
@@ -78,5 +71,4 @@ class MoE(nn.Module):
         else:
             slots = self.exchange(self.experts, flat, indices, weights)
         # fp32 sum in slot order, then the shared expert (the reference's accumulation order).
-        out = sum_slots(slots) + self.shared_experts(flat).astype(mx.float32)
-        return out.astype(x.dtype).reshape(x.shape)
+        return self.shared_experts(flat, routed=slots).reshape(x.shape)

@@ -32,7 +32,7 @@ from mlx_dsv41.kernels import fp32_linear
 from mlx_dsv41.quant import official
 from mlx_dsv41.quant.dense import DenseExperts
 from mlx_dsv41.quant.errors import FormatError
-from mlx_dsv41.quant.experts import check_expert_range, expert_projections, swiglu
+from mlx_dsv41.quant.experts import check_expert_range, combine_moe, expert_projections, swiglu
 from mlx_dsv41.quant.mx_experts import MXExperts, MXProjection
 from mlx_dsv41.quant.official import MODES as MX_MODES
 
@@ -225,16 +225,20 @@ def make_grouped_linear(
     return lin
 
 
-def swiglu_mlp(x: mx.array, w1: nn.Module, w3: nn.Module, w2: nn.Module, limit: float) -> mx.array:
+def swiglu_mlp(
+    x: mx.array, w1: nn.Module, w3: nn.Module, w2: nn.Module, limit: float, routed: mx.array | None = None
+) -> mx.array:
     """w2(swiglu(w1(x), w3(x))) in x.dtype (the shared expert, docs/model.md#moe), each linear of
-    its own format; three EXL3 linears take the EXL3 path (fused expert kernels on a GPU)."""
+    its own format; with ``routed`` (the routed slots [T, k, D] fp32) the MoE's output
+    (`combine_moe`). Three EXL3 linears take the EXL3 path (fused expert kernels on a GPU, the
+    combine in the last of them)."""
     if "mlx_dsv41.exl3" in sys.modules:  # only a model holding EXL3 tensors has imported it
         from mlx_dsv41 import exl3
         from mlx_dsv41.exl3 import ops as exl3_ops
 
         if all(isinstance(w, exl3.EXL3Linear) for w in (w1, w3, w2)):
-            return exl3_ops.swiglu_mlp(x, w1, w3, w2, limit)
-    return w2(swiglu(w1(x), w3(x), limit, dtype=x.dtype))
+            return exl3_ops.swiglu_mlp(x, w1, w3, w2, limit, routed)
+    return combine_moe(routed, w2(swiglu(w1(x), w3(x), limit, dtype=x.dtype)))
 
 
 def make_experts(

@@ -74,3 +74,20 @@ def check_routing(x: mx.array, indices: mx.array, weights: mx.array, dim: int) -
         raise ValueError(f"experts: indices must be int32, got {indices.dtype}")
     if weights.shape != indices.shape or weights.dtype != mx.float32:
         raise ValueError(f"experts: weights must be float32 {indices.shape}, got {weights.dtype} {weights.shape}")
+
+
+def sum_slots(slots: mx.array) -> mx.array:
+    """Per-slot outputs [T, k, D] fp32 -> [T, D], summed in slot order (the reference's order)."""
+    out = slots[:, 0]
+    for s in range(1, slots.shape[1]):
+        out = out + slots[:, s]
+    return out
+
+
+def combine_moe(routed: mx.array | None, shared: mx.array) -> mx.array:
+    """The MoE's output (docs/model.md#moe) from the routed slots [T, k, D] fp32 and the shared
+    expert's output [T, D]: the fp32 sum in slot order, then the shared expert (the reference's
+    accumulation order), in the shared output's dtype. Without routed slots: the shared output."""
+    if routed is None:
+        return shared
+    return (sum_slots(routed) + shared.astype(mx.float32)).astype(shared.dtype)

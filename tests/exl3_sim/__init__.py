@@ -98,6 +98,7 @@ int main(int argc, char** argv) {
     for (u32 d = 0; d < ndim; d++) s[d] = sim_read<int32_t>();
     sim_in.push_back(sim_read_guarded(sim_read<u64>()));
     sim_shape.push_back(s);
+    sim_ndim.push_back((int)ndim);
   }
   const u32 n_out = sim_read<u32>();
   for (u32 i = 0; i < n_out; i++) {
@@ -151,17 +152,23 @@ def _source(specs, mma: bool) -> str:
         if kernel.name in bodies:
             continue
         decls, _ = _signature(kernel, call)
-        params = [f"const T_{n}* {n}, const Shape {n}_shape" for n in kernel.input_names]
+        params = [f"const T_{n}* {n}, const Shape {n}_shape, const int {n}_ndim" for n in kernel.input_names]
         params += [f"T_{n}* {n}" for n in kernel.output_names]
         bodies[kernel.name] = (
             f"template <{', '.join(decls)}>\nstatic void sim_body_{kernel.name}({', '.join(params)}) {{\n"
             f"{metal_ext.body(kernel.name)}\n}}\n"
         )
     parts += bodies.values()
-    parts.append("static std::vector<void*> sim_in, sim_out;\nstatic std::vector<Shape> sim_shape;\n")
+    parts.append(
+        "static std::vector<void*> sim_in, sim_out;\nstatic std::vector<Shape> sim_shape;\n"
+        "static std::vector<int> sim_ndim;\n"
+    )
     for i, (kernel, call) in enumerate(specs):
         _, args = _signature(kernel, call)
-        call_args = [f"(const {_C_TYPES[a.dtype]}*)sim_in[{j}], sim_shape[{j}]" for j, a in enumerate(call["inputs"])]
+        call_args = [
+            f"(const {_C_TYPES[a.dtype]}*)sim_in[{j}], sim_shape[{j}], sim_ndim[{j}]"
+            for j, a in enumerate(call["inputs"])
+        ]
         call_args += [f"({_C_TYPES[d]}*)sim_out[{j}]" for j, d in enumerate(call["output_dtypes"])]
         parts.append(
             f"static void sim_spec_{i}() {{ sim_body_{kernel.name}<{', '.join(args)}>({', '.join(call_args)}); }}"

@@ -115,6 +115,7 @@ inline T sim_shuffle_to(T v, u32 src_lane) {
 #define KX_ROPE_COS(x) std::cos((float)(x))
 #define KX_ROPE_SIN(x) std::sin((float)(x))
 #define KX_ROPE_INV(p) ((float)(1.0 / (double)(p)))
+#define KX_SCALAR(x) ((x)[0])
 #define KX_SQRT(x) std::sqrt((float)(x))
 #define KX_FMAX(a, b) std::fmaxf((a), (b))
 #define KX_RINT(x) std::nearbyint((float)(x))  // the default rounding mode: half to even

@@ -411,3 +411,44 @@ def test_grouped_linear_on_the_gpu_matches_each_group_and_its_contract():
             **launch.input_args(x.reshape(4 * groups, d_in), indices, layer.proj, 0, guard=2, init_value=7.0)
         )[0]
         assert np.all(to_np(xh)[4 * groups :] == 7) and not np.any(to_np(xh)[: 4 * groups] == 7)
+
+
+# ------------------------------------------------------------------------------ shared expert + MoE combine
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_shared_expert_adds_the_routed_slots_in_the_moes_order(T):
+    """The shared expert's last launch adding the routed slots (exl3_expert_down_finish with ADD) gives
+    the bytes of the MoE's MLX combine on the same GPU (fp32 sum in slot order, + the shared output,
+    one bf16 rounding: quant.combine_moe); poisoned guard rows stay untouched; five repeats agree."""
+    from mlx_dsv41.quant.experts import combine_moe
+
+    D, inter, k = 256, 384, 6
+    lin = {
+        name: EXL3Linear.from_stored(random_linear_tensors(i, o, 3, seed=s, prefix="p"), "p", i, o)
+        for name, i, o, s in (("w1", D, inter, 1), ("w3", D, inter, 2), ("w2", inter, D, 3))
+    }
+    rng = np.random.default_rng(T)
+    x = mx.array(rng.normal(0, 1, (T, D)).astype(np.float32)).astype(mx.bfloat16)
+    routed = mx.array(rng.normal(0, 0.5, (T, k, D)).astype(np.float32)).astype(mx.bfloat16).astype(mx.float32)
+    fused = ops.swiglu_mlp(x, lin["w1"], lin["w3"], lin["w2"], 10.0, routed)
+    alone = ops.swiglu_mlp(x, lin["w1"], lin["w3"], lin["w2"], 10.0)
+    want = combine_moe(routed, alone)
+    assert fused.dtype == mx.bfloat16 and fused.shape == (T, D)
+    assert same_bytes([to_np(fused), to_np(want)])
+    assert np.count_nonzero(to_np(fused)) > fused.size // 2
+    projections = [lin[n].as_single_expert() for n in ("w1", "w3", "w2")]
+    one = mx.zeros((T, 1), mx.int32)
+    gu = launch.EXPERT_GATE_UP(
+        **launch.gate_up_args(
+            x, one, projections[0], projections[1], launch.gate_up_keys(projections[0], projections[1])[0], 0
+        )
+    )[0]
+    xh = launch.EXPERT_SWIGLU(**launch.swiglu_args(gu, mx.ones((T, 1)), one, *projections, 0, 10.0))[0]
+    partial = None
+    for group in projections[2].groups:
+        partial = launch.EXPERT_DOWN(**launch.down_args(xh, one, projections[2], group, 0, prev=partial))[0]
+    call = launch.down_finish_args(partial, one, projections[2], 0, 1, NAN, mx.bfloat16, add=routed)
+    runs = [to_np(launch.EXPERT_DOWN_FINISH(**call)[0]) for _ in range(5)]
+    assert same_bytes(runs) and np.all(np.isnan(runs[0][T:]))
+    assert same_bytes([runs[0][:T], to_np(fused)])

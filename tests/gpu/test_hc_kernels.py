@@ -127,7 +127,8 @@ def test_expand_contract():
     y = mx.array(rng.standard_normal((6, D)).astype(np.float32)).astype(mx.bfloat16)
     post = mx.array(rng.uniform(0, 2, (6, HC)).astype(np.float32))
     comb = mx.array(rng.uniform(0, 1, (6, HC * HC)).astype(np.float32))
-    call = lambda: np.array(hc.EXPAND(**hc.expand_args(y, s, post, comb, NAN, 2))[0].astype(mx.float32))  # noqa: E731
+    m = mx.concatenate([mx.zeros((6, HC)), post, comb], axis=-1)  # the site's mixes: pre | post | comb
+    call = lambda: np.array(hc.EXPAND(**hc.expand_args(y, s, m, NAN, 2))[0].astype(mx.float32))  # noqa: E731
     runs = [call() for _ in range(5)]
     assert all(_same_bytes(r, runs[0]) for r in runs) and np.all(np.isnan(runs[0][6:]))
     c = f64(comb).reshape(6, HC, HC)
@@ -147,7 +148,8 @@ def test_ops_on_the_model_shapes_match_the_mlx_reference():
     w = mx.ones((D,), mx.bfloat16)
     x, xr = hc.collapse_norm(s4, got[0], w, NORM_EPS), hc.collapse_norm_reference(s4, got[0], w, NORM_EPS)
     assert x.shape == (2, 3, D) and np.mean(f64(x) == f64(xr)) > 0.98
-    e, er = hc.expand(x, s4, got[1], got[2]), hc.expand_reference(x, s4, got[1], got[2])
+    m = mx.concatenate([got[0], got[1], got[2].reshape(2, 3, HC * HC)], axis=-1)
+    e, er = hc.expand(x, s4, m), hc.expand_reference(x, s4, got[1], got[2])
     assert e.shape == s4.shape and np.mean(f64(e) == f64(er)) > 0.99
 
 
@@ -189,9 +191,11 @@ def test_site_is_the_block_s_collapse_norm_and_mixes():
     s4 = s.reshape(2, 3, HC, D)
     pre, w = _site_norm(6)
     pre = pre.reshape(2, 3, HC)
-    x, mixed = hc.site(s4, pre, w, NORM_EPS, fn, base, scale, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    prev = mx.concatenate([pre, mx.ones((2, 3, (1 + HC) * HC))], axis=-1)  # a previous site's mixes
+    x, m = hc.site(s4, prev, w, NORM_EPS, fn, base, scale, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    assert m.shape == (2, 3, (2 + HC) * HC)
     ref = hc.mixes_reference(s4, fn, base, scale, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
-    for g, r in zip(mixed, ref):
+    for g, r in zip(hc.split(m, HC), ref):
         np.testing.assert_allclose(np.array(g), np.array(r), rtol=0, atol=1e-5)
     xr = hc.collapse_norm_reference(s4, pre, w, NORM_EPS)
     assert x.shape == (2, 3, D) and np.mean(f64(x) == f64(xr)) > 0.98
