@@ -43,11 +43,12 @@ export LOGS
 export -f graphs
 # GPU_TESTS: the files (or pytest node ids) the tests stage runs, GPU_JOBS at a time (default: the
 # files that cover this session's kernels and the token path)
-TESTS=${GPU_TESTS:-"tests/gpu/test_rope_gpu.py tests/gpu/test_hc_kernels.py tests/gpu/test_fake_quant_gpu.py
-tests/gpu/test_model_gpu.py tests/gpu/test_compiled_step_gpu.py
-tests/gpu/test_exl3_kernels.py::test_shared_expert_adds_the_routed_slots_in_the_moes_order
-tests/gpu/test_exl3_kernels.py::test_grouped_linear_on_the_gpu_matches_each_group_and_its_contract
-tests/gpu/test_exl3_kernels.py::test_gemv_rows_and_splits"}
+TESTS=${GPU_TESTS:-"tests/gpu/test_rope_gpu.py tests/gpu/test_hc_kernels.py tests/gpu/test_model_gpu.py
+tests/gpu/test_compiled_step_gpu.py
+tests/gpu/test_exl3_kernels.py::test_a_k_split_gemv_finishes_itself_with_the_two_launch_bytes
+tests/gpu/test_exl3_kernels.py::test_linear_dispatch
+tests/gpu/test_exl3_kernels.py::test_gemv_rows_and_splits
+tests/gpu/test_exl3_kernels.py::test_gemv_row_bytes_do_not_depend_on_the_other_rows"}
 
 run() {  # run NAME: one stage
   case $1 in
@@ -71,9 +72,10 @@ run() {  # run NAME: one stage
     dspark) stage dspark 170 python3 benchmarks/bench_model.py --quick --dspark-only --verify-k 4 --skip-mlx-lm --out "$LOGS" ;;
     # prefill with auto's kernels, three timed passes per size (issue 17 item 2)
     prefill) stage prefill 150 python3 benchmarks/bench_model.py --skip-mlx-lm --prefill 2048 8192 --repeats 3 --out "$LOGS" ;;
-    # decode, Flash-shaped, beside mlx-lm (issue 16); again with every dense EXL3 linear in one launch
+    # decode, Flash-shaped, beside mlx-lm (issue 16); again with k-split EXL3 linears finished by
+    # exl3_gemv_out (two launches each) instead of by their own last threadgroup
     decode) stage decode 330 python3 benchmarks/bench_model.py --quick --no-dspark --out "$LOGS" \
-      --exl3-tuning dense_single_blocks=1 ;;
+      --exl3-tuning finish_splits=0 ;;
     # decode from the pruned and from the whole kernel sources, one process (issue 16)
     pruning) stage pruning 300 python3 benchmarks/bench_model.py --quick --no-dspark --skip-mlx-lm \
       --whole-kernel-sources --out "$LOGS/pruning" ;;

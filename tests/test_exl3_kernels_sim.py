@@ -305,7 +305,8 @@ def test_launch_constants_are_template_values():
     t = random_linear_tensors(256, 256, 3, "mul1", seed=1)
     gemv = launch.gemv_args(x, mx.array(t["trellis"]), mx.array(t["suh"]), mx.array(t["svh"]), "mul1", splits=2)
     assert dict(gemv[0]["template"])["PER_SPLIT"] == 1
-    assert len(gemv[0]["inputs"]) == len(launch.GEMV.input_names) == 5  # x, suh, trellis, svh, bias
+    # x, suh, trellis, svh, bias and the FINISH counters (a constant stand-in without FINISH)
+    assert len(gemv[0]["inputs"]) == len(launch.GEMV.input_names) == 6
     assert float_bits(0.5) == 0x3F000000
     with pytest.raises(ValueError, match="sign bit set"):
         float_bits(-1.0)
@@ -425,3 +426,36 @@ def test_the_shared_experts_finish_adds_the_routed_slots_in_slot_order():
         acc = (acc + r[:, s]).astype(np.float32)
     want = (acc + y[:-1]).astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
     assert np.array_equal(combined[:-1], want) and np.count_nonzero(want) > want.size // 2
+
+
+@pytest.mark.parametrize("m, splits", [(1, 3), (2, 8), (5, 5)])
+def test_a_k_split_gemv_that_finishes_itself_gives_the_two_launch_bytes(monkeypatch, m, splits):
+    """exl3_gemv with FINISH (CUDA's one launch for a k-split linear): the last threadgroup of each
+    column block adds the splits with exl3_gemv_out's operations (exl3_finish_row), so y is the
+    bytes of exl3_gemv + exl3_gemv_out; the partial sums are the same too."""
+    monkeypatch.setattr(launch, "backend", lambda: "cuda")
+    t = random_linear_tensors(1024, 384, 3, "mul1", seed=m, bias=True)
+    trellis, suh, svh, bias = (mx.array(t[k]) for k in ("trellis", "suh", "svh", "bias"))
+    x = mx.array(np.random.default_rng(m).normal(0, 1, (m, 1024)).astype(np.float32)).astype(mx.bfloat16)
+    two = launch.gemv_args(x, trellis, suh, svh, "mul1", bias.astype(mx.float16), mx.bfloat16, splits=splits)
+    one = launch.gemv_args(
+        x,
+        trellis,
+        suh,
+        svh,
+        "mul1",
+        bias.astype(mx.float16),
+        mx.bfloat16,
+        splits=splits,
+        counters=launch.split_counters(3),
+    )
+    assert len(two) == 2 and len(one) == 1 and dict(one[0]["template"])["FINISH"]
+    shape = two[0]["output_shapes"][0]
+    two[1]["inputs"][0] = mx.zeros(shape, mx.float32)  # the partial sums' place (filled in below)
+    program = exl3_sim.build([(launch.GEMV, two[0]), (launch.GEMV_OUT, two[1]), (launch.GEMV, one[0])], mma=False)
+    partial = program.run(0)[0]
+    y_two = program.run(1, with_input(two[1], "partial", mx.array(partial), launch.GEMV_OUT))[0]
+    partial_one, y_one = program.run(2)
+    assert np.array_equal(partial_one.view(np.uint32), partial.view(np.uint32))
+    assert np.array_equal(y_one.view(np.uint16), y_two.view(np.uint16))
+    assert np.count_nonzero(y_one.astype(np.float32)) > y_one.size // 2

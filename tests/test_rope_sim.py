@@ -22,17 +22,25 @@ from mlx_dsv41.kernels import fake_quant as fqk
 from mlx_dsv41.kernels import rope as rope_kernel
 from mlx_dsv41.model import fake_quant as fq
 from mlx_dsv41.model import rope as rope_module
+from mlx_dsv41.model.norm import RMSNorm
 from mlx_dsv41.model.rope import RoPE
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel simulator needs g++")
 
-USES = {  # name: (shape, input dtype, step, inverse, then)
-    "queries": ((1, 3, 4, 128), mx.bfloat16, 1, False, None),
-    "window_kv": ((2, 3, 128), mx.bfloat16, 1, False, fq.WINDOW_KV),
-    "output": ((1, 3, 4, 128), mx.float32, 1, True, None),
-    "compressed_kv": ((1, 2, 128), mx.bfloat16, 4, False, fq.COMPRESSED_KV),
-    "indexer_q": ((1, 2, 4, 64), mx.bfloat16, 1, False, fq.INDEXER),
+USES = {  # name: (shape, input dtype, step, inverse, then, normed)
+    "queries": ((1, 3, 4, 128), mx.bfloat16, 1, False, None, False),
+    "window_kv": ((2, 3, 128), mx.bfloat16, 1, False, fq.WINDOW_KV, True),
+    "output": ((1, 3, 4, 128), mx.float32, 1, True, None, False),
+    "compressed_kv": ((1, 2, 128), mx.bfloat16, 4, False, fq.COMPRESSED_KV, False),
+    "indexer_q": ((1, 2, 4, 64), mx.bfloat16, 1, False, fq.INDEXER, False),
+    "index_keys": ((1, 3, 64), mx.bfloat16, 4, False, fq.INDEXER, True),
 }
+
+
+def _norm(width: int):
+    norm = RMSNorm(width, 1e-20)
+    norm.weight = mx.array((1 + 0.1 * np.random.default_rng(width).standard_normal(width)).astype(np.float32))
+    return norm
 
 
 def _x(shape, dtype, seed=0):
@@ -52,11 +60,12 @@ def _np(a):
 @pytest.mark.parametrize("use", sorted(USES))
 @pytest.mark.parametrize("yarn", [None, FLASH_YARN])
 def test_the_kernel_gives_the_cpu_path_within_one_rounding(monkeypatch, use, yarn):
-    shape, dtype, step, inverse, then = USES[use]
-    rope = RoPE(64, 10000.0 if yarn is None else 160000.0, yarn)
+    shape, dtype, step, inverse, then, normed = USES[use]
+    rope = RoPE(min(64, shape[-1]), 10000.0 if yarn is None else 160000.0, yarn)
     x, offset = _x(shape, dtype), mx.array(4093, mx.int32)
-    cpu = _np(rope(x, offset, step=step, inverse=inverse, dtype=mx.bfloat16, then=then))
-    plain_cpu = _np(rope(x, offset, step=step, inverse=inverse, dtype=mx.bfloat16))
+    kw = dict(step=step, inverse=inverse, dtype=mx.bfloat16, norm=_norm(shape[-1]) if normed else None)
+    cpu = _np(rope(x, offset, then=then, **kw))
+    plain_cpu = _np(rope(x, offset, **kw))
     monkeypatch.setattr(rope_module, "backend", lambda: "cuda")
     monkeypatch.setattr(fq, "backend", lambda: "cuda")
     calls = []
@@ -67,13 +76,16 @@ def test_the_kernel_gives_the_cpu_path_within_one_rounding(monkeypatch, use, yar
         return sims[self.name](**call)
 
     monkeypatch.setattr(type(rope_kernel.ROPE), "__call__", run_on_sim)
-    got = _np(rope(x, offset, step=step, inverse=inverse, dtype=mx.bfloat16, then=then))
-    plain = rope(x, offset, step=step, inverse=inverse, dtype=mx.bfloat16)
-    assert calls == ["rope", "rope"]  # one launch each, the cast and the quantization included
-    # the rotation: within one bf16 rounding of the CPU path; the leading features pass unchanged
-    np.testing.assert_allclose(_np(plain), plain_cpu, rtol=2**-7, atol=1e-30)
-    lead = _np(x.astype(mx.bfloat16))[..., :-64]
-    assert np.array_equal(_bits(_np(plain)[..., :-64]), _bits(lead))
+    got = _np(rope(x, offset, then=then, **kw))
+    plain = rope(x, offset, **kw)
+    assert calls == ["rope", "rope"]  # one launch each: the cast, the norm, the quantization included
+    # the rotation (and norm): within a bf16 rounding or two of the CPU path, relative to the pair
+    p, pc = _np(plain), plain_cpu
+    scale = np.repeat(np.abs(pc[..., 0::2]) + np.abs(pc[..., 1::2]), 2, axis=-1)
+    assert np.all(np.abs(p - pc) <= 2**-7 * scale + 1e-30)
+    if not normed:  # the leading features pass unchanged
+        lead = _np(x.astype(mx.bfloat16))[..., : shape[-1] - 64]
+        assert np.array_equal(_bits(p[..., : shape[-1] - 64]), _bits(lead))
     if then is None:
         assert np.array_equal(_bits(got), _bits(_np(plain)))
         return
@@ -107,3 +119,28 @@ def test_refusals():
     assert rope_kernel.refusal(mx.zeros((2, 64)), None) is not None
     assert rope_kernel.refusal(mx.zeros((2, 3, 63)), None) is not None
     assert rope_kernel.refusal(mx.zeros((2, 3, 48)), (32, fqk.FP8_UE8M0)) is not None
+
+
+def test_the_norm_is_hc_collapse_norms_for_one_stream():
+    """NORM gives the bytes of the launches it replaces: hc_collapse_norm over one stream (the
+    model's RMSNorm on a GPU), then the rope kernel on its output."""
+    from mlx_dsv41.kernels import hyper_connections as hc
+
+    x = _x((2, 3, 512), mx.bfloat16, seed=3)
+    norm = _norm(512)
+    periods, offset = RoPE(64, 10000.0)._whole_width(512), mx.array(40, mx.int32)
+    one = mx.ones((2, 3, 1), mx.float32)
+    specs = [
+        (hc.COLLAPSE_NORM, hc.collapse_norm_args(x, one, norm.weight, 1e-20, hc=1)),
+        (rope_kernel.ROPE, rope_kernel.args(x, offset, periods, mx.bfloat16, 1, False, (32, fqk.FP8_UE8M0))),
+        (
+            rope_kernel.ROPE,
+            rope_kernel.args(x, offset, periods, mx.bfloat16, 1, False, (32, fqk.FP8_UE8M0), (norm.weight, 1e-20)),
+        ),
+    ]
+    program = exl3_sim.build(specs, mma=False)
+    (normed,) = program.run(0)
+    (two_launches,) = program.run(1, dict(specs[1][1], inputs=[mx.array(normed), *specs[1][1]["inputs"][1:]]))
+    (one_launch,) = program.run(2)
+    assert np.array_equal(_bits(one_launch), _bits(two_launches))
+    assert np.count_nonzero(one_launch.astype(np.float32)) > one_launch.size // 2

@@ -86,7 +86,7 @@ def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, ou
     if bias is not None and bias.shape[0] != n:  # the kernels read a bias as long as the padded outputs
         bias = reference.pad_features(bias[None], n)[0]
     if m <= GEMV_MAX_ROWS:
-        y = launch.run_gemv(x, trellis, suh, svh, codebook, bias, out_dtype)
+        y = launch.run_gemv(x, trellis, suh, svh, codebook, bias, out_dtype, _split_counters(owner, n))
         return y if out_features == n else y[..., :out_features]
     # Prefill: W̃ once per call, then the exact product with fp32 sums between the two transforms
     # (docs/exl3.md#many-row-gemm): an fp16 GEMM would round its sums to fp16 before the output
@@ -97,6 +97,17 @@ def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, ou
         x.reshape(m, -1), suh[None], svh[None], zeros, product_by_span(w[None], None), out_dtype, bias=bias
     )
     return (y if out_features == n else y[:, :out_features]).reshape(*lead, out_features)
+
+
+def _split_counters(owner, n: int):
+    """The exl3_gemv FINISH counters of the linear `owner` (made once, kept on it; fresh for a call
+    without an owner): scratch that every launch leaves at 0 (kernels.exl3.gemv_args)."""
+    if owner is None:
+        return launch.split_counters(n // BLOCK)
+    counters = getattr(owner, "_split_counters", None)
+    if counters is None:
+        counters = owner._split_counters = launch.split_counters(n // BLOCK)
+    return counters
 
 
 def _check_experts_args(x, indices, weights, w1):

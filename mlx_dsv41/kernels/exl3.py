@@ -74,7 +74,8 @@ class Tuning:
     adjacent tile columns of the threadgroup's 8, so warps * nc / 8 k groups share each tile column. ``ring_words`` of
     threadgroup memory hold the trellis ring: as many 128-blocks in flight as fit (2 to 4). A
     dense launch with fewer than ``dense_single_blocks`` 128-column output blocks splits k until
-    it has ``dense_split_warps`` SIMD groups (then exl3_gemv_out finishes it); exl3_expert_gate_up
+    it has ``dense_split_warps`` SIMD groups; its last threadgroup per column block then finishes
+    it where the backend allows and ``finish_splits`` is 1, else exl3_gemv_out does; exl3_expert_gate_up
     and exl3_expert_down split k until they have ``gate_up_split_warps`` / ``down_split_warps``
     for ``plan_slots`` slots, whatever the call's slot count (see expert_plan).
     """
@@ -86,6 +87,7 @@ class Tuning:
     ring_words: int = 6144
     dense_split_warps: int = 2112  # 132 SMs x 16
     dense_single_blocks: int = 128
+    finish_splits: int = 1  # 1: a k-split exl3_gemv finishes itself (FINISH) where GRID_FINISH allows
     gate_up_split_warps: int = 6336  # 132 SMs x 48
     down_split_warps: int = 12672  # 132 SMs x 96
     plan_slots: int = 6  # slots the expert k splits are planned for (Flash top-k)
@@ -152,8 +154,8 @@ RECONSTRUCT = register(
 GEMV = register(
     Kernel(
         "exl3_gemv",
-        ("x", "suh", "trellis", "svh", "bias"),
-        ("out",),
+        ("x", "suh", "trellis", "svh", "bias", "counters"),
+        ("out", "y"),
         includes=_HEADERS,
         max_threads=512,
         examples=lambda: _example_gemv(),
@@ -292,6 +294,27 @@ def reconstruct_args(trellis, codebook: str, guard_rows: int = 0, init_value=Non
     )
 
 
+# Backends on which a launch's last threadgroup may finish the others' work (KX_HAS_GRID_FINISH).
+GRID_FINISH = {"cuda": True, "metal": False}
+
+
+def _grid_finish(t: Tuning) -> bool:
+    """Whether exl3_gemv may finish its own k splits here (the backend, and exl3_gemv_out's 8 SIMD
+    groups, whose order of sums the FINISH path repeats)."""
+    return t.warps == 8 and GRID_FINISH.get(backend(), False)
+
+
+@graph_constants.constant
+def _no_counters() -> np.ndarray:
+    return np.zeros(1, np.uint32)
+
+
+def split_counters(n_blocks: int) -> mx.array:
+    """A linear's exl3_gemv FINISH counters: uint32 zeros, one per 128-column block (made from host
+    data, so a compiled step holds them as a constant; each launch leaves them at 0)."""
+    return mx.array(np.zeros(n_blocks, np.uint32))
+
+
 def _rows_out(x, n: int, guard_rows: int) -> tuple:
     """The output of x [..., in]'s rows: [..., n], or [m + guard_rows, n] with guard rows (tests)."""
     return (*x.shape[:-1], n) if not guard_rows else (math.prod(x.shape[:-1]) + guard_rows, n)
@@ -309,11 +332,14 @@ def gemv_args(
     tuning=None,
     guard_rows: int = 0,
     init_value=None,
+    counters=None,
 ) -> list[dict]:
     """Call kwargs of exl3_gemv (and exl3_gemv_out when k is split) for x [..., in] (rows in order,
     not reshaped: y is [..., n]); the second call's partial input is filled in by the caller.
     Tests: ``splits`` / ``tuning`` override the plan; ``guard_rows`` adds never-written rows to y
-    ([m + guard_rows, n]; splits to the partial sums)."""
+    ([m + guard_rows, n]; splits to the partial sums). With ``counters`` (uint32 [n / 128], zeros:
+    `split_counters`) a k-split launch finishes itself where the backend can (FINISH: one call,
+    y its second output); otherwise exl3_gemv_out does (two calls)."""
     t = tuning or TUNING
     k2 = _k2(trellis)
     m = math.prod(x.shape[:-1])
@@ -323,12 +349,18 @@ def gemv_args(
     splits, per_split = dense_plan(k_blocks, n_blocks, t) if splits is None else _even_splits(k_blocks, splits)
     out_dtype = out_dtype or x.dtype
     fused = splits == 1
+    finish_here = not fused and counters is not None and t.finish_splits and _grid_finish(t)
+    if counters is not None and counters.shape != (n_blocks,):
+        raise ValueError(f"exl3 gemv: counters must be uint32 [{n_blocks}], got {counters.shape}")
     has_bias = bias is not None
     bias_in = bias if has_bias else svh
     gemv = dict(
-        inputs=[x, suh, trellis, svh, bias_in],
-        output_shapes=[_rows_out(x, n, guard_rows) if fused else (splits + guard_rows, m, n)],
-        output_dtypes=[out_dtype if fused else mx.float32],
+        inputs=[x, suh, trellis, svh, bias_in, counters if finish_here else _no_counters()],
+        output_shapes=[
+            _rows_out(x, n, guard_rows) if fused else (splits + guard_rows, m, n),
+            _rows_out(x, n, guard_rows) if finish_here else (1,),
+        ],
+        output_dtypes=[out_dtype if fused else mx.float32, out_dtype if finish_here else mx.float32],
         grid=(n_blocks * _LANES * t.warps, splits, 1),
         threadgroup=(_LANES * t.warps, 1, 1),
         template=[
@@ -337,24 +369,29 @@ def gemv_args(
             ("M", rows_t),
             *t.template(t.warps, k2, rows_t, per_split, backend()),
             ("FUSED", fused),
+            ("FINISH", finish_here),
             ("HAS_BIAS", has_bias),
-            ("OUT", _OUT_KIND[out_dtype] if fused else 0),
+            ("OUT", _OUT_KIND[out_dtype] if fused or finish_here else 0),
             ("PER_SPLIT", per_split),
         ],
         init_value=init_value,
     )
-    if fused:
+    if fused or finish_here:
         return [gemv]
-    finish = dict(
-        inputs=[None, svh, bias_in],
-        output_shapes=[_rows_out(x, n, guard_rows)],
+    return [gemv, _gemv_out_args(x, svh, bias, out_dtype, n_blocks, guard_rows, init_value)]
+
+
+def _gemv_out_args(x, svh, bias, out_dtype, n_blocks: int, guard_rows: int, init_value) -> dict:
+    """exl3_gemv_out call kwargs (its partial input filled in by the caller)."""
+    return dict(
+        inputs=[None, svh, svh if bias is None else bias],
+        output_shapes=[_rows_out(x, n_blocks * BLOCK, guard_rows)],
         output_dtypes=[out_dtype],
-        grid=(n_blocks * 8 * _LANES, m, 1),
+        grid=(n_blocks * 8 * _LANES, math.prod(x.shape[:-1]), 1),
         threadgroup=(8 * _LANES, 1, 1),
-        template=[("HAS_BIAS", has_bias), ("OUT", _OUT_KIND[out_dtype])],
+        template=[("HAS_BIAS", bias is not None), ("OUT", _OUT_KIND[out_dtype])],
         init_value=init_value,
     )
-    return [gemv, finish]
 
 
 def expert_plan(w1, tuning: Tuning | None = None) -> tuple[int, int]:
@@ -528,11 +565,13 @@ def _group(proj, key):
 # ------------------------------------------------------------------------------------ launches
 
 
-def run_gemv(x, trellis, suh, svh, codebook: str, bias, out_dtype) -> mx.array:
-    """exl3_gemv, and exl3_gemv_out when k is split: y [..., n] for x [..., in] of at most
-    GEMV_MAX_ROWS rows (bias, if any, padded to n)."""
-    calls = gemv_args(x, trellis, suh, svh, codebook, bias, out_dtype)
-    out = GEMV(**calls[0])[0]
+def run_gemv(x, trellis, suh, svh, codebook: str, bias, out_dtype, counters=None) -> mx.array:
+    """exl3_gemv, and exl3_gemv_out when k is split and the launch does not finish itself (see
+    gemv_args): y [..., n] for x [..., in] of at most GEMV_MAX_ROWS rows (bias, if any, padded to n)."""
+    calls = gemv_args(x, trellis, suh, svh, codebook, bias, out_dtype, counters=counters)
+    out, y = GEMV(**calls[0])
+    if dict(calls[0]["template"])["FINISH"]:
+        return y
     if len(calls) == 2:
         calls[1]["inputs"][0] = out
         out = GEMV_OUT(**calls[1])[0]

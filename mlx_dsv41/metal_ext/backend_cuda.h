@@ -44,6 +44,14 @@ typedef long long i64;
 #define KX_ROPE_INV(p) ((float)(1.0 / (double)(p)))  // MLX's rope divides in double (1.0 / freq)
 // The value of a 0-d input (MLX passes every input as a pointer on CUDA, a 0-d one as a reference on Metal).
 #define KX_SCALAR(x) ((x)[0])
+// A threadgroup may finish work that other threadgroups of the launch left (exl3_gemv's FINISH):
+// a device-scope fence, atomics on a uint32 scratch input (MLX passes inputs as const pointers),
+// loads through L2.
+#define KX_HAS_GRID_FINISH 1
+#define KX_GRID_FENCE() __threadfence()
+#define KX_ATOMIC_INC(p) atomicAdd((unsigned int*)(p), 1u)
+#define KX_ATOMIC_ZERO(p) atomicExch((unsigned int*)(p), 0u)
+#define KX_LOAD_CG(p) __ldcg(p)
 #define KX_SQRT(x) sqrtf(x)  // IEEE (NVRTC's default -prec-sqrt=true)
 #define KX_FMAX(a, b) fmaxf((a), (b))
 #define KX_RINT(x) rintf(x)  // round half to even

@@ -53,6 +53,13 @@ typedef long i64;
 #define KX_ROPE_INV(p) (1.0f / (p))
 // The value of a 0-d input (MLX passes it as `const constant T&` on Metal).
 #define KX_SCALAR(x) (x)
+// No device-scope fence in the Metal versions MLX targets: a launch never finishes another
+// threadgroup's work (exl3_gemv's FINISH is off; exl3_gemv_out is its own launch).
+#define KX_HAS_GRID_FINISH 0
+#define KX_GRID_FENCE()
+#define KX_ATOMIC_INC(p) ((void)(p), 0u)
+#define KX_ATOMIC_ZERO(p) ((void)(p))
+#define KX_LOAD_CG(p) (*(p))
 #define KX_SQRT(x) metal::precise::sqrt(x)
 #define KX_FMAX(a, b) metal::fmax((a), (b))
 #define KX_RINT(x) metal::rint(x)  // round half to even

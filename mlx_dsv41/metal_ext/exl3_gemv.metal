@@ -3,12 +3,17 @@
 // columns of block KX_TGID_X and the k split KX_TGID_Y (see exl3_matmul.h).
 //   FUSED (one split): applies H128, svh and the bias and writes out = y [.., n] (OUT: 0 float32,
 //   1 fp16, 2 bf16).
-//   otherwise: writes float32 partial sums out [splits, m, n] for exl3_gemv_out.
-// Inputs: x [.., in] (m rows: the leading dims; in <= k, zero-extended), suh [k], trellis [k/16, n/16, 16K] int16, svh [n],
-// bias [n] (read only if HAS_BIAS).
+//   otherwise: writes float32 partial sums out [splits, m, n] for exl3_gemv_out; with FINISH (where
+//   KX_HAS_GRID_FINISH) the last threadgroup of each column block to finish does exl3_gemv_out's
+//   work itself, with its operations in its order (NW = 8), and writes y [.., n] (one launch
+//   instead of two): counters[col_block] counts the finished splits and is set back to 0 by that
+//   last threadgroup, so it is 0 again for the next launch (counters is scratch state of the
+//   linear; launches that share it never run at once). y is a 1-element stand-in otherwise.
+// Inputs: x [.., in] (m rows: the leading dims; in <= k, zero-extended), suh [k], trellis
+// [k/16, n/16, 16K] int16, svh [n], bias [n] (read only if HAS_BIAS), counters [n/128] uint32.
 // Template: K2, CB, M (1, 2, 4 or 8; rows >= m are zero), NC, NW, STAGES, XSW (exl3_matmul.h),
-// FUSED, HAS_BIAS, OUT, PER_SPLIT (128-blocks of k per split). Launch constants are template
-// values, never small arrays: see docs/design.md, "Launch constants".
+// FUSED, FINISH, HAS_BIAS, OUT, PER_SPLIT (128-blocks of k per split). Launch constants are
+// template values, never small arrays: see docs/design.md, "Launch constants".
 const u32 lane = KX_LANE, warp = KX_WARP;
 const u32 col_block = KX_TGID_X, split = KX_TGID_Y;
 u32 rows = 1;
@@ -20,6 +25,7 @@ const u32 kb_begin = split * (u32)PER_SPLIT;
 const u32 nb = min((u32)PER_SPLIT, tiles_k / 8 - kb_begin);
 KX_SHARED16(u32, ring, EXL3_RING_WORDS(K2, STAGES, NW, NC, M));
 KX_SHARED(u32, xs, XSW);
+KX_SHARED(u32, last, 1);  // FINISH: whether this threadgroup is its column block's last
 
 const KX_DEVICE u32* src = (const KX_DEVICE u32*)trellis + (u64)kb_begin * 8 * row_words + col_block * 32 * K2;
 const Exl3Acc<M, NC> acc = exl3_product<K2, CB, M, NC, NW, STAGES, XSW, PER_SPLIT>(
@@ -40,5 +46,22 @@ if (FUSED) {
     const u32 r = i / 128, j = i % 128;
     if (r < rows)
       exl3_store_out<0>(out, ((u64)split * rows + r) * n + col_block * 128 + j, exl3_ys_sum<M, EXL3_KG(NW, NC)>(ys, r, j));
+  }
+  if (FINISH && KX_HAS_GRID_FINISH) {
+    KX_GRID_FENCE();  // this thread's partial sums, visible to every threadgroup before the count
+    KX_BARRIER();
+    if (KX_LID_X == 0) {
+      const u32 splits = (tiles_k / 8 + PER_SPLIT - 1) / PER_SPLIT;
+      last[0] = KX_ATOMIC_INC(counters + col_block) + 1 == splits ? 1u : 0u;
+      if (last[0]) KX_ATOMIC_ZERO(counters + col_block);
+    }
+    KX_BARRIER();
+    if (last[0]) {
+      KX_GRID_FENCE();
+      const u32 splits = (tiles_k / 8 + PER_SPLIT - 1) / PER_SPLIT;
+      for (u32 r = 0; r < rows; r++)  // xs is free: the product is done
+        exl3_finish_row<OUT, HAS_BIAS>((const KX_DEVICE float*)out, svh, bias, y, (KX_THREADGROUP float*)xs, splits, rows,
+                                       n, r, col_block, warp, lane);
+    }
   }
 }

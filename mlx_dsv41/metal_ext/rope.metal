@@ -1,27 +1,40 @@
-// rope: out = Q(T(rotate(T(x)))) for element KX_TID_X of x [B, S, H, D] or [B, S, D] (H = 1) (docs/model.md#rope,
-// docs/numerics.md#rope-launch): the interleaved pair (2k, 2k+1) of row (b, s, h) turns by
-// theta = (±STEP · (offset + s)) · (1 / period[k]), with the operations of MLX's own GPU rope (the
-// same expressions, cos / sin as it calls them on each backend), so the bytes are mx.fast.rope's.
-// x is first rounded to T (x.astype(T) before a rope); Q is fq_quantize (fake_quant.h) when QUANT,
-// the identity otherwise. One thread per element (each computes its pair's angle): a block of
-// BLOCK elements sits in consecutive lanes, as fake_quant needs.
-// offset: a 0-d int32. Template: T, STEP (> 0), INVERSE (0 / 1: the angle's sign), QUANT (0 / 1),
-// BLOCK, MODE.
-const u32 i = KX_TID_X;
+// rope: out = Q(T(rotate(N(T(x))))) for row KX_TGID_X of x [B, S, H, D] or [B, S, D] (H = 1)
+// (docs/model.md#rope, docs/numerics.md#rope-launch): the interleaved pair (2k, 2k+1) of row
+// (b, s, h) turns by theta = (±STEP · (offset + s)) · (1 / period[k]), with the operations of MLX's
+// own GPU rope (the same expressions, cos / sin as it calls them on each backend), so the bytes are
+// mx.fast.rope's. x is first rounded to T (x.astype(T) before a rope). N is the model's RMSNorm when
+// NORM (weight [D], epsilon EPS_BITS) with hc_collapse_norm's operations for one stream: thread l
+// sums the squares of elements l, l + 256, ... in order, the threadgroup sum is hc.h's, and each
+// element is T(x · inv · weight); the identity otherwise. Q is fq_quantize (fake_quant.h) when
+// QUANT, the identity otherwise. 256 threads per row, thread l holding elements l, l + 256, ...:
+// a pair sits in neighbouring lanes (the partner comes by a shuffle) and a fake-quant block of
+// BLOCK elements in consecutive lanes (D % 32 == 0, so every lane of a SIMD group takes the same
+// trips). offset: a 0-d int32. Template: T, STEP (> 0), INVERSE (0 / 1: the angle's sign), NORM,
+// EPS_BITS, QUANT (0 / 1), BLOCK, MODE.
+const u32 lid = KX_LID_X, lane = KX_LANE, warp = KX_WARP;
+const u32 r = KX_TGID_X;
 const u32 D = x_shape[x_ndim - 1], H = x_ndim == 4 ? x_shape[2] : 1, S = x_shape[1];
-const u32 n = x_shape[0] * S * H * D;
-const bool live = i < n;
-float v = 0.0f;
-if (live) {
-  const u32 r = i / D, d = i - r * D;
-  const u32 first = i - (d & 1u);
-  const float x1 = KX_TO_F32(static_cast<T>(x[first]));
-  const float x2 = KX_TO_F32(static_cast<T>(x[first + 1]));
-  const float L = (INVERSE ? -(float)STEP : (float)STEP) * (float)(KX_SCALAR(offset) + (i32)((r / H) % S));
+const u64 row = (u64)r * D;
+KX_SHARED(float, partials, 8);
+float inv = 1.0f;
+if (NORM) {
+  float acc = 0.0f;
+  for (u32 d = lid; d < D; d += 256) {
+    const float v = KX_TO_F32(static_cast<T>(x[row + d]));
+    acc = KX_FMA(v, v, acc);
+  }
+  inv = 1.0f / KX_SQRT(hc_threadgroup_sum(acc, partials, lane, warp, 8) / (float)D + KX_BITS_F32(EPS_BITS));
+}
+const float L = (INVERSE ? -(float)STEP : (float)STEP) * (float)(KX_SCALAR(offset) + (i32)((r / H) % S));
+for (u32 d = lid; d < D; d += 256) {
+  float v = KX_TO_F32(static_cast<T>(x[row + d]));
+  if (NORM) v = KX_TO_F32(static_cast<T>(v * inv * KX_TO_F32(weight[d])));
+  const float other = KX_SHUFFLE_XOR(v, 1);
+  const float x1 = (d & 1u) ? other : v, x2 = (d & 1u) ? v : other;
   const float theta = L * KX_ROPE_INV(period[d >> 1]);
   const float c = KX_ROPE_COS(theta), sn = KX_ROPE_SIN(theta);
   const float rotated = (d & 1u) ? x1 * sn + x2 * c : x1 * c - x2 * sn;
-  v = KX_TO_F32(static_cast<T>(rotated));
+  float q = KX_TO_F32(static_cast<T>(rotated));
+  if (QUANT) q = fq_quantize(q, BLOCK, MODE);
+  out[row + d] = static_cast<T>(q);
 }
-if (QUANT) v = fq_quantize(v, BLOCK, MODE);
-if (live) out[i] = static_cast<T>(v);

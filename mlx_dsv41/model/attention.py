@@ -107,7 +107,7 @@ class Attention(nn.Module):
     def window_keys(self, x: mx.array, offset: mx.array | int) -> mx.array:
         """The window KV [B, S, head_dim] of x at positions offset..: kv_norm(wkv(x)), roped, FP8
         fake-quantized over all dims (docs/model.md#attention)."""
-        return self.rope(self.kv_norm(self.wkv(x)), offset, then=WINDOW_KV)
+        return self.rope(self.wkv(x), offset, norm=self.kv_norm, then=WINDOW_KV)
 
     def output(self, o: mx.array, offset: mx.array | int, dtype) -> mx.array:
         """Attention output o [B, S, H, head_dim] (fp32) at positions offset.. -> [B, S, hidden] in

@@ -114,7 +114,7 @@ class Indexer(nn.Module):
 
     def keys(self, latent: mx.array, first: mx.array | int) -> mx.array:
         """Index keys of compressed entries first.. from their pre-RoPE latents [B, n, head_dim]."""
-        return self.rope(self.k_norm(self.wk(latent)), first, step=self.ratio, then=INDEXER)
+        return self.rope(self.wk(latent), first, step=self.ratio, norm=self.k_norm, then=INDEXER)
 
     def __call__(
         self,

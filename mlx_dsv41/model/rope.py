@@ -76,24 +76,29 @@ class RoPE:
         step: int = 1,
         inverse: bool = False,
         dtype=None,
+        norm=None,
         then: FakeQuant | None = None,
     ) -> mx.array:
-        """RoPE of x.astype(dtype) (dtype: x's own by default), then the fake quantization `then`."""
+        """RoPE of norm(x.astype(dtype)) (dtype: x's own by default; norm: an RMSNorm, or None),
+        then the fake quantization `then`."""
         dtype = x.dtype if dtype is None else dtype
         scale = float(-step if inverse else step)
         if backend() != "cpu":
             quant = None if then is None else (then.block, then.mode)
             if rope_kernel.refusal(x, quant) is None:
-                # One launch for the cast, the rotation and the fake quantization: the bytes of the
-                # whole-width mx.fast.rope below and of the fake_quant kernel (docs/numerics.md#rope-launch).
+                # One launch for the cast, the norm, the rotation and the fake quantization: the
+                # bytes of hc_collapse_norm, the whole-width mx.fast.rope below and the fake_quant
+                # kernel (docs/numerics.md#rope-launch).
                 offset = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
-                return rope_kernel.run(x, offset, self._whole_width(x.shape[-1]), dtype, step, inverse, quant)
+                weights = None if norm is None else (norm.weight, norm.eps)
+                return rope_kernel.run(x, offset, self._whole_width(x.shape[-1]), dtype, step, inverse, quant, weights)
             # MLX's GPU rope kernels compute in fp32 from any input dtype and round once, and the
             # leading pairs get an infinite period (angle 0: they pass unchanged) -- the bytes of the
             # fp32 tail below, without its slice, two casts and concatenation.
-            y = self._rope(x.astype(dtype), x.shape[-1], scale, offset, self._whole_width(x.shape[-1]))
+            x = x.astype(dtype) if norm is None else norm(x.astype(dtype))
+            y = self._rope(x, x.shape[-1], scale, offset, self._whole_width(x.shape[-1]))
         else:
-            d, x = self.dims, x.astype(dtype)
+            d, x = self.dims, x.astype(dtype) if norm is None else norm(x.astype(dtype))
             tail = self._rope(x[..., -d:].astype(mx.float32), d, scale, offset, self._periods)
             y = mx.concatenate([x[..., :-d], tail.astype(x.dtype)], axis=-1)
         return y if then is None else then(y)

@@ -116,6 +116,13 @@ inline T sim_shuffle_to(T v, u32 src_lane) {
 #define KX_ROPE_SIN(x) std::sin((float)(x))
 #define KX_ROPE_INV(p) ((float)(1.0 / (double)(p)))
 #define KX_SCALAR(x) ((x)[0])
+// Threadgroups run one after another: plain read-modify-writes are the atomics.
+#define KX_HAS_GRID_FINISH 1
+#define KX_GRID_FENCE()
+inline u32 sim_atomic_inc(const u32* p) { return (*const_cast<u32*>(p))++; }
+#define KX_ATOMIC_INC(p) sim_atomic_inc((const u32*)(p))
+#define KX_ATOMIC_ZERO(p) (*const_cast<u32*>((const u32*)(p)) = 0u)
+#define KX_LOAD_CG(p) (*(p))
 #define KX_SQRT(x) std::sqrt((float)(x))
 #define KX_FMAX(a, b) std::fmaxf((a), (b))
 #define KX_RINT(x) std::nearbyint((float)(x))  // the default rounding mode: half to even

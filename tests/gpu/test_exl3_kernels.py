@@ -452,3 +452,36 @@ def test_shared_expert_adds_the_routed_slots_in_the_moes_order(T):
     runs = [to_np(launch.EXPERT_DOWN_FINISH(**call)[0]) for _ in range(5)]
     assert same_bytes(runs) and np.all(np.isnan(runs[0][T:]))
     assert same_bytes([runs[0][:T], to_np(fused)])
+
+
+# ------------------------------------------------------------------------------ k-split gemv in one launch
+
+
+@pytest.mark.parametrize(
+    "m, in_f, out_f, bits, bias", [(1, 4096, 1024, 3, False), (3, 4096, 512, 4, True), (8, 2048, 384, 2, False)]
+)
+def test_a_k_split_gemv_finishes_itself_with_the_two_launch_bytes(m, in_f, out_f, bits, bias):
+    """exl3_gemv with FINISH (the last threadgroup of each column block adds the splits): y has the
+    bytes of exl3_gemv + exl3_gemv_out; five launches with the same counters agree (each leaves them
+    at 0: a launch that did not would never finish the next one, whose y would keep its NaN poison);
+    guard rows keep the poison; the counters read 0 afterwards."""
+    t = random_linear_tensors(in_f, out_f, bits, "mul1", seed=m, bias=bias)
+    trellis, suh, svh = linear_tensors_mx(t)
+    b = mx.array(t["bias"]).astype(mx.float16) if bias else None
+    x = (mx.random.normal((m, in_f), key=mx.random.key(m)) * 2).astype(mx.bfloat16)
+    two, _ = gemv_run(x, trellis, suh, svh, "mul1", b, mx.bfloat16, None, None, guard_rows=0)
+    counters = launch.split_counters(trellis.shape[1] // 8)
+    calls = launch.gemv_args(
+        x, trellis, suh, svh, "mul1", b, mx.bfloat16, guard_rows=2, init_value=NAN, counters=counters
+    )
+    assert len(calls) == 1 and dict(calls[0]["template"])["FINISH"]
+    runs = []
+    for _ in range(5):
+        y = launch.GEMV(**calls[0])[1]
+        mx.eval(y)
+        runs.append(to_np(y))
+    assert same_bytes(runs) and np.all(np.isnan(runs[0][m:])) and not np.any(np.isnan(runs[0][:m]))
+    assert same_bytes([runs[0][:m], two[:m]])
+    assert not np.array(counters).any()
+    lin = EXL3Linear.from_stored(random_linear_tensors(in_f, out_f, bits, "mul1", seed=m, bias=bias, prefix="p"), "p")
+    assert same_bytes([to_np(lin(x)), to_np(ops.linear(x, trellis, suh, svh, "mul1", b, out_f))])

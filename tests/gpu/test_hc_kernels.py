@@ -43,9 +43,9 @@ def _site_kernel(s, fn, base, scale, guard=0, init_value=None, mm=None, pre=None
 
 
 def _site_norm(T):
-    rng = np.random.default_rng(11)
-    pre = mx.array(rng.uniform(0.1, 1, (T, HC)).astype(np.float32))
-    return pre, mx.array((1 + 0.1 * rng.standard_normal(D)).astype(np.float32))
+    """(pre [T, HC], weight [D]); the weight is the same for every T."""
+    weight = mx.array((1 + 0.1 * np.random.default_rng(12).standard_normal(D)).astype(np.float32))
+    return mx.array(np.random.default_rng(11).uniform(0.1, 1, (T, HC)).astype(np.float32)), weight
 
 
 def _mix_kernel(*a, **k):
