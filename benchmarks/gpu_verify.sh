@@ -74,8 +74,9 @@ run() {  # run NAME: one stage
     prefill) stage prefill 150 python3 benchmarks/bench_model.py --skip-mlx-lm --prefill 2048 8192 --repeats 3 --out "$LOGS" ;;
     # decode, Flash-shaped, beside mlx-lm (issue 16); again with k-split EXL3 linears finished by
     # exl3_gemv_out (two launches each) instead of by their own last threadgroup
+    # (DECODE_AB= leaves the A/B out)
     decode) stage decode 330 python3 benchmarks/bench_model.py --quick --no-dspark --out "$LOGS" \
-      --exl3-tuning finish_splits=0 ;;
+      ${DECODE_AB---exl3-tuning finish_splits=0} ;;
     # decode from the pruned and from the whole kernel sources, one process (issue 16)
     pruning) stage pruning 300 python3 benchmarks/bench_model.py --quick --no-dspark --skip-mlx-lm \
       --whole-kernel-sources --out "$LOGS/pruning" ;;
