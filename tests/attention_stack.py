@@ -21,6 +21,7 @@ import numpy as np
 from mlx_dsv41.cache import make_layer_cache
 from mlx_dsv41.config import ModelArgs
 from mlx_dsv41.model.attention import Attention
+from mlx_dsv41.model.norm import RMSNorm
 from mlx_dsv41.synthetic import TINY
 
 # The tiny config's attention stack (mlx_dsv41.synthetic.TINY) without its Engram-only window layer
@@ -364,3 +365,10 @@ class ReferenceStack:
             shared[f"candidates.{i}"] = blocks
         shared[f"scores.{i}"] = scores
         return out
+
+
+def random_norm(width: int):
+    """An RMSNorm of `width` (eps 1e-20) with a random fp32 weight near 1 (seeded by the width)."""
+    norm = RMSNorm(width, 1e-20)
+    norm.weight = mx.array((1 + 0.1 * np.random.default_rng(width).standard_normal(width)).astype(np.float32))
+    return norm

@@ -16,13 +16,12 @@ import exl3_sim
 import mlx.core as mx
 import numpy as np
 import pytest
-from attention_stack import FLASH_YARN
+from attention_stack import FLASH_YARN, random_norm
 
 from mlx_dsv41.kernels import fake_quant as fqk
 from mlx_dsv41.kernels import rope as rope_kernel
 from mlx_dsv41.model import fake_quant as fq
 from mlx_dsv41.model import rope as rope_module
-from mlx_dsv41.model.norm import RMSNorm
 from mlx_dsv41.model.rope import RoPE
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel simulator needs g++")
@@ -35,12 +34,6 @@ USES = {  # name: (shape, input dtype, step, inverse, then, normed)
     "indexer_q": ((1, 2, 4, 64), mx.bfloat16, 1, False, fq.INDEXER, False),
     "index_keys": ((1, 3, 64), mx.bfloat16, 4, False, fq.INDEXER, True),
 }
-
-
-def _norm(width: int):
-    norm = RMSNorm(width, 1e-20)
-    norm.weight = mx.array((1 + 0.1 * np.random.default_rng(width).standard_normal(width)).astype(np.float32))
-    return norm
 
 
 def _x(shape, dtype, seed=0):
@@ -63,7 +56,7 @@ def test_the_kernel_gives_the_cpu_path_within_one_rounding(monkeypatch, use, yar
     shape, dtype, step, inverse, then, normed = USES[use]
     rope = RoPE(min(64, shape[-1]), 10000.0 if yarn is None else 160000.0, yarn)
     x, offset = _x(shape, dtype), mx.array(4093, mx.int32)
-    kw = dict(step=step, inverse=inverse, dtype=mx.bfloat16, norm=_norm(shape[-1]) if normed else None)
+    kw = dict(step=step, inverse=inverse, dtype=mx.bfloat16, norm=random_norm(shape[-1]) if normed else None)
     cpu = _np(rope(x, offset, then=then, **kw))
     plain_cpu = _np(rope(x, offset, **kw))
     monkeypatch.setattr(rope_module, "backend", lambda: "cuda")
@@ -127,7 +120,7 @@ def test_the_norm_is_hc_collapse_norms_for_one_stream():
     from mlx_dsv41.kernels import hyper_connections as hc
 
     x = _x((2, 3, 512), mx.bfloat16, seed=3)
-    norm = _norm(512)
+    norm = random_norm(512)
     periods, offset = RoPE(64, 10000.0)._whole_width(512), mx.array(40, mx.int32)
     one = mx.ones((2, 3, 1), mx.float32)
     specs = [

@@ -12,12 +12,11 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from attention_stack import FLASH_YARN
+from attention_stack import FLASH_YARN, random_norm
 
 from mlx_dsv41.kernels import rope as rk
 from mlx_dsv41.model import fake_quant as fq
 from mlx_dsv41.model import rope as rope_module
-from mlx_dsv41.model.norm import RMSNorm
 from mlx_dsv41.model.rope import RoPE
 
 pytestmark = pytest.mark.gpu
@@ -51,12 +50,6 @@ USES = {  # name: (shape, input dtype, step, inverse, fake quantization, normed 
 }
 
 
-def _norm(width: int):
-    norm = RMSNorm(width, 1e-20)
-    norm.weight = mx.array((1 + 0.1 * np.random.default_rng(width).standard_normal(width)).astype(np.float32))
-    return norm
-
-
 def _bits(a):
     a = np.ascontiguousarray(a)
     return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
@@ -78,7 +71,7 @@ def test_the_rope_kernel_gives_the_bytes_of_the_launches_it_replaces(use, yarn):
     rng = np.random.default_rng(len(use))
     x = mx.array((rng.standard_normal(shape) * np.exp2(rng.integers(-6, 7, shape))).astype(np.float32)).astype(dtype)
     offset = mx.array(40961, mx.int32)
-    norm = _norm(shape[-1]) if normed else None
+    norm = random_norm(shape[-1]) if normed else None
     out = rope(x, offset, step=step, inverse=inverse, dtype=mx.bfloat16, norm=norm, then=then)
     got = np.array(out.astype(mx.float32))
     want = np.array(_launches_before(x, rope, offset, step, inverse, then, norm).astype(mx.float32))
