@@ -83,7 +83,8 @@ class RoPE:
         then the fake quantization `then`."""
         dtype = x.dtype if dtype is None else dtype
         scale = float(-step if inverse else step)
-        if backend() != "cpu":
+        on_gpu = backend() != "cpu"
+        if on_gpu:
             quant = None if then is None else (then.block, then.mode)
             if rope_kernel.refusal(x, quant) is None:
                 # One launch for the cast, the norm, the rotation and the fake quantization: the
@@ -92,13 +93,14 @@ class RoPE:
                 offset = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
                 weights = None if norm is None else (norm.weight, norm.eps)
                 return rope_kernel.run(x, offset, self._whole_width(x.shape[-1]), dtype, step, inverse, quant, weights)
+        x = x.astype(dtype) if norm is None else norm(x.astype(dtype))
+        if on_gpu:
             # MLX's GPU rope kernels compute in fp32 from any input dtype and round once, and the
             # leading pairs get an infinite period (angle 0: they pass unchanged) -- the bytes of the
             # fp32 tail below, without its slice, two casts and concatenation.
-            x = x.astype(dtype) if norm is None else norm(x.astype(dtype))
             y = self._rope(x, x.shape[-1], scale, offset, self._whole_width(x.shape[-1]))
         else:
-            d, x = self.dims, x.astype(dtype) if norm is None else norm(x.astype(dtype))
+            d = self.dims
             tail = self._rope(x[..., -d:].astype(mx.float32), d, scale, offset, self._periods)
             y = mx.concatenate([x[..., :-d], tail.astype(x.dtype)], axis=-1)
         return y if then is None else then(y)
