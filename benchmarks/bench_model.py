@@ -2,6 +2,7 @@
 
     python3 benchmarks/bench_model.py --out DIR [--quick]       # GPU: the Flash-shaped model
     python3 benchmarks/bench_model.py --out DIR --cpu           # CPU: the demo checkpoint
+    python3 benchmarks/bench_model.py --out DIR --demo          # the demo checkpoint on this device
     ... --compiled                                              # ours also with the compiled step
     ... --no-dspark                                             # without the DSpark costs (on by default)
     ... --dspark-only [--verify-k 2,4,5]                        # only the DSpark costs
@@ -16,7 +17,7 @@ GPU mode: the Flash-shaped model of benchmarks/flash_model.py (40 layers with Fl
 16 routed experts held per layer, every linear the real 2.9 bpw EXL3 pack quantizes as EXL3 MUL1
 at the pack's K per tensor class, the rest native; Engram off), then mlx-lm 0.32's
 `deepseek_v41` at the same dimensions and roles, affine 4-bit (group 64), random weights.
-CPU mode: the embedded demo checkpoint (`--demo`) against mlx-lm's model at the demo's
+CPU mode (and --demo on a GPU): the embedded demo checkpoint against mlx-lm's model at the demo's
 dimensions (Engram dropped: mlx-lm has none), affine 4-bit random weights (mlx-lm's bf16 experts
 cannot run on the CPU: `gather_mm` is fp32-only there).
 
@@ -189,6 +190,7 @@ def cuda_kernels(step) -> dict | None:
         "device_ms": sum(times.values()),
         "top": names.most_common(12),
         "top_ms": [(n, round(ms, 3)) for n, ms in times.most_common(12)],
+        "all": [(n, names[n], round(ms, 4)) for n, ms in times.most_common()],
     }
 
 
@@ -763,7 +765,7 @@ def parts_table(label: str, d: dict) -> str:
 
 def prefill_models(a) -> list[tuple]:
     """(label, model, cache factory, args): ours, then mlx-lm's unless skipped."""
-    if a.cpu and not a.flash:
+    if (a.cpu or a.demo) and not a.flash:
         (model, args), label = ours_demo(a), "mlx_dsv41 demo"
     else:
         (model, args), label = ours_flash(a), "mlx_dsv41 Flash-shaped EXL3"
@@ -904,6 +906,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("gpu_out"))
     ap.add_argument("--cpu", action="store_true", help="the demo model on the CPU")
+    ap.add_argument("--demo", action="store_true", help="the demo model on this device (a GPU where there is one)")
     ap.add_argument("--quick", action="store_true", help="fewer steps")
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--prompt", type=int, default=64)
@@ -990,7 +993,7 @@ def main() -> int:
     if a.prefill or a.prefill_parts:
         return prefill_main(a, info | {"prefill_chunk_default": default_chunk()})
     runs = []
-    if a.cpu and not a.flash:
+    if (a.cpu or a.demo) and not a.flash:
         runs += ours_runs("mlx_dsv41 demo", lambda: ours_demo(a), a, min(a.prompt, 32))
         if not a.skip_mlx_lm:
             demo_args = ours_demo(a)[1]
