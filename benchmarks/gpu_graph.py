@@ -157,13 +157,21 @@ def report(rec: Recorder, compiled: bool, layers: int, *arrays) -> dict:
     }
 
 
-def count(layers: int, prompt: int, compiled: bool, sites: bool) -> dict:
+def _demo_model():
+    import mlx_dsv41
+    from mlx_dsv41.demo import ensure_demo
+
+    return mlx_dsv41.load(ensure_demo(progress=False))[0]
+
+
+def count(layers: int, prompt: int, compiled: bool, sites: bool, demo: bool = False) -> dict:
     os.environ["MLX_DSV41_COMPILE"] = "1" if compiled else "0"
     rec = Recorder()
     with gpu_graph_on_cpu(rec):
-        model = flash_model.build(flash_model.flash_args(layers))
+        model = _demo_model() if demo else flash_model.build(flash_model.flash_args(layers))
+        layers = model.args.num_hidden_layers
         cache = model.make_cache()
-        ids = mx.array(np.random.default_rng(0).integers(3, 1000, (1, prompt)), mx.int32)
+        ids = mx.array(np.random.default_rng(0).integers(3, 500, (1, prompt)), mx.int32)
         mx.eval(model(ids, cache))
         token = mx.array([[7]], mx.int32)
         mx.eval(model(token, cache))  # a first step (a compiled run traces here)
@@ -213,6 +221,7 @@ def main() -> int:
     ap.add_argument("--sites", action="store_true", help="the lines creating casts and aranges (eager)")
     ap.add_argument("--draft", action="store_true", help="count a DSpark draft block instead of a decode step")
     ap.add_argument("--prefill", type=int, default=0, metavar="N", help="count an N-token prefill instead")
+    ap.add_argument("--demo", action="store_true", help="count the demo checkpoint's decode step instead")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if a.prefill < 0 or a.layers < 3 or a.prompt < 1:
@@ -224,7 +233,7 @@ def main() -> int:
     elif a.draft:
         results = [count_draft(a.layers, a.prompt, False), count_draft(a.layers, a.prompt, True)]
     else:
-        results = [count(a.layers, a.prompt, False, a.sites), count(a.layers, a.prompt, True, False)]
+        results = [count(a.layers, a.prompt, False, a.sites, a.demo), count(a.layers, a.prompt, True, False, a.demo)]
     what = f"{a.prefill}-token prefill" if a.prefill else "draft block" if a.draft else "step"
     for r in results:
         mode = "compiled" if r["compiled"] else "eager"

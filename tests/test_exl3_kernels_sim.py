@@ -207,12 +207,17 @@ EXPERT_CASES = [
 ]
 
 
-def expert_chain(ex, x, indices, weights, tuning):
-    """The launch kwargs exl3_experts issues, with zero stand-ins for chained inputs."""
-    lo = ex.expert_range[0]
+def expert_chain(ex, x, indices, weights, tuning, finish=None):
+    """The launch kwargs exl3_experts issues, with zero stand-ins for chained inputs. ``finish`` =
+    (y's dtype, add): the last gate_up and down launches finish themselves (FINISH; no swiglu and
+    down_finish calls: None in their places)."""
+    lo, slots = ex.expert_range[0], indices.size
+    keys, groups = launch.gate_up_keys(ex.w1, ex.w3), ex.w2.groups
     gu_calls, prev = [], None
-    for key in launch.gate_up_keys(ex.w1, ex.w3):
-        call = launch.gate_up_args(x, indices, ex.w1, ex.w3, key, lo, prev=prev, tuning=tuning, guard=1)
+    for key in keys:
+        last = finish and key == keys[-1]
+        fin = (weights, ex.w2, ex.swiglu_limit, launch.split_counters(slots * ex.w1.n // 128)) if last else None
+        call = launch.gate_up_args(x, indices, ex.w1, ex.w3, key, lo, prev=prev, tuning=tuning, guard=1, finish=fin)
         gu_calls.append(call)
         shape = call["output_shapes"][0]
         prev = mx.zeros((shape[0] - 1, *shape[1:]))
@@ -220,61 +225,158 @@ def expert_chain(ex, x, indices, weights, tuning):
     swiglu = launch.swiglu_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, lo, ex.swiglu_limit, guard=1)
     xh = mx.zeros((indices.size, ex.w1.n // 2), mx.uint32)
     down_calls, prev = [], None
-    for group in ex.w2.groups:
-        call = launch.down_args(xh, indices, ex.w2, group, lo, prev=prev, tuning=tuning, guard=1)
+    for group in groups:
+        fin = (*finish, launch.split_counters(slots * ex.w2.n // 128)) if finish and group is groups[-1] else None
+        call = launch.down_args(xh, indices, ex.w2, group, lo, prev=prev, tuning=tuning, guard=1, finish=fin)
         down_calls.append(call)
         shape = call["output_shapes"][0]
         prev = mx.zeros((shape[0] - 1, *shape[1:]))
-    finish = launch.down_finish_args(prev, indices, ex.w2, lo, guard=1)
-    return gu_calls, swiglu, down_calls, finish
+    out_dtype, add = finish or (mx.float32, None)
+    done = launch.down_finish_args(prev, indices, ex.w2, lo, guard=1, out_dtype=out_dtype, add=add)
+    return gu_calls, None if finish else swiglu, down_calls, None if finish else done
+
+
+def run_chain(program, spec, calls):
+    """Run expert_chain's calls (the specs from `spec` on, in order) on the simulator, feeding each
+    launch its predecessors' outputs: (the calls' outputs, each as the simulator returns them, the
+    specs used)."""
+    gu_calls, swiglu, down_calls, done = calls
+    outs, gu = [], None
+    for call in gu_calls:
+        outs.append(
+            program.run(spec, call if gu is None else with_input(call, "prev", mx.array(gu), launch.EXPERT_GATE_UP))
+        )
+        gu, spec = outs[-1][0][:-1], spec + 1
+    if swiglu is None:
+        xh = outs[-1][1][:-1]
+    else:
+        outs.append(program.run(spec, with_input(swiglu, "gu", mx.array(gu), launch.EXPERT_SWIGLU)))
+        xh, spec = outs[-1][0][:-1], spec + 1
+    partial = None
+    for call in down_calls:
+        call = with_input(call, "xh", mx.array(xh), launch.EXPERT_DOWN)
+        if partial is not None:
+            call = with_input(call, "prev", mx.array(partial), launch.EXPERT_DOWN)
+        outs.append(program.run(spec, call))
+        partial, spec = outs[-1][0][:-1], spec + 1
+    if done is not None:
+        outs.append(program.run(spec, with_input(done, "partial", mx.array(partial), launch.EXPERT_DOWN_FINISH)))
+        spec += 1
+    return outs, spec
+
+
+def chain_specs(calls) -> list:
+    gu_calls, swiglu, down_calls, done = calls
+    specs = [(launch.EXPERT_GATE_UP, c) for c in gu_calls]
+    specs += [] if swiglu is None else [(launch.EXPERT_SWIGLU, swiglu)]
+    specs += [(launch.EXPERT_DOWN, c) for c in down_calls]
+    return specs + ([] if done is None else [(launch.EXPERT_DOWN_FINISH, done)])
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["mma", "fma"])
 def expert_runs(request):
-    cases = []
-    for i, (hidden, inter, bits, codebook, expert_range, tokens, top_k, tuning) in enumerate(EXPERT_CASES):
-        n_experts = 6
-        tensors = random_experts_tensors(n_experts, hidden, inter, bits, codebook, seed=20 + i)
-        ex = EXL3Experts.from_tensors(tensors, "experts", n_experts, expert_range, hidden, inter)
-        rng = np.random.default_rng(i)
-        x = mx.array(rng.normal(0, 2, (tokens, hidden)).astype(np.float32)).astype(mx.bfloat16)
-        indices = mx.array(np.stack([rng.permutation(n_experts)[:top_k] for _ in range(tokens)]).astype(np.int32))
-        weights = mx.array(rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32))
-        cases.append((ex, x, indices, weights, *expert_chain(ex, x, indices, weights, tuning)))
-    specs = []
-    for *_, gu_calls, swiglu, down_calls, finish in cases:
-        specs += [(launch.EXPERT_GATE_UP, c) for c in gu_calls] + [(launch.EXPERT_SWIGLU, swiglu)]
-        specs += [(launch.EXPERT_DOWN, c) for c in down_calls] + [(launch.EXPERT_DOWN_FINISH, finish)]
-    program = exl3_sim.build(specs, mma=request.param)
+    cases = [(*expert_case(i), EXPERT_CASES[i][-1]) for i in range(len(EXPERT_CASES))]
+    chains = [expert_chain(ex, x, indices, weights, tuning) for ex, x, indices, weights, tuning in cases]
+    program = exl3_sim.build([s for calls in chains for s in chain_specs(calls)], mma=request.param)
     runs, spec = [], 0
-    for ex, x, indices, weights, gu_calls, swiglu, down_calls, finish in cases:
-        gu = None
-        for call in gu_calls:
-            out = program.run(
-                spec, call if gu is None else with_input(call, "prev", mx.array(gu), launch.EXPERT_GATE_UP)
-            )[0]
-            spec += 1
-            assert np.all(np.isnan(out[-1])) and not np.any(np.isnan(out[:-1]))  # guard; all written
-            gu = out[:-1]
-        out = program.run(spec, with_input(swiglu, "gu", mx.array(gu), launch.EXPERT_SWIGLU))[0]
-        spec += 1
-        assert np.all(out[-1] == 0xFFFFFFFF)  # guard (poisoned bytes) untouched
-        xh = out[:-1]
-        partial = None
-        for call in down_calls:
-            call = with_input(call, "xh", mx.array(xh), launch.EXPERT_DOWN)
-            if partial is not None:
-                call = with_input(call, "prev", mx.array(partial), launch.EXPERT_DOWN)
-            out = program.run(spec, call)[0]
-            spec += 1
-            assert np.all(np.isnan(out[-1])) and not np.any(np.isnan(out[:-1]))
-            partial = out[:-1]
-        out = program.run(spec, with_input(finish, "partial", mx.array(partial), launch.EXPERT_DOWN_FINISH))[0]
-        spec += 1
-        assert np.all(np.isnan(out[-1])) and not np.any(np.isnan(out[:-1]))
-        y = out[:-1]
-        runs.append((ex, x, indices, weights, gu_calls, down_calls, y))
+    for (ex, x, indices, weights, _), calls in zip(cases, chains):
+        outs, spec = run_chain(program, spec, calls)
+        for out in outs:
+            assert_guarded(out[0])
+        runs.append((ex, x, indices, weights, calls[0], calls[2], outs[-1][0][:-1]))
     return runs
+
+
+def expert_case(i: int):
+    """EXPERT_CASES[i]'s experts (6, seeded), x, routing and routing weights."""
+    hidden, inter, bits, codebook, expert_range, tokens, top_k, _ = EXPERT_CASES[i]
+    n_experts = 6
+    tensors = random_experts_tensors(n_experts, hidden, inter, bits, codebook, seed=20 + i)
+    ex = EXL3Experts.from_tensors(tensors, "experts", n_experts, expert_range, hidden, inter)
+    rng = np.random.default_rng(i)
+    x = mx.array(rng.normal(0, 2, (tokens, hidden)).astype(np.float32)).astype(mx.bfloat16)
+    indices = mx.array(np.stack([rng.permutation(n_experts)[:top_k] for _ in range(tokens)]).astype(np.int32))
+    weights = mx.array(rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32))
+    return ex, x, indices, weights
+
+
+def assert_guarded(out):
+    """A simulator output with a guard row (the last): the guard keeps its poison (NaN; 0xFFFFFFFF
+    words), every other float is written."""
+    if out.dtype == np.uint32:
+        assert np.all(out[-1] == 0xFFFFFFFF)
+    else:
+        assert np.all(np.isnan(out[-1].astype(np.float32))) and not np.any(np.isnan(out[:-1].astype(np.float32)))
+
+
+@pytest.mark.parametrize("case", range(len(EXPERT_CASES)))
+def test_expert_launches_that_finish_themselves_give_the_separate_kernels_bytes(case):
+    """FINISH (CUDA's launch plan, launch.expert_finish): the last exl3_expert_gate_up launch also
+    does exl3_expert_swiglu's work and the last exl3_expert_down launch exl3_expert_down_finish's,
+    through the same functions (exl3_swiglu_block, exl3_down_finish_block): xh and y are the
+    separate kernels' bytes, every launch's partials are unchanged, guard rows keep their poison."""
+    ex, x, indices, weights = expert_case(case)
+    tuning = EXPERT_CASES[case][-1]
+    two = expert_chain(ex, x, indices, weights, tuning)
+    one = expert_chain(ex, x, indices, weights, tuning, finish=(mx.float32, None))
+    assert all(dict(c[-1]["template"])["FINISH"] for c in (one[0], one[2])) and one[1] is one[3] is None
+    program = exl3_sim.build(chain_specs(two) + chain_specs(one), mma=False)
+    outs_two, spec = run_chain(program, 0, two)
+    outs_one, _ = run_chain(program, spec, one)
+    n_gu, n_down = len(two[0]), len(two[2])
+    assert len(outs_two) == n_gu + n_down + 2 and len(outs_one) == n_gu + n_down and n_gu + n_down > 2
+
+    def same(a, b):
+        return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+    partials_two = [o[0] for o in outs_two[:n_gu] + outs_two[n_gu + 1 : -1]]
+    assert all(same(a, o[0]) for a, o in zip(partials_two, outs_one))
+    xh_two, xh_one = outs_two[n_gu][0], outs_one[n_gu - 1][1]
+    y_two, y_one = outs_two[-1][0], outs_one[-1][1]
+    assert same(xh_one, xh_two) and same(y_one, y_two)
+    assert_guarded(xh_one)
+    assert_guarded(y_one)
+    assert np.count_nonzero(y_one[:-1]) > y_one[:-1].size // 4
+
+
+@pytest.mark.parametrize("add", [False, True], ids=["bf16", "bf16+routed"])
+def test_a_finishing_down_launch_stores_bf16_and_adds_the_routed_slots_as_the_finish_kernel(add):
+    """The shared expert's chain (one slot per token) with FINISH: y in bf16 (a grouped linear's
+    output dtype) and, with the routed slots to add (ADD), the MoE's output, each the bytes of
+    exl3_expert_down_finish."""
+    from types import SimpleNamespace
+
+    lin = [
+        EXL3Linear.from_stored(random_linear_tensors(i, o, b, seed=s, prefix="p"), "p")
+        for i, o, b, s in ((256, 384, 3, 1), (256, 384, 4, 2), (384, 256, 3, 3))
+    ]
+    ex = SimpleNamespace(
+        w1=lin[0].as_single_expert(),
+        w3=lin[1].as_single_expert(),
+        w2=lin[2].as_single_expert(),
+        expert_range=(0, 1),
+        swiglu_limit=7.0,
+    )
+    T = 3
+    rng = np.random.default_rng(11)
+    x = mx.array(rng.normal(0, 2, (T, 256)).astype(np.float32)).astype(mx.bfloat16)
+    indices, weights = mx.zeros((T, 1), mx.int32), mx.ones((T, 1), mx.float32)
+    routed = mx.array(rng.normal(0, 1, (T, 6, 256)).astype(np.float32)) if add else None
+    two = expert_chain(ex, x, indices, weights, None)
+    two = (
+        *two[:3],
+        launch.down_finish_args(
+            mx.zeros(two[3]["inputs"][0].shape), indices, ex.w2, 0, guard=1, out_dtype=mx.bfloat16, add=routed
+        ),
+    )
+    one = expert_chain(ex, x, indices, weights, None, finish=(mx.bfloat16, routed))
+    program = exl3_sim.build(chain_specs(two) + chain_specs(one), mma=False)
+    outs_two, spec = run_chain(program, 0, two)
+    outs_one, _ = run_chain(program, spec, one)
+    y_two, y_one = outs_two[-1][0], outs_one[-1][1]
+    assert y_one.dtype == ml_dtypes.bfloat16 and np.array_equal(y_one.view(np.uint16), y_two.view(np.uint16))
+    assert_guarded(y_one)
+    assert np.count_nonzero(y_one[:-1].astype(np.float32)) > y_one[:-1].size // 2
 
 
 def test_launch_constants_are_template_values():

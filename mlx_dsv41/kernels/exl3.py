@@ -41,8 +41,10 @@ _LANES = 32
 _SMALL_WARPS = 4  # exl3_expert_swiglu / _down_finish: SIMD groups (one 128-block each) per threadgroup
 _OUT_KIND = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # the kernels' OUT template value
 _XS_WORDS = 4096  # largest xh staging (XSW template in exl3_matmul.h): 16 KiB
-# Threadgroup memory a kernel may declare statically, in words: 48 KiB on CUDA, 32 KiB on Metal.
-_SHARED_WORDS = {"cuda": 12288, "metal": 8192}
+# Threadgroup memory the product kernels' trellis ring and xh staging may take, in words: what a
+# kernel may declare statically (48 KiB on CUDA, 32 KiB on Metal) less 16 bytes for the rest (the
+# FINISH flag word: exl3_finish_arrival).
+_SHARED_WORDS = {"cuda": 12288 - 4, "metal": 8192 - 4}
 # The kernels' CB template value of each codebook (EXL3_CB_* of exl3_decode.h).
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 
@@ -123,11 +125,17 @@ class Tuning:
         template) and a threadgroup k range of ``blocks`` 128-blocks (xh staging is sized to it, at
         most 16 KiB; 8 KiB on Metal, whose kernels have no trellis ring and 32 KiB in all)."""
         need = rows * blocks * 64
-        cap = _XS_WORDS if backend_name != "metal" else _XS_WORDS // 2
-        xs_words = next(w for w in (1024, 2048, cap) if need <= w or w == cap)
         ys_words = warps * self.nc // 8 * rows * 128
         ring_words = ys_words if backend_name == "metal" else max(self.stages(k2) * 256 * k2, ys_words)
-        if ring_words + xs_words > _SHARED_WORDS.get(backend_name, _SHARED_WORDS["cuda"]):
+        limit = _SHARED_WORDS.get(backend_name, _SHARED_WORDS["cuda"])
+        # xh staged in chunks when the whole k range does not fit beside the ring (K = 8: 2 x 4096)
+        cap = max(
+            w
+            for w in (1024, 2048, _XS_WORDS if backend_name != "metal" else _XS_WORDS // 2)
+            if w <= limit - ring_words or w == 1024
+        )
+        xs_words = next(w for w in (1024, 2048, cap) if need <= w or w == cap)
+        if ring_words + xs_words > limit:
             raise ValueError(
                 f"exl3 tuning {self}: {warps} SIMD groups x {rows} rows need "
                 f"{4 * (ring_words + xs_words)} bytes of threadgroup memory on {backend_name}"
@@ -174,8 +182,8 @@ GEMV_OUT = register(
 EXPERT_GATE_UP = register(
     Kernel(
         "exl3_expert_gate_up",
-        ("x", "indices", "suh1", "t1", "p1", "suh3", "t3", "p3", "prev"),
-        ("out",),
+        ("x", "indices", "suh1", "t1", "p1", "suh3", "t3", "p3", "prev", "weights", "svh1", "svh3", "suh2", "counters"),
+        ("out", "xh"),
         includes=_EXPERT_HEADERS,
         defines=SLOT_DEFINES,
         max_threads=512,
@@ -196,8 +204,8 @@ EXPERT_SWIGLU = register(
 EXPERT_DOWN = register(
     Kernel(
         "exl3_expert_down",
-        ("xh", "indices", "t2", "p2", "prev"),
-        ("out",),
+        ("xh", "indices", "t2", "p2", "prev", "svh2", "add", "counters"),
+        ("out", "y"),
         includes=_EXPERT_HEADERS,
         defines=SLOT_DEFINES,
         max_threads=512,
@@ -309,6 +317,37 @@ def _no_counters() -> np.ndarray:
     return np.zeros(1, np.uint32)
 
 
+@graph_constants.constant
+def _no_weights() -> np.ndarray:
+    return np.zeros(1, np.float32)
+
+
+def expert_finish(tuning: Tuning | None = None) -> bool:
+    """Whether the expert kernels' last launches finish themselves here (FINISH: exl3_expert_gate_up
+    does exl3_expert_swiglu's work, exl3_expert_down exl3_expert_down_finish's), as a k-split
+    exl3_gemv does (the backend, and ``finish_splits``)."""
+    return bool((tuning or TUNING).finish_splits) and GRID_FINISH.get(backend(), False)
+
+
+def finish_counters(proj, slots: int) -> mx.array:
+    """The FINISH counters of an expert projection's launches over ``slots`` slots: uint32 zeros,
+    one per (slot, 128-column block), made once per slot count and kept on ``proj`` (each launch
+    leaves them at 0; as `split_counters`, a compiled step holds them as a constant)."""
+    held = getattr(proj, "_finish_counters", None)
+    if held is None:
+        held = proj._finish_counters = {}
+    if slots not in held:
+        held[slots] = split_counters(slots * (proj.n // BLOCK))
+    return held[slots]
+
+
+def _check_counters(counters, slots: int, n: int, what: str) -> None:
+    if counters.dtype != mx.uint32 or counters.size < slots * (n // BLOCK):
+        raise ValueError(
+            f"exl3 {what}: FINISH counters must be uint32 [>= {slots * (n // BLOCK)}], got {counters.shape}"
+        )
+
+
 def split_counters(n_blocks: int) -> mx.array:
     """A linear's exl3_gemv FINISH counters: uint32 zeros, one per 128-column block (made from host
     data, so a compiled step holds them as a constant; each launch leaves them at 0)."""
@@ -410,12 +449,22 @@ def down_plan(w2, tuning: Tuning | None = None) -> tuple[int, int]:
     return _k_splits(w2.k // BLOCK, units, -(-t.down_split_warps // t.down_warps))
 
 
-def gate_up_args(x, indices, w1, w3, key, lo: int, prev=None, tuning=None, guard: int = 0, init_value=None) -> dict:
+def gate_up_args(
+    x, indices, w1, w3, key, lo: int, prev=None, tuning=None, guard: int = 0, init_value=None, finish=None
+) -> dict:
     """exl3_expert_gate_up call kwargs for the (k2, codebook) group ``key`` of w1 and w3 (tests:
-    ``tuning`` overrides the launch shape, ``guard`` adds never-written slots)."""
+    ``tuning`` overrides the launch shape, ``guard`` adds never-written slots). ``finish`` =
+    (weights, w2, limit, counters) for the last group's launch where `expert_finish`: it also does
+    exl3_expert_swiglu's work, w2's input xh [slots, I / 2] its second output (`finish_counters`)."""
     t = tuning or TUNING
     slots = indices.size
     splits, per_split = expert_plan(w1, t)
+    if finish is None:  # stand-ins of the same dtypes (one source text), never read
+        weights, suh2, limit, counters, xh_shape = _no_weights(), w1.svh, 0.0, _no_counters(), (1,)
+    else:
+        weights, w2, limit, counters = finish
+        _check_counters(counters, slots, w1.n, "expert gate_up")
+        suh2, xh_shape = w2.suh, (slots + guard, w1.n // 2)
     g1, g3 = _group(w1, key), _group(w3, key)
     t1 = (g1 or g3).trellis
     t3 = (g3 or g1).trellis
@@ -423,9 +472,12 @@ def gate_up_args(x, indices, w1, w3, key, lo: int, prev=None, tuning=None, guard
     p1 = g1.position if g1 else graph_constants.array((int(SlotStack.OTHER_GROUP),) * w1.n_local, mx.int32)
     p3 = g3.position if g3 else graph_constants.array((int(SlotStack.OTHER_GROUP),) * w3.n_local, mx.int32)
     return dict(
-        inputs=[x, indices, w1.suh, t1, p1, w3.suh, t3, p3, indices if prev is None else prev],
-        output_shapes=[(slots + guard, 2, splits, w1.n)],
-        output_dtypes=[mx.float32],
+        inputs=[
+            *(x, indices, w1.suh, t1, p1, w3.suh, t3, p3, indices if prev is None else prev),
+            *(weights, w1.svh, w3.svh, suh2, counters),
+        ],
+        output_shapes=[(slots + guard, 2, splits, w1.n), xh_shape],
+        output_dtypes=[mx.float32, mx.uint32],
         grid=(w1.n // BLOCK * _LANES * t.gate_up_warps, splits, 2 * slots),
         threadgroup=(_LANES * t.gate_up_warps, 1, 1),
         template=[
@@ -436,6 +488,9 @@ def gate_up_args(x, indices, w1, w3, key, lo: int, prev=None, tuning=None, guard
             ("LO", int(lo)),
             ("PER_SPLIT", per_split),
             ("SPLITS", splits),
+            ("FINISH", finish is not None),
+            ("INTER", w1.out_features),
+            ("LIMIT_BITS", float_bits(limit if limit > 0 else 0.0)),
         ],
         init_value=init_value,
     )
@@ -468,16 +523,29 @@ def swiglu_args(gu, weights, indices, w1, w3, w2, lo: int, limit: float, guard: 
     )
 
 
-def down_args(xh, indices, w2, group, lo: int, prev=None, tuning=None, guard: int = 0, init_value=None) -> dict:
+def down_args(
+    xh, indices, w2, group, lo: int, prev=None, tuning=None, guard: int = 0, init_value=None, finish=None
+) -> dict:
     """exl3_expert_down call kwargs (k-split partials) for one (k2, codebook) group of w2 (tests: as
-    gate_up_args)."""
+    gate_up_args). ``finish`` = (out_dtype, add, counters) for the last group's launch where
+    `expert_finish`: it also does exl3_expert_down_finish's work (see down_finish_args), y its second
+    output."""
     t = tuning or TUNING
     slots = indices.size
     splits, per_split = down_plan(w2, t)
+    if finish is None:  # stand-ins, never read
+        out_dtype, add, counters, y_shape = mx.float32, None, _no_counters(), (1,)
+    else:
+        out_dtype, add, counters = finish
+        _check_counters(counters, slots, w2.n, "expert down")
+        y_shape = (slots + guard, w2.n)
     return dict(
-        inputs=[xh, indices, group.trellis, group.position, indices if prev is None else prev],
-        output_shapes=[(slots + guard, splits, w2.n)],
-        output_dtypes=[mx.float32],
+        inputs=[
+            *(xh, indices, group.trellis, group.position, indices if prev is None else prev),
+            *(w2.svh, w2.svh if add is None else add, counters),
+        ],
+        output_shapes=[(slots + guard, splits, w2.n), y_shape],
+        output_dtypes=[mx.float32, out_dtype if finish is not None else mx.float32],
         grid=(w2.n // BLOCK * _LANES * t.down_warps, splits, slots),
         threadgroup=(_LANES * t.down_warps, 1, 1),
         template=[
@@ -488,6 +556,9 @@ def down_args(xh, indices, w2, group, lo: int, prev=None, tuning=None, guard: in
             ("LO", int(lo)),
             ("PER_SPLIT", per_split),
             ("SPLITS", splits),
+            ("FINISH", finish is not None),
+            ("T", out_dtype),
+            ("ADD", add is not None),
         ],
         init_value=init_value,
     )
@@ -581,21 +652,36 @@ def run_gemv(x, trellis, suh, svh, codebook: str, bias, out_dtype, counters=None
 def run_experts(x, indices, weights, w1, w3, w2, lo, limit, add=None):
     """The fused expert kernels: per-slot outputs [T, k, w2.out_features] float32 (bf16-valued); with
     ``add`` (routed slots [T, k', n] fp32; one slot per token here: the shared expert), the MoE's
-    output [T, n] in x.dtype instead (see down_finish_args)."""
+    output [T, n] in x.dtype instead (see down_finish_args). Where `expert_finish`, the last
+    exl3_expert_gate_up and exl3_expert_down launches finish themselves (two launches fewer, the same
+    bytes)."""
     T, top_k = indices.shape
-    gu = None
-    for key in gate_up_keys(w1, w3):
-        gu = EXPERT_GATE_UP(**gate_up_args(x, indices, w1, w3, key, lo, prev=gu))[0]
-    xh = EXPERT_SWIGLU(**swiglu_args(gu, weights, indices, w1, w3, w2, lo, limit))[0]
-    partial = None
-    for group in w2.groups:
-        partial = EXPERT_DOWN(**down_args(xh, indices, w2, group, lo, prev=partial))[0]
+    slots, finish = indices.size, expert_finish()
+    keys = gate_up_keys(w1, w3)
+    gu = xh = None
+    for i, key in enumerate(keys):
+        last = (weights, w2, limit, finish_counters(w1, slots)) if finish and i == len(keys) - 1 else None
+        gu, xh = EXPERT_GATE_UP(**gate_up_args(x, indices, w1, w3, key, lo, prev=gu, finish=last))
+    if not finish:
+        xh = EXPERT_SWIGLU(**swiglu_args(gu, weights, indices, w1, w3, w2, lo, limit))[0]
+    y = _down(xh, indices, w2, lo, x.dtype if add is not None else mx.float32, add, finish)
     if add is not None:
-        return EXPERT_DOWN_FINISH(**down_finish_args(partial, indices, w2, lo, out_dtype=x.dtype, add=add))[0]
-    y = EXPERT_DOWN_FINISH(**down_finish_args(partial, indices, w2, lo))[0]
+        return y
     if w2.out_features != w2.n:
         y = y[:, : w2.out_features]
     return y.reshape(T, top_k, w2.out_features)
+
+
+def _down(xh, indices, w2, lo: int, out_dtype, add, finish: bool) -> mx.array:
+    """exl3_expert_down per (K, codebook) group of w2, the last finishing itself where ``finish``,
+    else exl3_expert_down_finish after them: y [slots, w2.n] in out_dtype (see down_finish_args)."""
+    partial = y = None
+    for i, group in enumerate(w2.groups):
+        last = (out_dtype, add, finish_counters(w2, indices.size)) if finish and i == len(w2.groups) - 1 else None
+        partial, y = EXPERT_DOWN(**down_args(xh, indices, w2, group, lo, prev=partial, finish=last))
+    if finish:
+        return y
+    return EXPERT_DOWN_FINISH(**down_finish_args(partial, indices, w2, lo, out_dtype=out_dtype, add=add))[0]
 
 
 @graph_constants.constant
@@ -611,12 +697,9 @@ def run_grouped(x, proj) -> mx.array:
     T, G, width = x.shape
     indices = _group_indices(T, G)
     xh = EXPERT_INPUT(**input_args(x.reshape(T * G, width), indices, proj, 0))[0]
-    partial = None
-    for group in proj.groups:
-        partial = EXPERT_DOWN(**down_args(xh, indices, proj, group, 0, prev=partial))[0]
     # bf16 values: stored in x's dtype by the kernel when that is bf16 (no cast launch after it)
     out_dtype = x.dtype if x.dtype in (mx.bfloat16, mx.float32) else mx.float32
-    y = EXPERT_DOWN_FINISH(**down_finish_args(partial, indices, proj, 0, out_dtype=out_dtype))[0]
+    y = _down(xh, indices, proj, 0, out_dtype, None, expert_finish())
     return y[:, : proj.out_features].reshape(T, G, proj.out_features).astype(x.dtype)
 
 

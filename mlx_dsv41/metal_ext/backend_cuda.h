@@ -70,6 +70,15 @@ typedef long long i64;
     (v)[3] = kx_t.w;                  \
   } while (0)
 #define KX_LOAD_F32X4(p, v) KX_LOAD_X4(float4, p, v)
+// The same through L2 (ld.global.cg): data another threadgroup of the launch may have written.
+#define KX_LOAD_F32X4_CG(p, v)                                       \
+  do {                                                               \
+    const float4 kx_t = __ldcg(reinterpret_cast<const float4*>(p)); \
+    (v)[0] = kx_t.x;                                                 \
+    (v)[1] = kx_t.y;                                                 \
+    (v)[2] = kx_t.z;                                                 \
+    (v)[3] = kx_t.w;                                                 \
+  } while (0)
 #define KX_LOAD_U32X4(p, v) KX_LOAD_X4(uint4, p, v)
 
 #define KX_TO_F32(x) static_cast<float>(x)

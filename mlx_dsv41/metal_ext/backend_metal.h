@@ -78,6 +78,7 @@ typedef long i64;
     (v)[3] = kx_t.w;                  \
   } while (0)
 #define KX_LOAD_F32X4(p, v) KX_LOAD_X4(float4, p, v)
+#define KX_LOAD_F32X4_CG(p, v) KX_LOAD_F32X4(p, v)  // no grid finish on Metal: a plain load
 #define KX_LOAD_U32X4(p, v) KX_LOAD_X4(uint4, p, v)
 
 // Conversions (all round-to-nearest-even).

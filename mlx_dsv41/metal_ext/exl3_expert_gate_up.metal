@@ -4,11 +4,17 @@
 // of the intermediate dim, y = k split, z = 2*slot + (0: w1, 1: w3); threadgroups as in exl3_gemv
 // (M = 1). Slots whose expert has this projection in another group keep prev (HAS_PREV) or get 0,
 // as do slots outside the held range; launches for the other groups fill them in turn.
+// With FINISH (where KX_HAS_GRID_FINISH; the last group's launch) the last threadgroup to store
+// partials for a (slot, column block) -- 2 * SPLITS arrive -- also does exl3_expert_swiglu's work
+// for that block (exl3_swiglu_block: the same bytes) into xh; counters[slot * blocks + block]
+// counts the arrivals and is left at 0 (scratch state of w1, as exl3_gemv's). Without FINISH, xh
+// is a 1-element stand-in and weights, svh1, svh3, suh2, counters are never read.
 // Inputs: x [T, in], indices [T, top_k] int32, suh1/suh3 [E, k], t1/t3 [G, k/16, n/16, 16K] int16
 // (this group's stacks), p1/p3 [E] int32 (local expert -> index in the stack, or EXL3_SLOT_*),
-// prev [slots, 2, splits, n] float32. Output: out [slots, 2, splits, n] float32.
-// Template: K2, CB, NC, NW, STAGES, XSW, HAS_PREV, LO (first held expert), PER_SPLIT (128-blocks
-// of k per split), SPLITS.
+// prev [slots, 2, splits, n] float32, weights [T, top_k] float32, svh1/svh3/suh2 [E, n],
+// counters [>= slots * n / 128] uint32. Outputs: out [slots, 2, splits, n] float32, xh
+// [slots, n / 2] uint32. Template: K2, CB, NC, NW, STAGES, XSW, HAS_PREV, LO (first held expert),
+// PER_SPLIT (128-blocks of k per split), SPLITS, FINISH, INTER, LIMIT_BITS (exl3_expert_swiglu's).
 const u32 lane = KX_LANE, warp = KX_WARP;
 const u32 col_block = KX_TGID_X, split = KX_TGID_Y;
 const u32 slot = KX_TGID_Z >> 1, mat = KX_TGID_Z & 1u;
@@ -20,21 +26,27 @@ const u32 per_split = (u32)PER_SPLIT, splits = (u32)SPLITS;
 const int e = indices[slot] - LO;
 const int pos = exl3_stack_position(e, n_local, mat ? p3 : p1);
 const u64 base = (((u64)slot * 2 + mat) * splits + split) * n + col_block * 128;
-if (pos < 0) {
-  // Uniform over the threadgroup: nothing below is reached.
-  exl3_pass_slot<HAS_PREV, NW>(out, prev, base, pos, KX_LID_X);
-  return;
-}
-const u32 kb_begin = split * per_split;
-const u32 nb = min(per_split, tiles_k / 8 - kb_begin);
 KX_SHARED16(u32, ring, EXL3_RING_WORDS(K2, STAGES, NW, NC, 1));
 KX_SHARED(u32, xs, XSW);
-
-const KX_DEVICE u32* src = (const KX_DEVICE u32*)(mat ? t3 : t1) + ((u64)pos * tiles_k + (u64)kb_begin * 8) * row_words +
-                           col_block * 32 * K2;
-const Exl3Acc<1, NC> acc = exl3_product<K2, CB, 1, NC, NW, STAGES, XSW, PER_SPLIT>(
-    src, row_words, nb,
-    exl3_input_stager<1, XSW>(x + (u64)(slot / top_k) * in_features, (mat ? suh3 : suh1) + (u64)e * tiles_k * 16, 1u,
-                         in_features, kb_begin),
-    ring, xs, warp, lane);
-exl3_store_partials<NC, NW>(out, base, acc, ring, warp, lane, KX_LID_X);
+KX_SHARED(u32, last, 1);  // FINISH: whether this threadgroup is its (slot, column block)'s last
+if (pos < 0) {
+  // Uniform over the threadgroup: no product.
+  exl3_pass_slot<HAS_PREV, NW>(out, prev, base, pos, KX_LID_X);
+} else {
+  const u32 kb_begin = split * per_split;
+  const u32 nb = min(per_split, tiles_k / 8 - kb_begin);
+  const KX_DEVICE u32* src = (const KX_DEVICE u32*)(mat ? t3 : t1) +
+                             ((u64)pos * tiles_k + (u64)kb_begin * 8) * row_words + col_block * 32 * K2;
+  const Exl3Acc<1, NC> acc = exl3_product<K2, CB, 1, NC, NW, STAGES, XSW, PER_SPLIT>(
+      src, row_words, nb,
+      exl3_input_stager<1, XSW>(x + (u64)(slot / top_k) * in_features, (mat ? suh3 : suh1) + (u64)e * tiles_k * 16, 1u,
+                           in_features, kb_begin),
+      ring, xs, warp, lane);
+  exl3_store_partials<NC, NW>(out, base, acc, ring, warp, lane, KX_LID_X);
+}
+if (FINISH && KX_HAS_GRID_FINISH) {
+  const u32 blocks = tiles_n / 8;
+  if (exl3_finish_arrival(counters, (u64)slot * blocks + col_block, 2 * splits, last, KX_LID_X) && warp == 0)
+    exl3_swiglu_block<SPLITS>((const KX_DEVICE float*)out, weights, indices, svh1, svh3, suh2, xh, n, n_local, LO,
+                              (u32)INTER, KX_BITS_F32(LIMIT_BITS), slot, col_block, lane);
+}

@@ -91,3 +91,56 @@ KX_INLINE Exl3Vec4 exl3_swiglu_xh(Exl3GateUp<SPLITS> p, u32 inter, const KX_DEVI
   }
   return exl3_hadamard128(xv, lane);
 }
+
+// exl3_expert_swiglu's work for one slot's 128-block `block` (one SIMD group): w2's input xh from
+// the gate/up partials gu [slots, 2, SPLITS, inter_padded] (exl3_swiglu_xh; 0 for a slot whose
+// expert is not held), stored in the staged word order at xh [slots, inter_padded / 2]. Shared by
+// exl3_expert_swiglu and exl3_expert_gate_up's FINISH, so both give the same bytes. No branch on
+// the expert before the partials' loads: the compiler would sink them into it, after indices[slot]'s
+// round trip (a slot whose expert is not held computes with expert LO's vectors and stores zeros).
+template <int SPLITS, typename VT>
+KX_INLINE void exl3_swiglu_block(const KX_DEVICE float* gu, const KX_DEVICE float* weights, const KX_DEVICE int* indices,
+                                 const KX_DEVICE VT* svh1, const KX_DEVICE VT* svh3, const KX_DEVICE VT* suh2,
+                                 KX_DEVICE u32* xh, u32 inter_padded, u32 n_local, int lo, u32 inter, float limit,
+                                 u32 slot, u32 block, u32 lane) {
+  const Exl3GateUp<SPLITS> parts =
+      exl3_load_gate_up<SPLITS>(gu + (u64)slot * 2 * SPLITS * inter_padded, inter_padded, block, lane);
+  const float weight = weights[slot];
+  const int e = indices[slot] - lo;
+  const bool held = exl3_held(e, n_local);
+  const u64 mid = (u64)(held ? e : 0) * inter_padded;
+  Exl3Vec4 v = exl3_swiglu_xh<SPLITS>(parts, inter, svh1 + mid, svh3 + mid, suh2 + mid, weight, limit, block, lane);
+  for (int i = 0; i < 4; i++) v.v[i] = held ? v.v[i] : 0.0f;
+  exl3_store_xh(xh + (u64)slot * (inter_padded / 2), block, v, lane);
+}
+
+// exl3_expert_down_finish's work for one slot's 128-column block (one SIMD group): y = bf16(H128(the
+// k-split partials [slots, SPLITS, n] added in split order) * svh2[e]) for a held slot, 0 for the
+// others (docs/exl3.md#forward steps 4-6), stored in T at out [slots, n]. With ADD (the shared
+// expert: one slot per token) the MoE's output instead (docs/model.md#moe): T((sum of add[t, s]
+// over the add_k routed slots, in slot order) + y), add [T, add_k, n] fp32. Shared by
+// exl3_expert_down_finish and exl3_expert_down's FINISH, so both give the same bytes. The partials'
+// loads do not wait for the slot's expert (see exl3_swiglu_block).
+template <int SPLITS, bool ADD, typename T, typename VS, typename VA>
+KX_INLINE void exl3_down_finish_block(const KX_DEVICE float* partial, const KX_DEVICE int* indices,
+                                      const KX_DEVICE VS* svh2, const KX_DEVICE VA* add, u32 add_k, KX_DEVICE T* out,
+                                      u32 n, u32 n_local, int lo, u32 slot, u32 col_block, u32 lane) {
+  const u32 c0 = col_block * 128 + 4 * lane;
+  const Exl3Splits<SPLITS> t = exl3_load_splits<SPLITS>(partial + (u64)slot * SPLITS * n + c0, n);
+  const int e = indices[slot] - lo;
+  const bool held = exl3_held(e, n_local);
+  float sv[4];  // loaded whether or not the slot is held: no branch around each load
+  for (int i = 0; i < 4; i++) sv[i] = KX_TO_F32(svh2[(u64)(held ? e : 0) * n + c0 + i]);
+  const Exl3Vec4 s = exl3_hadamard128(exl3_sum_splits<SPLITS>(t), lane);
+  KX_DEVICE T* y = out + (u64)slot * n + c0;
+  if (ADD) {
+    const u64 routed = (u64)slot * add_k * n + c0;
+    for (int i = 0; i < 4; i++) {
+      float acc = KX_TO_F32(add[routed + i]);
+      for (u32 r = 1; r < add_k; r++) acc += KX_TO_F32(add[routed + (u64)r * n + i]);
+      y[i] = static_cast<T>(acc + exl3_round_bf16(s.v[i] * sv[i]));
+    }
+  } else {
+    for (int i = 0; i < 4; i++) y[i] = static_cast<T>(held ? exl3_round_bf16(s.v[i] * sv[i]) : 0.0f);
+  }
+}

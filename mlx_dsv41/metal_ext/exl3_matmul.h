@@ -67,7 +67,8 @@ KX_INLINE Exl3Vec4 exl3_load4(const KX_DEVICE float* p) {
 }
 
 // A lane's 4 elements of S k-split partials (split q at p + q*stride), loaded together before any
-// is used (the small finishing kernels are latency-bound: one round trip for all of them).
+// is used (the small finishing kernels are latency-bound: one round trip for all of them), through
+// L2: in a launch that finishes itself, other threadgroups of the launch wrote them.
 template <int S>
 struct Exl3Splits {
   Exl3Vec4 v[S];
@@ -77,7 +78,7 @@ template <int S>
 KX_INLINE Exl3Splits<S> exl3_load_splits(const KX_DEVICE float* p, u64 stride) {
   Exl3Splits<S> t;
   KX_UNROLL
-  for (int q = 0; q < S; q++) t.v[q] = exl3_load4(p + q * stride);
+  for (int q = 0; q < S; q++) KX_LOAD_F32X4_CG(p + q * stride, t.v[q].v);
   return t;
 }
 
@@ -490,6 +491,25 @@ KX_INLINE Exl3Vec4 exl3_ys_row(const KX_THREADGROUP float* ys, u32 r, u32 lane) 
   Exl3Vec4 v;
   for (int i = 0; i < 4; i++) v.v[i] = exl3_ys_sum<M, KG>(ys, r, 4 * lane + i);
   return v;
+}
+
+// A FINISH launch's count (KX_HAS_GRID_FINISH): after this threadgroup's partial sums are stored,
+// whether it is the last of `arrivals` threadgroups to store partials for counters[i]; that last
+// one sets the counter back to 0 (each launch leaves its counters at 0 for the next) and may then
+// read every arrival's partials (through L2). Every thread of the threadgroup calls it (tid: its
+// index in the one-dimensional threadgroup); last: 1 word of threadgroup memory.
+KX_INLINE bool exl3_finish_arrival(const KX_DEVICE u32* counters, u64 i, u32 arrivals, KX_THREADGROUP u32* last,
+                                   u32 tid) {
+  KX_GRID_FENCE();  // this thread's partial sums, visible to every threadgroup before the count
+  KX_BARRIER();
+  if (tid == 0) {
+    last[0] = KX_ATOMIC_INC(counters + i) + 1 == arrivals ? 1u : 0u;
+    if (last[0]) KX_ATOMIC_ZERO(counters + i);
+  }
+  KX_BARRIER();
+  const bool is_last = last[0] != 0u;
+  if (is_last) KX_GRID_FENCE();
+  return is_last;
 }
 
 // exl3_gemv_out's work for one row (docs/exl3.md#forward steps 4-6): the k-split partials

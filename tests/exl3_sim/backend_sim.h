@@ -137,6 +137,7 @@ inline u32 sim_atomic_inc(const u32* p) { return (*const_cast<u32*>(p))++; }
     for (int kx_i = 0; kx_i < 4; kx_i++) (v)[kx_i] = (p)[kx_i];      \
   } while (0)
 
+#define KX_LOAD_F32X4_CG(p, v) KX_LOAD_F32X4(p, v)
 #define KX_LOAD_X4(VT, p, v) KX_LOAD_F32X4(p, v)  // element-wise copies: VT only names the type
 #define KX_LOAD_U32X4(p, v)                                         \
   do {                                                              \

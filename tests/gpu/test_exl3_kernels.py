@@ -454,6 +454,62 @@ def test_shared_expert_adds_the_routed_slots_in_the_moes_order(T):
     assert same_bytes([runs[0][:T], to_np(fused)])
 
 
+# ------------------------------------------------------------------------------ expert launches that finish themselves
+
+
+@pytest.mark.parametrize("case", [0, 1, 2])
+def test_expert_launches_that_finish_themselves_give_the_separate_bytes(case):
+    """FINISH on CUDA (launch.expert_finish): the last exl3_expert_gate_up launch gives
+    exl3_expert_swiglu's xh and the last exl3_expert_down launch exl3_expert_down_finish's y, byte
+    for byte, the partials unchanged; five launches on the same counters agree (a launch that left a
+    counter nonzero would not finish the next, whose output would keep its poison); guard rows keep
+    their poison; the counters read 0 afterwards. Cases 0 and 2 chain launches of two groups."""
+    assert launch.expert_finish()
+    _, ex, x, indices, weights = make_experts(EXPERT_CASES[case], seed=40 + case)
+    indices, weights = mx.array(indices), mx.array(weights)
+    lo, slots = ex.expert_range[0], indices.size
+    keys, groups = launch.gate_up_keys(ex.w1, ex.w3), ex.w2.groups
+    gus = [None]
+    for key in keys:
+        gus.append(launch.EXPERT_GATE_UP(**launch.gate_up_args(x, indices, ex.w1, ex.w3, key, lo, prev=gus[-1]))[0])
+    xh = launch.EXPERT_SWIGLU(
+        **launch.swiglu_args(gus[-1], weights, indices, ex.w1, ex.w3, ex.w2, lo, ex.swiglu_limit)
+    )[0]
+    partials = [None]
+    for group in groups:
+        partials.append(launch.EXPERT_DOWN(**launch.down_args(xh, indices, ex.w2, group, lo, prev=partials[-1]))[0])
+    y = launch.EXPERT_DOWN_FINISH(**launch.down_finish_args(partials[-1], indices, ex.w2, lo))[0]
+
+    counters = launch.split_counters(slots * ex.w1.n // 128)
+    fin = (weights, ex.w2, ex.swiglu_limit, counters)
+    call = launch.gate_up_args(
+        x, indices, ex.w1, ex.w3, keys[-1], lo, prev=gus[-2], guard=1, init_value=float(XH_POISON), finish=fin
+    )
+    runs = [[to_np(o) for o in launch.EXPERT_GATE_UP(**call)] for _ in range(5)]
+    assert all(same_bytes([r[i] for r in runs]) for i in range(2))
+    assert np.all(runs[0][0][-1] == float(XH_POISON)) and np.all(runs[0][1][-1] == XH_POISON)
+    assert same_bytes([runs[0][0][:-1], to_np(gus[-1])]) and same_bytes([runs[0][1][:-1], to_np(xh)])
+    assert not np.array(counters).any()
+
+    counters = launch.split_counters(slots * ex.w2.n // 128)
+    call = launch.down_args(
+        xh,
+        indices,
+        ex.w2,
+        groups[-1],
+        lo,
+        prev=partials[-2],
+        guard=1,
+        init_value=NAN,
+        finish=(mx.float32, None, counters),
+    )
+    runs = [[to_np(o) for o in launch.EXPERT_DOWN(**call)] for _ in range(5)]
+    assert all(same_bytes([r[i] for r in runs]) for i in range(2))
+    assert all(np.all(np.isnan(o[-1])) and not np.any(np.isnan(o[:-1])) for o in runs[0])
+    assert same_bytes([runs[0][0][:-1], to_np(partials[-1])]) and same_bytes([runs[0][1][:-1], to_np(y)])
+    assert not np.array(counters).any() and np.count_nonzero(runs[0][1][:-1]) > y.size // 4
+
+
 # ------------------------------------------------------------------------------ k-split gemv in one launch
 
 
