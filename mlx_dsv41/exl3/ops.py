@@ -284,9 +284,10 @@ def swiglu_mlp(x, w1, w3, w2, limit: float, routed=None) -> mx.array:
 def grouped(x, proj) -> mx.array:
     """A grouped linear whose group g is expert g of `proj` (an EXL3ExpertProjection over the groups'
     linears, e.g. `wo_a`'s slices): x [T, G, in] -> [T, G, out] in x.dtype, each group's output
-    rounded as its own linear rounds it. On a GPU, up to FUSED_MAX_TOKENS tokens: exl3_expert_input,
-    exl3_expert_down (one launch per (K, codebook) group) and exl3_expert_down_finish for every
-    group at once; more tokens: the groups' W̃ decoded once and the product as for the sorted
+    rounded as its own linear rounds it. On a GPU, up to FUSED_MAX_TOKENS tokens: exl3_expert_down
+    (one launch per (K, codebook) group, each forming its groups' xh from x) and
+    exl3_expert_down_finish (CUDA: the last launch finishing itself) for every group at once; more
+    tokens: the groups' W̃ decoded once and the product as for the sorted
     experts; on the CPU each group through the reference linear."""
     T, G, width = x.shape
     if G != proj.n_local or width != proj.in_features:

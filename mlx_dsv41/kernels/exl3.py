@@ -14,7 +14,10 @@ reference on the CPU), is decided in mlx_dsv41.exl3.ops; this module only builds
   present), one exl3_expert_swiglu (finishes g and u, the routed SwiGLU and w2's input transform:
   xh once per slot), exl3_expert_down (k-split partials of w2, k split to reach
   ``down_split_warps``; one launch per w2 group) and one exl3_expert_down_finish (the splits' sum
-  and w2's output side); exl3_expert_input stages a grouped linear's inputs (run_grouped).
+  and w2's output side); a grouped linear's groups run as experts through exl3_expert_down alone,
+  each launch transforming its slots' inputs itself (run_grouped). Where the backend lets a
+  launch's last threadgroup finish the others' work (CUDA), the last gate_up launch does the
+  SwiGLU's work and the last down launch the finish's (``finish_splits``).
   Which group's launch writes which slot is the SlotStack rule, shared with exl3_experts.h.
 Every path sums in fp32 and rounds once to the output dtype (xh is fp16 by the format). The k
 splits come from the weight shapes only, so a slot's bytes never depend on the rest of the call.
@@ -204,7 +207,7 @@ EXPERT_SWIGLU = register(
 EXPERT_DOWN = register(
     Kernel(
         "exl3_expert_down",
-        ("xh", "indices", "t2", "p2", "prev", "svh2", "add", "counters"),
+        ("xh", "indices", "t2", "p2", "prev", "svh2", "add", "counters", "suh2"),
         ("out", "y"),
         includes=_EXPERT_HEADERS,
         defines=SLOT_DEFINES,
@@ -223,18 +226,6 @@ EXPERT_DOWN_FINISH = register(
         examples=lambda: _example_down_finish(),
     )
 )
-EXPERT_INPUT = register(
-    Kernel(
-        "exl3_expert_input",
-        ("x", "indices", "suh"),
-        ("xh",),
-        includes=_EXPERT_HEADERS,
-        defines=SLOT_DEFINES,
-        max_threads=256,
-        examples=lambda: _example_input(),
-    )
-)
-
 # The two sides of an EXL3 linear for many rows, around f16_gemm (docs/exl3.md#many-row-transforms).
 ROWS_IN = register(
     Kernel(
@@ -527,9 +518,10 @@ def down_args(
     xh, indices, w2, group, lo: int, prev=None, tuning=None, guard: int = 0, init_value=None, finish=None
 ) -> dict:
     """exl3_expert_down call kwargs (k-split partials) for one (k2, codebook) group of w2 (tests: as
-    gate_up_args). ``finish`` = (out_dtype, add, counters) for the last group's launch where
-    `expert_finish`: it also does exl3_expert_down_finish's work (see down_finish_args), y its second
-    output."""
+    gate_up_args). ``xh``: w2's input xh [slots, k / 2] (uint32 fp16 pairs, formed earlier), or the
+    slots' rows x [slots, in] (float), which the launch transforms itself (STAGE_X). ``finish`` =
+    (out_dtype, add, counters) for the last group's launch where `expert_finish`: it also does
+    exl3_expert_down_finish's work (see down_finish_args), y its second output."""
     t = tuning or TUNING
     slots = indices.size
     splits, per_split = down_plan(w2, t)
@@ -542,7 +534,7 @@ def down_args(
     return dict(
         inputs=[
             *(xh, indices, group.trellis, group.position, indices if prev is None else prev),
-            *(w2.svh, w2.svh if add is None else add, counters),
+            *(w2.svh, w2.svh if add is None else add, counters, w2.suh),
         ],
         output_shapes=[(slots + guard, splits, w2.n), y_shape],
         output_dtypes=[mx.float32, out_dtype if finish is not None else mx.float32],
@@ -559,6 +551,7 @@ def down_args(
             ("FINISH", finish is not None),
             ("T", out_dtype),
             ("ADD", add is not None),
+            ("STAGE_X", xh.dtype != mx.uint32),
         ],
         init_value=init_value,
     )
@@ -577,20 +570,6 @@ def down_finish_args(
         output_dtypes=[out_dtype],
         **_block_per_simd_group_launch(w2.n // BLOCK, slots),
         template=[("T", out_dtype), ("LO", int(lo)), ("SPLITS", partial.shape[1]), ("ADD", add is not None)],
-        init_value=init_value,
-    )
-
-
-def input_args(x, indices, proj, lo: int, guard: int = 0, init_value=None) -> dict:
-    """exl3_expert_input call kwargs: xh [slots, k / 2] (fp16 pairs) of x [slots, in] per slot's
-    expert (indices [T, G] or [slots])."""
-    slots = indices.size
-    return dict(
-        inputs=[x, indices, proj.suh],
-        output_shapes=[(slots + guard, proj.k // 2)],
-        output_dtypes=[mx.uint32],
-        **_block_per_simd_group_launch(proj.k // BLOCK, slots),
-        template=[("LO", int(lo))],
         init_value=init_value,
     )
 
@@ -673,8 +652,9 @@ def run_experts(x, indices, weights, w1, w3, w2, lo, limit, add=None):
 
 
 def _down(xh, indices, w2, lo: int, out_dtype, add, finish: bool) -> mx.array:
-    """exl3_expert_down per (K, codebook) group of w2, the last finishing itself where ``finish``,
-    else exl3_expert_down_finish after them: y [slots, w2.n] in out_dtype (see down_finish_args)."""
+    """exl3_expert_down per (K, codebook) group of w2 (xh: as down_args takes it), the last finishing
+    itself where ``finish``, else exl3_expert_down_finish after them: y [slots, w2.n] in out_dtype
+    (see down_finish_args)."""
     partial = y = None
     for i, group in enumerate(w2.groups):
         last = (out_dtype, add, finish_counters(w2, indices.size)) if finish and i == len(w2.groups) - 1 else None
@@ -691,15 +671,14 @@ def _group_indices(T: int, G: int) -> np.ndarray:
 
 
 def run_grouped(x, proj) -> mx.array:
-    """exl3_expert_input, exl3_expert_down (one launch per (K, codebook) group) and
-    exl3_expert_down_finish for x [T, G, in] with group g as expert g of ``proj``: [T, G, out] in
-    x.dtype."""
+    """exl3_expert_down (one launch per (K, codebook) group, each transforming its slots' inputs)
+    and exl3_expert_down_finish (or the last launch finishing itself) for x [T, G, in] with group g
+    as expert g of ``proj``: [T, G, out] in x.dtype."""
     T, G, width = x.shape
     indices = _group_indices(T, G)
-    xh = EXPERT_INPUT(**input_args(x.reshape(T * G, width), indices, proj, 0))[0]
     # bf16 values: stored in x's dtype by the kernel when that is bf16 (no cast launch after it)
     out_dtype = x.dtype if x.dtype in (mx.bfloat16, mx.float32) else mx.float32
-    y = _down(xh, indices, proj, 0, out_dtype, None, expert_finish())
+    y = _down(x.reshape(T * G, width), indices, proj, 0, out_dtype, None, expert_finish())
     return y[:, : proj.out_features].reshape(T, G, proj.out_features).astype(x.dtype)
 
 
@@ -795,15 +774,9 @@ def _example_down():
         )
     )
     calls.append(down_args(xh, indices, ex.w2, ex.w2.groups[0], 1, tuning=Tuning(nc=2, down_warps=16)))
+    x = mx.zeros((indices.size, ex.w2.in_features), mx.bfloat16)  # a grouped linear's rows (STAGE_X)
+    calls.append(down_args(x, indices, ex.w2, ex.w2.groups[0], 1))
     return calls
-
-
-def _example_input():
-    ex, x, indices, weights = _example_experts()
-    return [
-        input_args(mx.zeros((indices.size, ex.w2.in_features), mx.bfloat16), indices, ex.w2, 1),
-        input_args(mx.zeros((indices.size, 200), mx.float32), indices, ex.w1, 0),
-    ]
 
 
 def _example_rows(out: bool = False):

@@ -407,10 +407,11 @@ def test_grouped_linear_on_the_gpu_matches_each_group_and_its_contract():
         assert all(np.array_equal(r, runs[0]) for r in runs)
         assert np.array_equal(to_np(layer(x[1:2])), y[1:2])
         indices = mx.broadcast_to(mx.arange(groups, dtype=mx.int32), (4, groups))
-        xh = launch.EXPERT_INPUT(
-            **launch.input_args(x.reshape(4 * groups, d_in), indices, layer.proj, 0, guard=2, init_value=7.0)
-        )[0]
-        assert np.all(to_np(xh)[4 * groups :] == 7) and not np.any(to_np(xh)[: 4 * groups] == 7)
+        call = launch.down_args(  # each group's xh formed from x by the launch (STAGE_X)
+            x.reshape(4 * groups, d_in), indices, layer.proj, layer.proj.groups[0], 0, guard=2, init_value=NAN
+        )
+        partial = to_np(launch.EXPERT_DOWN(**call)[0])
+        assert np.all(np.isnan(partial[4 * groups :])) and not np.any(np.isnan(partial[: 4 * groups]))
 
 
 # ------------------------------------------------------------------------------ shared expert + MoE combine
