@@ -75,7 +75,7 @@ run() {  # run NAME: one stage
     # decode, Flash-shaped, beside mlx-lm (issue 16); again with k-split EXL3 linears finished by
     # exl3_gemv_out (two launches each) instead of by their own last threadgroup
     # (DECODE_AB= leaves the A/B out)
-    decode) stage decode 330 python3 benchmarks/bench_model.py --quick --no-dspark --out "$LOGS" \
+    decode) stage decode 420 python3 benchmarks/bench_model.py --quick --no-dspark --out "$LOGS" \
       ${DECODE_AB---exl3-tuning finish_splits=0} ;;
     # the demo checkpoint's decode beside mlx-lm at the demo's dimensions (issue 16: >= 200 tokens/s)
     demo) stage demo 200 python3 benchmarks/bench_model.py --quick --demo --no-dspark --out "$LOGS/demo" ;;
