@@ -102,12 +102,7 @@ def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, ou
 def _split_counters(owner, n: int):
     """The exl3_gemv FINISH counters of the linear `owner` (made once, kept on it; fresh for a call
     without an owner): scratch that every launch leaves at 0 (kernels.exl3.gemv_args)."""
-    if owner is None:
-        return launch.split_counters(n // BLOCK)
-    counters = getattr(owner, "_split_counters", None)
-    if counters is None:
-        counters = owner._split_counters = launch.split_counters(n // BLOCK)
-    return counters
+    return launch.split_counters(n // BLOCK) if owner is None else launch.held_counters(owner, n // BLOCK)
 
 
 def _check_experts_args(x, indices, weights, w1):

@@ -320,16 +320,21 @@ def expert_finish(tuning: Tuning | None = None) -> bool:
     return bool((tuning or TUNING).finish_splits) and GRID_FINISH.get(backend(), False)
 
 
-def finish_counters(proj, slots: int) -> mx.array:
-    """The FINISH counters of an expert projection's launches over ``slots`` slots: uint32 zeros,
-    one per (slot, 128-column block), made once per slot count and kept on ``proj`` (each launch
-    leaves them at 0; as `split_counters`, a compiled step holds them as a constant)."""
-    held = getattr(proj, "_finish_counters", None)
+def held_counters(owner, size: int) -> mx.array:
+    """FINISH counters of ``size`` (`split_counters`) kept on ``owner``, the module whose launches
+    use them (an EXL3 linear; an expert projection, one per slot count), made once per size."""
+    held = getattr(owner, "_finish_counters", None)
     if held is None:
-        held = proj._finish_counters = {}
-    if slots not in held:
-        held[slots] = split_counters(slots * (proj.n // BLOCK))
-    return held[slots]
+        held = owner._finish_counters = {}
+    if size not in held:
+        held[size] = split_counters(size)
+    return held[size]
+
+
+def finish_counters(proj, slots: int) -> mx.array:
+    """The FINISH counters of an expert projection's launches over ``slots`` slots: one per (slot,
+    128-column block), kept on ``proj`` (held_counters)."""
+    return held_counters(proj, slots * (proj.n // BLOCK))
 
 
 def _check_counters(counters, slots: int, n: int, what: str) -> None:
@@ -339,10 +344,11 @@ def _check_counters(counters, slots: int, n: int, what: str) -> None:
         )
 
 
-def split_counters(n_blocks: int) -> mx.array:
-    """A linear's exl3_gemv FINISH counters: uint32 zeros, one per 128-column block (made from host
-    data, so a compiled step holds them as a constant; each launch leaves them at 0)."""
-    return mx.array(np.zeros(n_blocks, np.uint32))
+def split_counters(size: int) -> mx.array:
+    """FINISH counters: uint32 zeros, one per output block a launch finishes (a linear's 128-column
+    blocks; an expert launch's (slot, block) pairs), made from host data, so a compiled step holds
+    them as a constant; each launch leaves them at 0."""
+    return mx.array(np.zeros(size, np.uint32))
 
 
 def _rows_out(x, n: int, guard_rows: int) -> tuple:
@@ -380,8 +386,8 @@ def gemv_args(
     out_dtype = out_dtype or x.dtype
     fused = splits == 1
     finish_here = not fused and counters is not None and t.finish_splits and _grid_finish(t)
-    if counters is not None and counters.shape != (n_blocks,):
-        raise ValueError(f"exl3 gemv: counters must be uint32 [{n_blocks}], got {counters.shape}")
+    if counters is not None:
+        _check_counters(counters, 1, n, "gemv")
     has_bias = bias is not None
     bias_in = bias if has_bias else svh
     gemv = dict(
@@ -537,7 +543,7 @@ def down_args(
             *(w2.svh, w2.svh if add is None else add, counters, w2.suh),
         ],
         output_shapes=[(slots + guard, splits, w2.n), y_shape],
-        output_dtypes=[mx.float32, out_dtype if finish is not None else mx.float32],
+        output_dtypes=[mx.float32, out_dtype],
         grid=(w2.n // BLOCK * _LANES * t.down_warps, splits, slots),
         threadgroup=(_LANES * t.down_warps, 1, 1),
         template=[
