@@ -74,26 +74,46 @@ def test_split_sums_the_ranges_in_order(program):
     x, w = _data(0, *CASES[0])
     (y,) = prog.run(0)
     xs, ws = np.array(x, np.float32), np.array(w.astype(mx.float32), np.float32)
-    C = K // 8
     for n in (0, 57, 99):
-        ranges = []
-        for s in range(8):
-            lanes = np.zeros(32, np.float32)
-            for c in range(s * C // 8, (s + 1) * C // 8):
-                for e in range(8):  # each lane's FMAs, rounded to fp32 (products of bf16 and fp32 are exact in float64)
-                    lanes[(c - s * C // 8) % 32] = np.float32(
-                        np.float64(xs[0, 8 * c + e]) * np.float64(ws[n, 8 * c + e])
-                        + np.float64(lanes[(c - s * C // 8) % 32])
-                    )
-            for o in (16, 8, 4, 2, 1):
-                lanes = (lanes + lanes[np.arange(32) ^ o]).astype(np.float32)
-            ranges.append(lanes[0])
-        total = ranges[0]
-        for r in ranges[1:]:
-            total = np.float32(total + r)
-        assert y[0, n].view(np.uint32) == total.view(np.uint32), n
+        assert y[0, n].view(np.uint32) == ordered_sum(xs[0], ws[n], 8).view(np.uint32), n
     assert dict(fl.gemv_args(x, w)["template"])["SPLIT"] == 8
     assert dict(fl.gemv_args(x, mx.zeros((fl.SPLIT_BELOW_N, K), mx.bfloat16))["template"])["SPLIT"] == 1
+
+
+def ordered_sum(x, w, split: int) -> np.float32:
+    """One output as fp32_gemv sums it: lane l of each of `split` ranges of k's 8-element chunks
+    FMAs its chunks l, l + 32, ... in order (fp32 roundings; products of bf16 / fp32 values are
+    exact in float64), a xor butterfly over the 32 lanes, the range sums added in range order."""
+    C = x.size // 8
+    total = None
+    for s in range(split):
+        lanes = np.zeros(32, np.float32)
+        for c in range(s * C // split, (s + 1) * C // split):
+            lane = (c - s * C // split) % 32
+            for e in range(8):
+                lanes[lane] = np.float32(np.float64(x[8 * c + e]) * np.float64(w[8 * c + e]) + np.float64(lanes[lane]))
+        for o in (16, 8, 4, 2, 1):
+            lanes = (lanes + lanes[np.arange(32) ^ o]).astype(np.float32)
+        total = lanes[0] if total is None else np.float32(total + lanes[0])
+    return total
+
+
+@pytest.mark.parametrize("rows, w_dtype, split", [(1, mx.float32, 8), (2, mx.bfloat16, 8), (1, mx.bfloat16, 1)])
+def test_many_chunks_per_lane_keep_the_chunk_order(rows, w_dtype, split):
+    """A long k (the mHC mixes' fn: 20,480 wide, 10 chunks a lane): a lane's loads are issued U
+    chunks at a time, its FMAs stay in chunk order: every output is `ordered_sum`'s bytes (k of
+    2,405 chunks: ranges of 300 / 301, passes that end inside a group of U)."""
+    k, n = 8 * 2405, 24 if split == 8 else 40
+    rng = np.random.default_rng(11)
+    x = mx.array(rng.standard_normal((rows, k)).astype(np.float32))
+    w = mx.array((rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)).astype(w_dtype)
+    call = fl.gemv_args(x, w, guard=GUARD, split=split)
+    (y,) = exl3_sim.build([(fl.GEMV, call)], mma=True).run(0)
+    assert np.all(np.isnan(y[-GUARD:]))
+    xs, ws = np.array(x), np.array(w.astype(mx.float32))
+    for m in range(rows):
+        for j in (0, 13, n - 1):
+            assert y[m, j].view(np.uint32) == ordered_sum(xs[m], ws[j], split).view(np.uint32), (m, j)
 
 
 def test_nonfinite_inputs_follow_float64(program):

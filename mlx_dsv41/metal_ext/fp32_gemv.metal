@@ -19,26 +19,38 @@ for (int m = 0; m < M; m++)
   for (int j = 0; j < COLS; j++) acc[m][j] = 0.0f;
 const KX_DEVICE u32* words = (const KX_DEVICE u32*)w;
 const u32 c_end = live ? (part + 1) * C / SPLIT : 0;
-for (u32 c = part * C / SPLIT + KX_LANE; c < c_end; c += KX_SIMD_WIDTH) {
-  float xv[M][8];
-  for (int m = 0; m < M; m++)
-    for (int e = 0; e < 8; e++) xv[m][e] = KX_TO_F32(x[(u64)m * K + c * 8 + e]);
-  for (int j = 0; j < COLS; j++) {
-    const u32 n = n0 + j < N ? n0 + j : N - 1;  // past the end: read the last row, write nothing
-    float wf[8];
-    if (W == 0) {
-      KX_LOAD_X4(float4, (const KX_DEVICE float*)w + (u64)n * K + c * 8, wf);
-      KX_LOAD_X4(float4, (const KX_DEVICE float*)w + (u64)n * K + c * 8 + 4, wf + 4);
-    } else {
-      u32 wv[4];
-      KX_LOAD_U32X4(words + ((u64)n * K + c * 8) / 2, wv);
-      for (int e = 0; e < 8; e++) {
-        const u32 bits = (e & 1) ? (wv[e >> 1] >> 16) : (wv[e >> 1] & 0xFFFFu);
-        wf[e] = W == 2 ? KX_BITS_F32(bits << 16) : KX_F16_BITS_TO_F32(bits);
+// U chunks per lane per pass, every load of a pass issued before its FMAs (one memory round trip
+// per pass: a one-output SIMD group of the mHC mixes' fn walks 10 chunks a lane); the FMAs keep
+// the chunk order, so the sums are the same operations in the same order whatever U.
+constexpr int U = (M * 8 + COLS * 8) <= 16 ? 8 : (M * 8 + COLS * 8) <= 40 ? 2 : 1;
+for (u32 c0 = part * C / SPLIT + KX_LANE; c0 < c_end; c0 += U * KX_SIMD_WIDTH) {
+  float xv[U][M][8];
+  float wf[U][COLS][8];
+  KX_UNROLL for (int u = 0; u < U; u++) {
+    const u32 c = c0 + u * KX_SIMD_WIDTH;
+    if (c >= c_end) break;
+    for (int m = 0; m < M; m++)
+      for (int e = 0; e < 8; e++) xv[u][m][e] = KX_TO_F32(x[(u64)m * K + c * 8 + e]);
+    for (int j = 0; j < COLS; j++) {
+      const u32 n = n0 + j < N ? n0 + j : N - 1;  // past the end: read the last row, write nothing
+      if (W == 0) {
+        KX_LOAD_X4(float4, (const KX_DEVICE float*)w + (u64)n * K + c * 8, wf[u][j]);
+        KX_LOAD_X4(float4, (const KX_DEVICE float*)w + (u64)n * K + c * 8 + 4, wf[u][j] + 4);
+      } else {
+        u32 wv[4];
+        KX_LOAD_U32X4(words + ((u64)n * K + c * 8) / 2, wv);
+        for (int e = 0; e < 8; e++) {
+          const u32 bits = (e & 1) ? (wv[e >> 1] >> 16) : (wv[e >> 1] & 0xFFFFu);
+          wf[u][j][e] = W == 2 ? KX_BITS_F32(bits << 16) : KX_F16_BITS_TO_F32(bits);
+        }
       }
     }
-    for (int e = 0; e < 8; e++)
-      for (int m = 0; m < M; m++) acc[m][j] = KX_FMA(xv[m][e], wf[e], acc[m][j]);
+  }
+  KX_UNROLL for (int u = 0; u < U; u++) {
+    if (c0 + u * KX_SIMD_WIDTH >= c_end) break;
+    for (int j = 0; j < COLS; j++)
+      for (int e = 0; e < 8; e++)
+        for (int m = 0; m < M; m++) acc[m][j] = KX_FMA(xv[u][m][e], wf[u][j][e], acc[m][j]);
   }
 }
 for (int m = 0; m < M; m++)
