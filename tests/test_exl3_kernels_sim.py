@@ -329,7 +329,31 @@ def test_expert_launches_that_finish_themselves_give_the_separate_kernels_bytes(
     through the same functions (exl3_swiglu_block, exl3_down_finish_block): xh and y are the
     separate kernels' bytes, every launch's partials are unchanged, guard rows keep their poison."""
     ex, x, indices, weights = expert_case(case)
-    tuning = EXPERT_CASES[case][-1]
+    assert_finish_gives_the_separate_bytes(ex, x, indices, weights, EXPERT_CASES[case][-1])
+
+
+def test_finishing_launches_add_more_splits_than_they_hold_at_once():
+    """k split 10 ways (more than EXL3_SPLIT_CHUNK: the finishing threadgroup holds 8 splits'
+    partials at a time and loads the rest chunk by chunk): still the separate kernels' bytes."""
+    tensors = random_experts_tensors(3, 1280, 1280, bits={"w1": 3, "w3": (3, 2), "w2": 3}, seed=7)
+    ex = EXL3Experts.from_tensors(tensors, "experts", 3, None, 1280, 1280)
+    rng = np.random.default_rng(3)
+    x = mx.array(rng.normal(0, 2, (1, 1280)).astype(np.float32)).astype(mx.bfloat16)
+    indices, weights = mx.array([[2, 0]], mx.int32), mx.array([[0.7, 0.4]], mx.float32)
+    tuning = T(gate_up_split_warps=8 * 2 * 6 * 10 * 10, down_split_warps=8 * 6 * 10 * 10)
+    assert launch.expert_plan(ex.w1, tuning) == (10, 1) and launch.down_plan(ex.w2, tuning) == (10, 1)
+    y = assert_finish_gives_the_separate_bytes(ex, x, indices, weights, tuning)
+    want = np.array(
+        reference.experts_by_expert(
+            x, indices, weights, ex.w1, ex.w3, ex.w2, ex.expert_range, ex.swiglu_limit, reference.linear
+        )
+    )
+    for s in range(2):  # every split counted once: as test_experts_match_reference
+        assert rel_err(y[s], want[0, s]) < 1e-3 + 2**-8
+
+
+def assert_finish_gives_the_separate_bytes(ex, x, indices, weights, tuning):
+    """The FINISH chain's xh and y are the separate chain's bytes (partials too, guards kept): y."""
     two = expert_chain(ex, x, indices, weights, tuning)
     one = expert_chain(ex, x, indices, weights, tuning, finish=(mx.float32, None))
     assert all(dict(c[-1]["template"])["FINISH"] for c in (one[0], one[2])) and one[1] is one[3] is None
@@ -350,6 +374,7 @@ def test_expert_launches_that_finish_themselves_give_the_separate_kernels_bytes(
     assert_guarded(xh_one)
     assert_guarded(y_one)
     assert np.count_nonzero(y_one[:-1]) > y_one[:-1].size // 4
+    return y_one[:-1]
 
 
 @pytest.mark.parametrize("add", [False, True], ids=["bf16", "bf16+routed"])

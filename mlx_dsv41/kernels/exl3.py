@@ -98,6 +98,7 @@ class Tuning:
     down_split_warps: int = 12672  # 132 SMs x 96
     plan_slots: int = 6  # slots per token the expert k splits are planned for (Flash top-k), where
     # the projection does not say its own (EXL3ExpertProjection.slots_per_token: the shared expert 1)
+    min_plan_slots: int = 1  # a projection stating fewer slots is planned for this many (A/B: 6)
 
     def __post_init__(self):
         for warps in (self.warps, self.gate_up_warps, self.down_warps):
@@ -113,6 +114,7 @@ class Tuning:
                 self.gate_up_split_warps,
                 self.down_split_warps,
                 self.plan_slots,
+                self.min_plan_slots,
             )
             < 1
         ):
@@ -435,7 +437,7 @@ def _gemv_out_args(x, svh, bias, out_dtype, n_blocks: int, guard_rows: int, init
 def _slots_per_token(proj, t: Tuning) -> int:
     """The slots one token gives ``proj``: its own count where it states one (the shared expert 1,
     a grouped linear its groups), else the routed top-k the tuning plans for."""
-    return getattr(proj, "slots_per_token", None) or t.plan_slots
+    return max(getattr(proj, "slots_per_token", None) or t.plan_slots, t.min_plan_slots)
 
 
 def expert_plan(w1, tuning: Tuning | None = None) -> tuple[int, int]:

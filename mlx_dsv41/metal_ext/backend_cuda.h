@@ -106,6 +106,8 @@ KX_INLINE u32 kx_hadd2_bits(u32 a, u32 b) {
 #define KX_UNROLL _Pragma("unroll")
 // Unroll the loop that follows by 2 (a runtime trip count; the compiler adds the remainder).
 #define KX_UNROLL_2 _Pragma("unroll 2")
+// Keep the loop that follows rolled (its body holds registers the rest of the kernel needs).
+#define KX_NO_UNROLL _Pragma("unroll 1")
 // Funnel shifts of the 64-bit value hi:lo by s in [0, 31]: the high word after a left shift, the
 // low word after a right shift (one SHF each).
 #define KX_FUNNEL_L(lo, hi, s) __funnelshift_l((u32)(lo), (u32)(hi), (u32)(s))

@@ -105,6 +105,8 @@ KX_INLINE u32 kx_byte_sum(u32 x, u32 c) {
 // Fully unroll the loop that follows (constant trip count).
 #define KX_UNROLL _Pragma("clang loop unroll(full)")
 #define KX_UNROLL_2 _Pragma("clang loop unroll_count(2)")
+// Keep the loop that follows rolled (its body holds registers the rest of the kernel needs).
+#define KX_NO_UNROLL _Pragma("clang loop unroll(disable)")
 // Funnel shifts of the 64-bit value hi:lo by s in [0, 31]: the high word after a left shift, the
 // low word after a right shift.
 KX_INLINE u32 kx_funnel_l(u32 lo, u32 hi, u32 s) { return (u32)(((((u64)hi) << 32) | (u64)lo) << s >> 32); }

@@ -68,27 +68,48 @@ KX_INLINE Exl3Vec4 exl3_load4(const KX_DEVICE float* p) {
 
 // A lane's 4 elements of S k-split partials (split q at p + q*stride), loaded together before any
 // is used (the small finishing kernels are latency-bound: one round trip for all of them), through
-// L2: in a launch that finishes itself, other threadgroups of the launch wrote them.
+// L2: in a launch that finishes itself, other threadgroups of the launch wrote them. At most
+// EXL3_SPLIT_CHUNK are held at once: the first chunk here, the rest chunk by chunk as they are
+// added (a one-slot projection splits k up to 40 ways; holding every split would take 4 registers
+// a split from the whole kernel, the product loop's occupancy with them).
+#define EXL3_SPLIT_CHUNK 8
 template <int S>
 struct Exl3Splits {
-  Exl3Vec4 v[S];
+  Exl3Vec4 v[S < EXL3_SPLIT_CHUNK ? S : EXL3_SPLIT_CHUNK];
+  const KX_DEVICE float* rest;  // split EXL3_SPLIT_CHUNK's 4 elements, later ones `stride` apart
+  u64 stride;
 };
 
 template <int S>
 KX_INLINE Exl3Splits<S> exl3_load_splits(const KX_DEVICE float* p, u64 stride) {
   Exl3Splits<S> t;
   KX_UNROLL
-  for (int q = 0; q < S; q++) KX_LOAD_F32X4_CG(p + q * stride, t.v[q].v);
+  for (int q = 0; q < S && q < EXL3_SPLIT_CHUNK; q++) KX_LOAD_F32X4_CG(p + q * stride, t.v[q].v);
+  t.rest = p + EXL3_SPLIT_CHUNK * stride;
+  t.stride = stride;
   return t;
 }
 
-// The partials added in split order.
+// The partials added in split order (the later chunks loaded a chunk at a time, each chunk's loads
+// together; the sums are the same operations in the same order whatever the chunking).
 template <int S>
 KX_INLINE Exl3Vec4 exl3_sum_splits(Exl3Splits<S> t) {
   Exl3Vec4 s = t.v[0];
   KX_UNROLL
-  for (int q = 1; q < S; q++)
+  for (int q = 1; q < S && q < EXL3_SPLIT_CHUNK; q++)
     for (int i = 0; i < 4; i++) s.v[i] += t.v[q].v[i];
+  KX_NO_UNROLL
+  for (int c = EXL3_SPLIT_CHUNK; c < S; c += EXL3_SPLIT_CHUNK) {
+    Exl3Vec4 w[EXL3_SPLIT_CHUNK];
+    const KX_DEVICE float* p = t.rest + (u64)(c - EXL3_SPLIT_CHUNK) * t.stride;
+    KX_UNROLL
+    for (int q = 0; q < EXL3_SPLIT_CHUNK; q++)
+      if (c + q < S) KX_LOAD_F32X4_CG(p + q * t.stride, w[q].v);
+    KX_UNROLL
+    for (int q = 0; q < EXL3_SPLIT_CHUNK; q++)
+      if (c + q < S)
+        for (int i = 0; i < 4; i++) s.v[i] += w[q].v[i];
+  }
   return s;
 }
 

@@ -225,6 +225,7 @@ inline u32 sim_funnel_r(u32 lo, u32 hi, u32 s) {
 // Fully unroll the loop that follows (constant trip count).
 #define KX_UNROLL
 #define KX_UNROLL_2
+#define KX_NO_UNROLL
 #define KX_FUNNEL_L(lo, hi, s) sim_funnel_l((u32)(lo), (u32)(hi), (u32)(s))
 #define KX_FUNNEL_R(lo, hi, s) sim_funnel_r((u32)(lo), (u32)(hi), (u32)(s))
 #define KX_PACK_LO16(lo, hi) ((((u32)(lo)) & 0xFFFFu) | (((u32)(hi)) << 16))

@@ -458,7 +458,12 @@ def test_shared_expert_adds_the_routed_slots_in_the_moes_order(T):
 # ------------------------------------------------------------------------------ expert launches that finish themselves
 
 
-@pytest.mark.parametrize("case", [0, 1, 2])
+# Expert cases 0-2, and projections planned for one slot per token (as the shared expert's): k split
+# 16 ways (gate/up) and 10 (down), more than a finishing threadgroup holds at once (EXL3_SPLIT_CHUNK).
+FINISH_CASES = [*EXPERT_CASES[:3], (4, 2048, 1280, {"w1": 3, "w3": 3, "w2": 4}, "mul1", None, 2, 2)]
+
+
+@pytest.mark.parametrize("case", range(len(FINISH_CASES)))
 def test_expert_launches_that_finish_themselves_give_the_separate_bytes(case):
     """FINISH on CUDA (launch.expert_finish): the last exl3_expert_gate_up launch gives
     exl3_expert_swiglu's xh and the last exl3_expert_down launch exl3_expert_down_finish's y, byte
@@ -466,7 +471,11 @@ def test_expert_launches_that_finish_themselves_give_the_separate_bytes(case):
     counter nonzero would not finish the next, whose output would keep its poison); guard rows keep
     their poison; the counters read 0 afterwards. Cases 0 and 2 chain launches of two groups."""
     assert launch.expert_finish()
-    _, ex, x, indices, weights = make_experts(EXPERT_CASES[case], seed=40 + case)
+    _, ex, x, indices, weights = make_experts(FINISH_CASES[case], seed=40 + case)
+    if case == 3:
+        for proj in (ex.w1, ex.w3, ex.w2):
+            proj.slots_per_token = 1
+        assert launch.expert_plan(ex.w1) == (16, 1) and launch.down_plan(ex.w2) == (10, 1)
     indices, weights = mx.array(indices), mx.array(weights)
     lo, slots = ex.expert_range[0], indices.size
     keys, groups = launch.gate_up_keys(ex.w1, ex.w3), ex.w2.groups
