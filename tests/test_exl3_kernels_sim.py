@@ -7,7 +7,6 @@ device memory) and the expert kernels against the plain-MLX reference, for every
 tests (tests/gpu/test_exl3_kernels.py) repeat this on the device."""
 
 import shutil
-from types import SimpleNamespace
 
 import exl3_sim
 import ml_dtypes
@@ -174,18 +173,6 @@ def test_launch_plans():
         10,
         4,
     )  # SIMD groups, not threadgroups
-
-    # Expert launches plan for the slots one token gives the projection (default Tuning: 792 / 1584
-    # threadgroups): the routed top-6, the shared expert's one slot (which must fill the GPU alone),
-    # a grouped linear's 8 groups; never for the call's slots.
-    def proj(k, n, slots=None):
-        return SimpleNamespace(k=k, n=n, slots_per_token=slots)
-
-    assert launch.expert_plan(proj(5120, 2304)) == (4, 10)  # 4 x 216 units
-    assert launch.expert_plan(proj(5120, 2304, 1)) == (20, 2)  # 20 x 36 units, not 4 x 36
-    assert launch.down_plan(proj(2304, 5120)) == (6, 3)
-    assert launch.down_plan(proj(2304, 5120, 1)) == (18, 1)  # every k-block its own split
-    assert launch.down_plan(proj(4096, 1024, 8)) == (16, 2)  # wo_a's 8 groups
     for warps, nc in ((16, 8), (2, 4), (8, 3)):
         with pytest.raises(ValueError, match=f"warps {warps} x nc {nc}"):
             launch.Tuning(warps=warps, nc=nc)
@@ -542,27 +529,6 @@ def test_grouped_linear_matches_each_group_alone(grouped_run):
             axis=1,
         ),
     )
-
-
-def test_projections_state_the_slots_a_token_gives_them():
-    """The k-split plan's slot count comes from the module: the shared expert (a linear served as
-    one expert) 1, a grouped linear its groups, routed experts the tuning's top-k (None)."""
-    from mlx_dsv41.exl3 import EXL3GroupedLinear
-    from mlx_dsv41.exl3.stored import linear_tensors
-
-    lin = EXL3Linear.from_stored(random_linear_tensors(384, 256, 3, seed=9, prefix="p"), "p")
-    assert lin.as_single_expert().slots_per_token == 1
-    slices = [
-        linear_tensors(
-            {k: mx.array(v) for k, v in random_linear_tensors(256, 128, 3, "mul1", seed=g, prefix="s").items()}, "s"
-        )
-        for g in range(3)
-    ]
-    assert EXL3GroupedLinear.from_slices(slices, 256, 128).proj.slots_per_token == 3
-    tensors = random_experts_tensors(4, 256, 384, bits={"w1": 3, "w3": 3, "w2": 4}, seed=3)
-    ex = EXL3Experts.from_tensors(tensors, "experts", 4)
-    assert {p.slots_per_token for p in (ex.w1, ex.w3, ex.w2)} == {None}
-    assert launch.expert_plan(ex.w1) == launch.expert_plan(SimpleNamespace(k=256, n=384, slots_per_token=6))
 
 
 def test_the_shared_experts_finish_adds_the_routed_slots_in_slot_order():

@@ -45,21 +45,12 @@ class EXL3ExpertGroup(nn.Module):
 
 class EXL3ExpertProjection(nn.Module):
     """One projection (w1, w3 or w2) of a contiguous range of experts: suh [E, k], svh [E, n] and
-    the trellises in groups of equal (K, codebook). ``slots_per_token``: how many slots one token
-    gives it where that is fixed by the model (the shared expert 1, a grouped linear its groups;
-    None: the routed top-k), which the kernels' k splits are planned for (kernels.exl3.expert_plan)."""
+    the trellises in groups of equal (K, codebook)."""
 
     def __init__(
-        self,
-        suh: mx.array,
-        svh: mx.array,
-        groups: Sequence[EXL3ExpertGroup],
-        in_features: int,
-        out_features: int,
-        slots_per_token: int | None = None,
+        self, suh: mx.array, svh: mx.array, groups: Sequence[EXL3ExpertGroup], in_features: int, out_features: int
     ):
         super().__init__()
-        self.slots_per_token = slots_per_token
         self.suh = suh.astype(mx.float16)
         self.svh = svh.astype(mx.float16)
         self.groups = list(groups)
@@ -100,20 +91,13 @@ class EXL3ExpertProjection(nn.Module):
 
     @classmethod
     def from_stacked(
-        cls,
-        trellis: mx.array,
-        suh: mx.array,
-        svh: mx.array,
-        codebook: str,
-        in_features=None,
-        out_features=None,
-        slots_per_token=None,
+        cls, trellis: mx.array, suh: mx.array, svh: mx.array, codebook: str, in_features=None, out_features=None
     ):
         """All experts at one K and codebook, already stacked: trellis [E, k/16, n/16, 16K]."""
         _, _, k2, in_f, out_f = check_linear(trellis[0], suh[0], svh[0], codebook, None, in_features, out_features)
         n_local = trellis.shape[0]
         group = EXL3ExpertGroup(trellis, range(n_local), k2, codebook, n_local)
-        return cls(suh, svh, [group], in_f, out_f, slots_per_token)
+        return cls(suh, svh, [group], in_f, out_f)
 
     @property
     def n_local(self) -> int:
@@ -209,7 +193,6 @@ class EXL3GroupedLinear(nn.Module):
 
     def __init__(self, proj: EXL3ExpertProjection):
         super().__init__()
-        proj.slots_per_token = proj.n_local  # a token gives every group one slot
         self.proj = proj
         self.groups, self.in_features, self.out_features = proj.n_local, proj.in_features, proj.out_features
 

@@ -61,12 +61,6 @@ class EXL3Linear(nn.Module):
         that the fused expert kernels can serve it (ops.swiglu_mlp: the shared expert)."""
         if getattr(self, "_single_expert", None) is None:
             self._single_expert = EXL3ExpertProjection.from_stacked(
-                self.trellis[None],
-                self.suh[None],
-                self.svh[None],
-                self.codebook,
-                self.in_features,
-                self.out_features,
-                1,
+                self.trellis[None], self.suh[None], self.svh[None], self.codebook, self.in_features, self.out_features
             )
         return self._single_expert

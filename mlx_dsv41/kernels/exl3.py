@@ -82,8 +82,7 @@ class Tuning:
     it has ``dense_split_warps`` SIMD groups; its last threadgroup per column block then finishes
     it where the backend allows and ``finish_splits`` is 1, else exl3_gemv_out does; exl3_expert_gate_up
     and exl3_expert_down split k until they have ``gate_up_split_warps`` / ``down_split_warps``
-    for the slots a token gives the projection (its ``slots_per_token``, else ``plan_slots``),
-    whatever the call's slot count (see expert_plan).
+    for ``plan_slots`` slots, whatever the call's slot count (see expert_plan).
     """
 
     warps: int = 8
@@ -96,9 +95,7 @@ class Tuning:
     finish_splits: int = 1  # 1: a k-split exl3_gemv finishes itself (FINISH) where GRID_FINISH allows
     gate_up_split_warps: int = 6336  # 132 SMs x 48
     down_split_warps: int = 12672  # 132 SMs x 96
-    plan_slots: int = 6  # slots per token the expert k splits are planned for (Flash top-k), where
-    # the projection does not say its own (EXL3ExpertProjection.slots_per_token: the shared expert 1)
-    min_plan_slots: int = 1  # a projection stating fewer slots is planned for this many (A/B: 6)
+    plan_slots: int = 6  # slots the expert k splits are planned for (Flash top-k)
 
     def __post_init__(self):
         for warps in (self.warps, self.gate_up_warps, self.down_warps):
@@ -114,7 +111,6 @@ class Tuning:
                 self.gate_up_split_warps,
                 self.down_split_warps,
                 self.plan_slots,
-                self.min_plan_slots,
             )
             < 1
         ):
@@ -434,26 +430,19 @@ def _gemv_out_args(x, svh, bias, out_dtype, n_blocks: int, guard_rows: int, init
     )
 
 
-def _slots_per_token(proj, t: Tuning) -> int:
-    """The slots one token gives ``proj``: its own count where it states one (the shared expert 1,
-    a grouped linear its groups), else the routed top-k the tuning plans for."""
-    return max(getattr(proj, "slots_per_token", None) or t.plan_slots, t.min_plan_slots)
-
-
 def expert_plan(w1, tuning: Tuning | None = None) -> tuple[int, int]:
-    """(splits, 128-blocks per split) of exl3_expert_gate_up. Decided from the projection (its shape
-    and the slots one token gives it), never from the slots of the call: a slot's bytes must not
-    depend on what else is in the batch (batched == solo; the expert-parallel slot split == one
-    process). A one-slot projection (the shared expert) splits k further to fill the GPU alone."""
+    """(splits, 128-blocks per split) of exl3_expert_gate_up. Decided from the projection's shape
+    for ``plan_slots`` slots, never from the slots of the call: a slot's bytes must not depend on
+    what else is in the batch (batched == solo; the expert-parallel slot split == one process)."""
     t = tuning or TUNING
-    units = 2 * _slots_per_token(w1, t) * (w1.n // BLOCK)
+    units = 2 * t.plan_slots * (w1.n // BLOCK)
     return _k_splits(w1.k // BLOCK, units, -(-t.gate_up_split_warps // t.gate_up_warps))
 
 
 def down_plan(w2, tuning: Tuning | None = None) -> tuple[int, int]:
     """(splits, 128-blocks per split) of exl3_expert_down, from w2's shape only (as expert_plan)."""
     t = tuning or TUNING
-    units = _slots_per_token(w2, t) * (w2.n // BLOCK)
+    units = t.plan_slots * (w2.n // BLOCK)
     return _k_splits(w2.k // BLOCK, units, -(-t.down_split_warps // t.down_warps))
 
 

@@ -458,13 +458,13 @@ def test_shared_expert_adds_the_routed_slots_in_the_moes_order(T):
 # ------------------------------------------------------------------------------ expert launches that finish themselves
 
 
-# Expert cases 0-2, and projections planned for one slot per token (as the shared expert's): k split
-# 16 ways (gate/up) and 10 (down), more than a finishing threadgroup holds at once (EXL3_SPLIT_CHUNK).
+# Expert cases 0-2, and a launch plan that splits k 16 ways (gate/up) and 10 (down): more splits
+# than a finishing threadgroup holds at once (EXL3_SPLIT_CHUNK).
 FINISH_CASES = [*EXPERT_CASES[:3], (4, 2048, 1280, {"w1": 3, "w3": 3, "w2": 4}, "mul1", None, 2, 2)]
 
 
 @pytest.mark.parametrize("case", range(len(FINISH_CASES)))
-def test_expert_launches_that_finish_themselves_give_the_separate_bytes(case):
+def test_expert_launches_that_finish_themselves_give_the_separate_bytes(case, monkeypatch):
     """FINISH on CUDA (launch.expert_finish): the last exl3_expert_gate_up launch gives
     exl3_expert_swiglu's xh and the last exl3_expert_down launch exl3_expert_down_finish's y, byte
     for byte, the partials unchanged; five launches on the same counters agree (a launch that left a
@@ -473,8 +473,7 @@ def test_expert_launches_that_finish_themselves_give_the_separate_bytes(case):
     assert launch.expert_finish()
     _, ex, x, indices, weights = make_experts(FINISH_CASES[case], seed=40 + case)
     if case == 3:
-        for proj in (ex.w1, ex.w3, ex.w2):
-            proj.slots_per_token = 1
+        monkeypatch.setattr(launch, "TUNING", launch.Tuning(gate_up_split_warps=8 * 120 * 16, down_split_warps=8 * 960))
         assert launch.expert_plan(ex.w1) == (16, 1) and launch.down_plan(ex.w2) == (10, 1)
     indices, weights = mx.array(indices), mx.array(weights)
     lo, slots = ex.expert_range[0], indices.size
