@@ -70,8 +70,8 @@ KX_INLINE Exl3Vec4 exl3_load4(const KX_DEVICE float* p) {
 // is used (the small finishing kernels are latency-bound: one round trip for all of them), through
 // L2: in a launch that finishes itself, other threadgroups of the launch wrote them. At most
 // EXL3_SPLIT_CHUNK are held at once: the first chunk here, the rest chunk by chunk as they are
-// added (a one-slot projection splits k up to 40 ways; holding every split would take 4 registers
-// a split from the whole kernel, the product loop's occupancy with them).
+// added (`wo_a`'s 8 groups split k 32 ways; holding every split would take 4 registers a split
+// from the whole kernel, the product loop's occupancy with them).
 #define EXL3_SPLIT_CHUNK 8
 template <int S>
 struct Exl3Splits {
