@@ -752,6 +752,16 @@ def _example_gate_up():
         first,
         gate_up_args(x, indices, ex.w1, ex.w3, key, 1, prev=prev),
         gate_up_args(x, indices, ex.w1, ex.w3, key, 1, tuning=Tuning(gate_up_warps=4, nc=8)),
+        # the last launch finishing itself (FINISH: the SwiGLU's work into xh)
+        gate_up_args(
+            x,
+            indices,
+            ex.w1,
+            ex.w3,
+            key,
+            1,
+            finish=(weights, ex.w2, 10.0, split_counters(indices.size * ex.w1.n // BLOCK)),
+        ),
     ]
 
 
@@ -782,6 +792,19 @@ def _example_down():
     calls.append(down_args(xh, indices, ex.w2, ex.w2.groups[0], 1, tuning=Tuning(nc=2, down_warps=16)))
     x = mx.zeros((indices.size, ex.w2.in_features), mx.bfloat16)  # a grouped linear's rows (STAGE_X)
     calls.append(down_args(x, indices, ex.w2, ex.w2.groups[0], 1))
+
+    # the last launch finishing itself (FINISH): the routed slots' fp32 y; a grouped linear's bf16
+    # y from its rows; the shared expert (one slot per token) with the routed slots added (ADD)
+    def counters(slots):
+        return split_counters(slots * ex.w2.n // BLOCK)
+
+    calls.append(down_args(xh, indices, ex.w2, ex.w2.groups[-1], 1, finish=(mx.float32, None, counters(indices.size))))
+    calls.append(down_args(x, indices, ex.w2, ex.w2.groups[-1], 1, finish=(mx.bfloat16, None, counters(indices.size))))
+    one = indices[:, :1]
+    routed = mx.zeros((one.shape[0], indices.shape[1], ex.w2.n), mx.float32)
+    calls.append(
+        down_args(xh[: one.size], one, ex.w2, ex.w2.groups[-1], 1, finish=(mx.bfloat16, routed, counters(one.size)))
+    )
     return calls
 
 
