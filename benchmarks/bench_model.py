@@ -823,6 +823,12 @@ def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
     if a.exl3_tuning:
         with exl3_tuning(a.exl3_tuning) as changed:
             runs.append(measure(f"{runs[-1]['label']}, EXL3 {changed}", build, a, prompt_len))
+    if a.host_position:
+        compiled_step.CompiledStep.carries_position = False
+        try:
+            runs.append(measure(f"{runs[0]['label']}, position made on the host", build, a, prompt_len))
+        finally:
+            compiled_step.CompiledStep.carries_position = True
     return runs
 
 
@@ -925,6 +931,11 @@ def main() -> int:
         default=[],
         metavar="FIELD=INT",
         help="also time our decode with these kernels.exl3.Tuning fields changed (e.g. dense_single_blocks=1)",
+    )
+    ap.add_argument(
+        "--host-position",
+        action="store_true",
+        help="also time our decode with each compiled step's position made on the host (the A/B of carrying it)",
     )
     ap.add_argument("--compiled", action="store_true", help="time our step both eagerly and compiled")
     ap.add_argument(

@@ -84,6 +84,8 @@ run() {  # run NAME: one stage
     # decode from the pruned and from the whole kernel sources, one process (issue 16)
     pruning) stage pruning 300 python3 benchmarks/bench_model.py --quick --no-dspark --skip-mlx-lm \
       --whole-kernel-sources --out "$LOGS/pruning" ;;
+    # what a launch pays to read or write MLX's small (managed-pool) arrays against device memory
+    pool) stage pool 120 python3 benchmarks/scalar_pool.py --out "$LOGS" ;;
     *) echo "gpu_verify.sh: no stage $1" | tee -a "$OUT/stages.txt" ;;
   esac
 }

@@ -67,6 +67,32 @@ def test_trim_then_compiled_decode_equals_never_decoded(model, ids, monkeypatch)
     assert np.array_equal(got.view(np.uint32), want[:, 13:].view(np.uint32))
 
 
+def test_a_step_starts_at_the_position_the_step_before_left_on_the_device(model, ids, monkeypatch):
+    """Only the first step after a prefill or a trim makes its position on the host; the others
+    take the previous step's output (docs/design.md#step-position), with the same bytes."""
+    made = []
+
+    class CountingMx:  # compiled_step's `mx`, counting the positions it makes on the host
+        def __getattr__(self, name):
+            return getattr(mx, name)
+
+        def array(self, *a, **k):
+            made.append(a[0])
+            return mx.array(*a, **k)
+
+    monkeypatch.setattr(compiled_step, "mx", CountingMx())
+    monkeypatch.setattr(model, "_compiled", None)
+    got, cache = _decode(model, ids[:, :16], True, monkeypatch)
+    assert made == [PREFILL]
+    for c in cache:
+        assert c.trim(3) == 3
+    more, _ = _decode(model, ids, True, monkeypatch, cache=cache, start=13)
+    assert made == [PREFILL, 13]
+    want, _ = _decode(model, ids, False, monkeypatch)
+    assert np.array_equal(got.view(np.uint32), want[:, :16].view(np.uint32))
+    assert np.array_equal(more.view(np.uint32), want[:, 13:].view(np.uint32))
+
+
 def test_a_trace_may_not_create_buffers():
     """A buffer made inside a trace would be a constant of the replayed graph: refused, and the
     cache is left as it was."""

@@ -66,10 +66,16 @@ class CompiledStep:
     `run` is the mechanism any replayable forward over LayerCaches uses (the model's step here, the
     DSpark draft block in model/dspark.py): a subclass says in `call_forward` what a trace runs."""
 
+    # The position a step starts at comes from the step before it (an output, made on the device)
+    # where the caches did not move since; a position made on the host each step is an array the
+    # host writes, which MLX's CUDA allocator keeps in managed memory (docs/design.md#step-position).
+    carries_position = True
+
     def __init__(self, forward):
         self._forward = forward
         self._fn = mx.compile(self._traced)
         self._caches: list | None = None
+        self._next: tuple[int, mx.array] | None = None  # (offset, the last step's next position)
 
     def __call__(self, caches, inputs, embeddings, rows: dict, live, capture: bool = False):
         engram = tuple(sorted(rows))
@@ -95,8 +101,14 @@ class CompiledStep:
         saved = [c.bookkeeping() for c in caches]
         buffers = [c.step_arrays() for c in caches]
         layout = tuple(tuple(a is not None for a in b) for b in buffers)
-        key = (tuple(c.step_key() for c in caches), layout, static, len(arrays))
-        flat = [mx.array(caches[0].offset, mx.int32), *arrays, *(a for b in buffers for a in b if a is not None)]
+        carry = advance if self.carries_position else None
+        key = (tuple(c.step_key() for c in caches), layout, static, len(arrays), carry)
+        offset = caches[0].offset
+        if carry is not None and self._next is not None and self._next[0] == offset:
+            position = self._next[1]
+        else:
+            position = mx.array(offset, mx.int32)
+        flat = [position, *arrays, *(a for b in buffers for a in b if a is not None)]
         self._caches = caches
         try:
             outputs = self._fn(key, *flat)
@@ -108,6 +120,8 @@ class CompiledStep:
             self._caches = None
             for c, s in zip(caches, saved):
                 c.restore_bookkeeping(s)
+        if carry is not None:
+            self._next, outputs = (offset + advance, outputs[0]), outputs[1:]
         held = sum(sum(present) for present in layout)
         result, it = outputs[: len(outputs) - held], iter(outputs[len(outputs) - held :])
         for c, present in zip(caches, layout):
@@ -116,11 +130,12 @@ class CompiledStep:
         return list(result)
 
     def _traced(self, key, position, *rest):
-        _, layout, static, count = key
+        _, layout, static, count, carry = key
         it = iter(rest[count:])
         for c, present in zip(self._caches, layout):
             c.set_step_arrays([next(it) if p else None for p in present])
-        out = self.call_forward(self._caches, position, static, list(rest[:count]))
+        out = [] if carry is None else [position + carry]
+        out += self.call_forward(self._caches, position, static, list(rest[:count]))
         for c, present in zip(self._caches, layout):
             arrays = c.step_arrays()
             if tuple(a is not None for a in arrays) != present:
