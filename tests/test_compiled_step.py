@@ -83,11 +83,14 @@ def test_a_step_starts_at_the_position_the_step_before_left_on_the_device(model,
     monkeypatch.setattr(compiled_step, "mx", CountingMx())
     monkeypatch.setattr(model, "_compiled", None)
     got, cache = _decode(model, ids[:, :16], True, monkeypatch)
-    assert made == [PREFILL]
+    assert [np.array(m).tolist() for m in made] == [[PREFILL] * compiled_step.POSITION_LANES]
     for c in cache:
         assert c.trim(3) == 3
     more, _ = _decode(model, ids, True, monkeypatch, cache=cache, start=13)
-    assert made == [PREFILL, 13]
+    assert [np.array(m).tolist() for m in made] == [
+        [PREFILL] * compiled_step.POSITION_LANES,
+        [13] * compiled_step.POSITION_LANES,
+    ]
     want, _ = _decode(model, ids, False, monkeypatch)
     assert np.array_equal(got.view(np.uint32), want[:, :16].view(np.uint32))
     assert np.array_equal(more.view(np.uint32), want[:, 13:].view(np.uint32))

@@ -553,6 +553,103 @@ def test_the_shared_experts_finish_adds_the_routed_slots_in_slot_order():
     assert np.array_equal(combined[:-1], want) and np.count_nonzero(want) > want.size // 2
 
 
+def moe_chain(ex, shared, x, indices, weights, tuning):
+    """The launch kwargs of launch.run_moe (the shared expert in the routed launches), as
+    expert_chain's: the last gate_up and down launches serve the shared slots too."""
+    lo, T = ex.expert_range[0], indices.shape[0]
+    slots = indices.size + T
+    keys, groups = launch.gate_up_keys(ex.w1, ex.w3), ex.w2.groups
+    gu_calls, prev = [], None
+    for key in keys:
+        last = key == keys[-1]
+        fin = (weights, ex.w2, ex.swiglu_limit, launch.split_counters(slots * ex.w1.n // 128)) if last else None
+        call = launch.gate_up_args(
+            x,
+            indices,
+            ex.w1,
+            ex.w3,
+            key,
+            lo,
+            prev=prev,
+            tuning=tuning,
+            guard=1,
+            finish=fin,
+            shared=shared if last else None,
+        )
+        gu_calls.append(call)
+        shape = call["output_shapes"][0]
+        prev = mx.zeros((shape[0] - 1, *shape[1:]))
+    xh = mx.zeros((slots, ex.w1.n // 2), mx.uint32)
+    down_calls, prev = [], None
+    for group in groups:
+        last = group is groups[-1]
+        fin = (mx.float32, None, launch.split_counters(slots * ex.w2.n // 128)) if last else None
+        per_token = (shared[2], x.dtype, launch.split_counters(T * ex.w2.n // 128)) if last else None
+        call = launch.down_args(
+            xh, indices, ex.w2, group, lo, prev=prev, tuning=tuning, guard=1, finish=fin, shared=per_token
+        )
+        down_calls.append(call)
+        shape = call["output_shapes"][0]
+        prev = mx.zeros((shape[0] - 1, *shape[1:]))
+    return gu_calls, None, down_calls, None
+
+
+@pytest.mark.parametrize("mma", [True, False], ids=["mma", "fma"])
+@pytest.mark.parametrize("tuning", [None, T(gate_up_warps=4, nc=8, gate_up_split_warps=8, down_split_warps=8)])
+def test_the_shared_expert_in_the_routed_launches_gives_the_bytes_of_its_own_launches(tuning, mma):
+    """launch.run_moe (docs/design.md#shared-in-routed): the shared expert's slots ride in the routed
+    experts' last gate_up and down launches, at its own K and codebook (here 4 and mcg beside
+    routed groups of K 3 / 2 mul1), and the down launch adds the slots itself. Every output is the
+    bytes of the routed chain followed by the shared expert's own chain with ADD: the routed and
+    shared partials and xh rows, the routed y rows, and the MoE's output; guard rows keep their
+    poison. A mutation that drops a routed slot from the sum, or reads the shared slot's tiles
+    from the routed stack, fails it."""
+    from types import SimpleNamespace
+
+    n_experts, hidden, inter, T_, top_k = 4, 256, 384, 3, 2
+    tensors = random_experts_tensors(n_experts, hidden, inter, {"w1": (3, 2), "w3": 3, "w2": (2, 3)}, "mul1", seed=31)
+    ex = EXL3Experts.from_tensors(tensors, "experts", n_experts, (1, 4), hidden, inter, swiglu_limit=7.0)
+    lin = [
+        EXL3Linear.from_stored(random_linear_tensors(i, o, 4, "mcg", seed=s, prefix="p"), "p")
+        for i, o, s in ((hidden, inter, 41), (hidden, inter, 42), (inter, hidden, 43))
+    ]
+    shared = tuple(w.as_single_expert() for w in lin)
+    one = SimpleNamespace(w1=shared[0], w3=shared[1], w2=shared[2], expert_range=(0, 1), swiglu_limit=7.0)
+    rng = np.random.default_rng(12)
+    x = mx.array(rng.normal(0, 2, (T_, hidden)).astype(np.float32)).astype(mx.bfloat16)
+    indices = mx.array([[1, 3], [0, 2], [2, 1]], mx.int32)  # expert 0 is outside the held range (1, 4)
+    weights = mx.array(rng.uniform(0.1, 1.0, (T_, top_k)).astype(np.float32))
+    one_idx, one_w = launch.shared_routing(T_)
+
+    routed = expert_chain(ex, x, indices, weights, tuning, finish=(mx.float32, None))
+    placeholder = mx.zeros((T_, top_k, hidden), mx.float32)
+    alone = expert_chain(one, x, one_idx, one_w, tuning, finish=(mx.bfloat16, placeholder))
+    merged = moe_chain(ex, shared, x, indices, weights, tuning)
+    program = exl3_sim.build(chain_specs(routed) + chain_specs(alone) + chain_specs(merged), mma=mma)
+    outs_r, spec = run_chain(program, 0, routed)
+    y_r = outs_r[-1][1][:-1]
+    alone[2][-1] = with_input(alone[2][-1], "add", mx.array(y_r.reshape(T_, top_k, hidden)), launch.EXPERT_DOWN)
+    outs_s, spec = run_chain(program, spec, alone)
+    outs_m, _ = run_chain(program, spec, merged)
+
+    def same(a, b):
+        return a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+    slots = indices.size
+    n_gu = len(merged[0])
+    gu_r, gu_s, gu_m = outs_r[n_gu - 1][0][:-1], outs_s[-2][0][:-1], outs_m[n_gu - 1][0][:-1]
+    assert same(gu_m[:slots], gu_r) and same(gu_m[slots:], gu_s)
+    xh_r, xh_s, xh_m = outs_r[n_gu - 1][1][:-1], outs_s[-2][1][:-1], outs_m[n_gu - 1][1][:-1]
+    assert same(xh_m[:slots], xh_r) and same(xh_m[slots:], xh_s)
+    assert_guarded(outs_m[n_gu - 1][1])
+    y_m, moe_m, moe_s = outs_m[-1][1], outs_m[-1][2], outs_s[-1][1]
+    assert same(y_m[:slots], y_r)
+    assert same(moe_m[:-1], moe_s[:-1]) and moe_m.dtype == ml_dtypes.bfloat16
+    assert_guarded(y_m)
+    assert_guarded(moe_m)
+    assert np.count_nonzero(moe_m[:-1].astype(np.float32)) > moe_m[:-1].size // 2
+
+
 @pytest.mark.parametrize("m, splits", [(1, 3), (2, 8), (5, 5)])
 def test_a_k_split_gemv_that_finishes_itself_gives_the_two_launch_bytes(monkeypatch, m, splits):
     """exl3_gemv with FINISH (CUDA's one launch for a k-split linear): the last threadgroup of each

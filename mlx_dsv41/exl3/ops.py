@@ -276,6 +276,41 @@ def swiglu_mlp(x, w1, w3, w2, limit: float, routed=None) -> mx.array:
     return combine_moe(routed, y[:, 0].astype(x.dtype))
 
 
+def shared_fits(experts, w1, w3, w2, limit: float, tokens: int, dtype) -> bool:
+    """Whether the shared expert (EXL3Linear w1, w3, w2 with SwiGLU limit ``limit``) rides in the
+    routed experts' launches here (launch.run_moe): a GPU whose expert launches finish
+    themselves (and Tuning.shared_in_routed), up to FUSED_MAX_TOKENS tokens, the routed
+    experts' shapes and limit, and an output of whole 128-column blocks in bf16 or fp32 (as the
+    shared expert's own ADD finish needs)."""
+    from mlx_dsv41.exl3.experts import EXL3Experts
+    from mlx_dsv41.exl3.linear import EXL3Linear
+
+    if backend() == "cpu" or not 0 < tokens <= FUSED_MAX_TOKENS or not launch.expert_finish():
+        return False
+    if not launch.TUNING.shared_in_routed:
+        return False
+    if not isinstance(experts, EXL3Experts) or not all(isinstance(w, EXL3Linear) for w in (w1, w3, w2)):
+        return False
+    shapes = [(w.k, w.n, w.in_features, w.out_features) for w in (experts.w1, experts.w3, experts.w2)]
+    return (
+        [(w.as_single_expert().k, w.as_single_expert().n, w.in_features, w.out_features) for w in (w1, w3, w2)]
+        == shapes
+        and float(limit) == experts.swiglu_limit
+        and experts.w2.out_features == experts.w2.n
+        and dtype in (mx.bfloat16, mx.float32)
+    )
+
+
+def moe(x, indices, weights, experts, w1, w3, w2) -> mx.array:
+    """The MoE's output [T, D] in x.dtype: the routed experts (EXL3Experts) and the shared expert
+    (w1, w3, w2) in one set of launches, where `shared_fits` (the caller checks)."""
+    _check_experts_args(x, indices, weights, experts.w1)
+    shared = tuple(w.as_single_expert() for w in (w1, w3, w2))
+    return launch.run_moe(
+        x, indices, weights, experts.w1, experts.w3, experts.w2, experts.expert_range[0], experts.swiglu_limit, shared
+    )
+
+
 def grouped(x, proj) -> mx.array:
     """A grouped linear whose group g is expert g of `proj` (an EXL3ExpertProjection over the groups'
     linears, e.g. `wo_a`'s slices): x [T, G, in] -> [T, G, out] in x.dtype, each group's output

@@ -82,7 +82,9 @@ class Tuning:
     it has ``dense_split_warps`` SIMD groups; its last threadgroup per column block then finishes
     it where the backend allows and ``finish_splits`` is 1, else exl3_gemv_out does; exl3_expert_gate_up
     and exl3_expert_down split k until they have ``gate_up_split_warps`` / ``down_split_warps``
-    for ``plan_slots`` slots, whatever the call's slot count (see expert_plan).
+    for ``plan_slots`` slots, whatever the call's slot count (see expert_plan). With
+    ``shared_in_routed`` the MoE's shared expert rides in the routed experts' last launches
+    (run_moe) where it fits (exl3.ops.shared_fits).
     """
 
     warps: int = 8
@@ -96,6 +98,7 @@ class Tuning:
     gate_up_split_warps: int = 6336  # 132 SMs x 48
     down_split_warps: int = 12672  # 132 SMs x 96
     plan_slots: int = 6  # slots the expert k splits are planned for (Flash top-k)
+    shared_in_routed: int = 1  # 1: the shared expert rides in the routed experts' launches (run_moe)
 
     def __post_init__(self):
         for warps in (self.warps, self.gate_up_warps, self.down_warps):
@@ -185,7 +188,10 @@ GEMV_OUT = register(
 EXPERT_GATE_UP = register(
     Kernel(
         "exl3_expert_gate_up",
-        ("x", "indices", "suh1", "t1", "p1", "suh3", "t3", "p3", "prev", "weights", "svh1", "svh3", "suh2", "counters"),
+        (
+            *("x", "indices", "suh1", "t1", "p1", "suh3", "t3", "p3", "prev", "weights", "svh1", "svh3", "suh2"),
+            *("counters", "s1", "s3", "ssuh1", "ssuh3", "ssvh1", "ssvh3", "ssuh2", "sidx", "sw"),
+        ),
         ("out", "xh"),
         includes=_EXPERT_HEADERS,
         defines=SLOT_DEFINES,
@@ -207,8 +213,8 @@ EXPERT_SWIGLU = register(
 EXPERT_DOWN = register(
     Kernel(
         "exl3_expert_down",
-        ("xh", "indices", "t2", "p2", "prev", "svh2", "add", "counters", "suh2"),
-        ("out", "y"),
+        ("xh", "indices", "t2", "p2", "prev", "svh2", "add", "counters", "suh2", "s2", "ssvh2", "sidx", "counters2"),
+        ("out", "y", "moe"),
         includes=_EXPERT_HEADERS,
         defines=SLOT_DEFINES,
         max_threads=512,
@@ -446,18 +452,51 @@ def down_plan(w2, tuning: Tuning | None = None) -> tuple[int, int]:
     return _k_splits(w2.k // BLOCK, units, -(-t.down_split_warps // t.down_warps))
 
 
+@graph_constants.constant
+def _shared_indices(tokens: int) -> np.ndarray:
+    return np.zeros((tokens, 1), np.int32)
+
+
+@graph_constants.constant
+def _shared_weights(tokens: int) -> np.ndarray:
+    return np.ones((tokens, 1), np.float32)
+
+
+def shared_routing(tokens: int) -> tuple:
+    """The shared expert's routing as one expert: indices [T, 1] zeros and weights [T, 1] ones."""
+    return _shared_indices(tokens), _shared_weights(tokens)
+
+
+def _stacks_template(t: Tuning, warps: int, key, per_split: int, shared) -> list:
+    """Launch-shape template values of an expert launch for its routed stack ``key`` and, where
+    ``shared`` (a single-expert projection) rides along, the shared expert's stack: K2S, CBS,
+    STAGES_S (the routed stack's own values without it), the xh staging the smaller of the two."""
+    own = t.template(warps, key[0], 1, per_split, backend())
+    if shared is None:
+        return [*own, ("K2S", key[0]), ("CBS", CODEBOOK_IDS[key[1]]), ("STAGES_S", t.stages(key[0]))]
+    group = shared.groups[0]
+    other = dict(t.template(warps, group.k2, 1, per_split, backend()))
+    values = [(k, min(v, other["XSW"]) if k == "XSW" else v) for k, v in own]
+    return [*values, ("K2S", group.k2), ("CBS", CODEBOOK_IDS[group.codebook]), ("STAGES_S", other["STAGES"])]
+
+
 def gate_up_args(
-    x, indices, w1, w3, key, lo: int, prev=None, tuning=None, guard: int = 0, init_value=None, finish=None
+    x, indices, w1, w3, key, lo: int, prev=None, tuning=None, guard: int = 0, init_value=None, finish=None, shared=None
 ) -> dict:
     """exl3_expert_gate_up call kwargs for the (k2, codebook) group ``key`` of w1 and w3 (tests:
     ``tuning`` overrides the launch shape, ``guard`` adds never-written slots). ``finish`` =
     (weights, w2, limit, counters) for the last group's launch where `expert_finish`: it also does
-    exl3_expert_swiglu's work, w2's input xh [slots, I / 2] its second output (`finish_counters`)."""
+    exl3_expert_swiglu's work, w2's input xh [slots, I / 2] its second output (`finish_counters`).
+    ``shared`` = the shared expert's (w1, w3, w2) as single experts (`shared_fits`), with ``finish``:
+    its slots (one per token) follow the routed ones in the same launch (SHARED; ``counters`` then
+    cover them too)."""
     t = tuning or TUNING
-    slots = indices.size
+    slots = indices.size + (0 if shared is None else indices.shape[0])
     splits, per_split = expert_plan(w1, t)
     if finish is None:  # stand-ins of the same dtypes (one source text), never read
         weights, suh2, limit, counters, xh_shape = _no_weights(), w1.svh, 0.0, _no_counters(), (1,)
+        if shared is not None:
+            raise ValueError("exl3 expert gate_up: the shared expert's slots need the finishing launch")
     else:
         weights, w2, limit, counters = finish
         _check_counters(counters, slots, w1.n, "expert gate_up")
@@ -468,10 +507,16 @@ def gate_up_args(
     # A projection with no expert in this group: every expert is in another group.
     p1 = g1.position if g1 else graph_constants.array((int(SlotStack.OTHER_GROUP),) * w1.n_local, mx.int32)
     p3 = g3.position if g3 else graph_constants.array((int(SlotStack.OTHER_GROUP),) * w3.n_local, mx.int32)
+    if shared is None:  # stand-ins, never read
+        stack = (t1, t3, w1.suh, w3.suh, w1.svh, w3.svh, suh2, indices, weights)
+    else:
+        s1, s3, s2 = shared
+        stack = (s1.groups[0].trellis, s3.groups[0].trellis, s1.suh, s3.suh, s1.svh, s3.svh, s2.suh)
+        stack += shared_routing(indices.shape[0])
     return dict(
         inputs=[
             *(x, indices, w1.suh, t1, p1, w3.suh, t3, p3, indices if prev is None else prev),
-            *(weights, w1.svh, w3.svh, suh2, counters),
+            *(weights, w1.svh, w3.svh, suh2, counters, *stack),
         ],
         output_shapes=[(slots + guard, 2, splits, w1.n), xh_shape],
         output_dtypes=[mx.float32, mx.uint32],
@@ -480,12 +525,13 @@ def gate_up_args(
         template=[
             ("K2", key[0]),
             ("CB", CODEBOOK_IDS[key[1]]),
-            *t.template(t.gate_up_warps, key[0], 1, per_split, backend()),
+            *_stacks_template(t, t.gate_up_warps, key, per_split, None if shared is None else shared[0]),
             ("HAS_PREV", prev is not None),
             ("LO", int(lo)),
             ("PER_SPLIT", per_split),
             ("SPLITS", splits),
             ("FINISH", finish is not None),
+            ("SHARED", shared is not None),
             ("INTER", w1.out_features),
             ("LIMIT_BITS", float_bits(limit if limit > 0 else 0.0)),
         ],
@@ -521,41 +567,59 @@ def swiglu_args(gu, weights, indices, w1, w3, w2, lo: int, limit: float, guard: 
 
 
 def down_args(
-    xh, indices, w2, group, lo: int, prev=None, tuning=None, guard: int = 0, init_value=None, finish=None
+    xh, indices, w2, group, lo: int, prev=None, tuning=None, guard: int = 0, init_value=None, finish=None, shared=None
 ) -> dict:
     """exl3_expert_down call kwargs (k-split partials) for one (k2, codebook) group of w2 (tests: as
     gate_up_args). ``xh``: w2's input xh [slots, k / 2] (uint32 fp16 pairs, formed earlier), or the
     slots' rows x [slots, in] (float), which the launch transforms itself (STAGE_X). ``finish`` =
     (out_dtype, add, counters) for the last group's launch where `expert_finish`: it also does
-    exl3_expert_down_finish's work (see down_finish_args), y its second output."""
+    exl3_expert_down_finish's work (see down_finish_args), y its second output. ``shared`` = (the
+    shared expert's w2 as a single expert, moe_dtype, counters2), with ``finish`` (float32, no
+    add): its slots (one per token, xh rows after the routed ones) in the same launch (SHARED), y
+    [slots + T, n] float32 and the MoE's output [T, n] in moe_dtype the third output."""
     t = tuning or TUNING
-    slots = indices.size
+    slots = indices.size + (0 if shared is None else indices.shape[0])
     splits, per_split = down_plan(w2, t)
     if finish is None:  # stand-ins, never read
         out_dtype, add, counters, y_shape = mx.float32, None, _no_counters(), (1,)
+        if shared is not None:
+            raise ValueError("exl3 expert down: the shared expert's slots need the finishing launch")
     else:
         out_dtype, add, counters = finish
         _check_counters(counters, slots, w2.n, "expert down")
         y_shape = (slots + guard, w2.n)
+    if shared is None:  # stand-ins, never read
+        stack, moe_dtype, moe_shape = (group.trellis, w2.svh, indices, counters), mx.float32, (1,)
+    else:
+        s2, moe_dtype, counters2 = shared
+        if out_dtype != mx.float32 or add is not None or xh.dtype != mx.uint32:
+            raise ValueError("exl3 expert down: the shared expert's slots take fp32 rows of a formed xh, no add")
+        _check_counters(counters2, indices.shape[0], w2.n, "expert down (per token)")
+        stack = (s2.groups[0].trellis, s2.svh, shared_routing(indices.shape[0])[0], counters2)
+        moe_shape = (indices.shape[0] + guard, w2.n)
     return dict(
         inputs=[
             *(xh, indices, group.trellis, group.position, indices if prev is None else prev),
-            *(w2.svh, w2.svh if add is None else add, counters, w2.suh),
+            *(w2.svh, w2.svh if add is None else add, counters, w2.suh, *stack),
         ],
-        output_shapes=[(slots + guard, splits, w2.n), y_shape],
-        output_dtypes=[mx.float32, out_dtype],
+        output_shapes=[(slots + guard, splits, w2.n), y_shape, moe_shape],
+        output_dtypes=[mx.float32, out_dtype, moe_dtype],
         grid=(w2.n // BLOCK * _LANES * t.down_warps, splits, slots),
         threadgroup=(_LANES * t.down_warps, 1, 1),
         template=[
             ("K2", group.k2),
             ("CB", CODEBOOK_IDS[group.codebook]),
-            *t.template(t.down_warps, group.k2, 1, per_split, backend()),
+            *_stacks_template(
+                t, t.down_warps, (group.k2, group.codebook), per_split, None if shared is None else shared[0]
+            ),
             ("HAS_PREV", prev is not None),
             ("LO", int(lo)),
             ("PER_SPLIT", per_split),
             ("SPLITS", splits),
             ("FINISH", finish is not None),
+            ("SHARED", shared is not None),
             ("T", out_dtype),
+            ("TM", moe_dtype),
             ("ADD", add is not None),
             ("STAGE_X", xh.dtype != mx.uint32),
         ],
@@ -657,6 +721,34 @@ def run_experts(x, indices, weights, w1, w3, w2, lo, limit, add=None):
     return y.reshape(T, top_k, w2.out_features)
 
 
+def run_moe(x, indices, weights, w1, w3, w2, lo, limit, shared) -> mx.array:
+    """The MoE's output [T, n] in x.dtype from the routed experts and the shared expert in one set of
+    launches (docs/design.md#shared-in-routed): the last exl3_expert_gate_up and exl3_expert_down
+    launches also serve the shared expert's slots, one per token after the routed ones, and the
+    down launch adds the slots as the shared expert's ADD finish does (the same bytes as
+    run_experts followed by the shared expert's run_experts with ``add``). ``shared`` = its (w1,
+    w3, w2) as single experts, fitting the routed ones (ops.shared_fits); needs `expert_finish`."""
+    T = indices.shape[0]
+    slots = indices.size + T
+    keys = gate_up_keys(w1, w3)
+    gu = xh = None
+    for i, key in enumerate(keys):
+        last = i == len(keys) - 1
+        finish = (weights, w2, limit, finish_counters(w1, slots)) if last else None
+        gu, xh = EXPERT_GATE_UP(
+            **gate_up_args(x, indices, w1, w3, key, lo, prev=gu, finish=finish, shared=shared if last else None)
+        )
+    partial = moe = None
+    for i, group in enumerate(w2.groups):
+        last = i == len(w2.groups) - 1
+        finish = (mx.float32, None, finish_counters(w2, slots)) if last else None
+        per_token = (shared[2], x.dtype, held_counters(shared[2], T * (w2.n // BLOCK))) if last else None
+        partial, _, moe = EXPERT_DOWN(
+            **down_args(xh, indices, w2, group, lo, prev=partial, finish=finish, shared=per_token)
+        )
+    return moe
+
+
 def _down(xh, indices, w2, lo: int, out_dtype, add, finish: bool) -> mx.array:
     """exl3_expert_down per (K, codebook) group of w2 (xh: as down_args takes it), the last finishing
     itself where ``finish``, else exl3_expert_down_finish after them: y [slots, w2.n] in out_dtype
@@ -664,7 +756,7 @@ def _down(xh, indices, w2, lo: int, out_dtype, add, finish: bool) -> mx.array:
     partial = y = None
     for i, group in enumerate(w2.groups):
         last = (out_dtype, add, finish_counters(w2, indices.size)) if finish and i == len(w2.groups) - 1 else None
-        partial, y = EXPERT_DOWN(**down_args(xh, indices, w2, group, lo, prev=partial, finish=last))
+        partial, y, _ = EXPERT_DOWN(**down_args(xh, indices, w2, group, lo, prev=partial, finish=last))
     if finish:
         return y
     return EXPERT_DOWN_FINISH(**down_finish_args(partial, indices, w2, lo, out_dtype=out_dtype, add=add))[0]
@@ -742,6 +834,18 @@ def _example_experts():
     return ex, x, indices, weights
 
 
+def _example_shared():
+    """A shared expert fitting _example_experts' (256 -> 384 -> 256) at K 4, mcg: single experts."""
+    from mlx_dsv41.exl3.linear import EXL3Linear
+    from mlx_dsv41.exl3.synthetic import random_linear_tensors
+
+    dims = ((256, 384, 11), (256, 384, 12), (384, 256, 13))
+    return tuple(
+        EXL3Linear.from_stored(random_linear_tensors(i, o, 4, "mcg", seed=s, prefix="p"), "p").as_single_expert()
+        for i, o, s in dims
+    )
+
+
 def _example_gate_up():
     ex, x, indices, weights = _example_experts()
     key = (ex.w1.groups[0].k2, ex.w1.groups[0].codebook)
@@ -761,6 +865,17 @@ def _example_gate_up():
             key,
             1,
             finish=(weights, ex.w2, 10.0, split_counters(indices.size * ex.w1.n // BLOCK)),
+        ),
+        # the MoE's last launch: the shared expert's slots beside the routed ones (SHARED)
+        gate_up_args(
+            x,
+            indices,
+            ex.w1,
+            ex.w3,
+            key,
+            1,
+            finish=(weights, ex.w2, 10.0, split_counters((indices.size + x.shape[0]) * ex.w1.n // BLOCK)),
+            shared=_example_shared(),
         ),
     ]
 
@@ -804,6 +919,15 @@ def _example_down():
     routed = mx.zeros((one.shape[0], indices.shape[1], ex.w2.n), mx.float32)
     calls.append(
         down_args(xh[: one.size], one, ex.w2, ex.w2.groups[-1], 1, finish=(mx.bfloat16, routed, counters(one.size)))
+    )
+    # the MoE's last launch: the shared expert's slots beside the routed ones, the MoE's output (SHARED)
+    slots = indices.size + one.size
+    xh_moe = mx.zeros((slots, ex.w1.n // 2), mx.uint32)
+    per_token = (_example_shared()[2], mx.bfloat16, counters(one.size))
+    calls.append(
+        down_args(
+            xh_moe, indices, ex.w2, ex.w2.groups[-1], 1, finish=(mx.float32, None, counters(slots)), shared=per_token
+        )
     )
     return calls
 

@@ -144,3 +144,20 @@ KX_INLINE void exl3_down_finish_block(const KX_DEVICE float* partial, const KX_D
     for (int i = 0; i < 4; i++) y[i] = static_cast<T>(held ? exl3_round_bf16(s.v[i] * sv[i]) : 0.0f);
   }
 }
+
+// The MoE's output for one token's 128-column block (one SIMD group), after every y row of the token
+// is finished in this launch (exl3_expert_down's SHARED): moe[t] = TM((the routed rows y[t * top_k +
+// r] added in slot order) + the shared expert's row y[routed + t]), the operations of
+// exl3_down_finish_block's ADD (whose y is the row stored here, exactly: a bf16 value in fp32), so
+// the same bytes (docs/model.md#moe). The rows are read through L2: other threadgroups stored them.
+template <typename TM>
+KX_INLINE void exl3_moe_combine(const KX_DEVICE float* y, KX_DEVICE TM* moe, u32 top_k, u32 routed, u32 n, u32 token,
+                                u32 col_block, u32 lane) {
+  const u32 c0 = col_block * 128 + 4 * lane;
+  const u64 first = (u64)token * top_k * n + c0;
+  for (int i = 0; i < 4; i++) {
+    float acc = KX_LOAD_CG(y + first + i);
+    for (u32 r = 1; r < top_k; r++) acc += KX_LOAD_CG(y + first + (u64)r * n + i);
+    moe[(u64)token * n + c0 + i] = static_cast<TM>(acc + KX_LOAD_CG(y + ((u64)routed + token) * n + c0 + i));
+  }
+}

@@ -23,6 +23,7 @@
 #define EXL3_XS_BLOCKS(XSW, M) ((XSW) / 64 / (M))  // 128-blocks of xh per chunk
 #define EXL3_BLOCK_WORDS(K2) (256 * (K2))          // a block: 8 x 8 tiles of 4*K2 words
 #define EXL3_KG(NW, NC) ((NW) * (NC) / 8)
+#define EXL3_MAX_WORDS(A, B) ((A) > (B) ? (A) : (B))
 // Threadgroup words of the trellis ring (none without asynchronous copies), reused for ys
 // [KG][M][128] floats after the product.
 #define EXL3_YS_WORDS(NW, NC, M) (EXL3_KG(NW, NC) * (M) * 128)

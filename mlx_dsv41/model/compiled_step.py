@@ -34,6 +34,7 @@ from mlx_dsv41.kernels import backend
 
 MAX_TOKENS = 10  # batch x tokens: decode and DSpark verify steps (the EXL3 fused-expert limit)
 ENV_VAR = "MLX_DSV41_COMPILE"
+POSITION_LANES = 4  # a carried position's int32 copies: 16 bytes, more than MLX's small-array pool takes
 
 
 def setting() -> str:
@@ -66,9 +67,10 @@ class CompiledStep:
     `run` is the mechanism any replayable forward over LayerCaches uses (the model's step here, the
     DSpark draft block in model/dspark.py): a subclass says in `call_forward` what a trace runs."""
 
-    # The position a step starts at comes from the step before it (an output, made on the device)
-    # where the caches did not move since; a position made on the host each step is an array the
-    # host writes, which MLX's CUDA allocator keeps in managed memory (docs/design.md#step-position).
+    # The position a step starts at comes from the step before it (an output of 4 equal int32, made
+    # on the device) where the caches did not move since; the forward reads a 0-d view of it. MLX's
+    # CUDA allocator keeps arrays made on the host, and outputs of at most 8 bytes, in managed
+    # memory, which costs each kernel that reads one ~1 µs (docs/design.md#step-position).
     carries_position = True
 
     def __init__(self, forward):
@@ -107,7 +109,7 @@ class CompiledStep:
         if carry is not None and self._next is not None and self._next[0] == offset:
             position = self._next[1]
         else:
-            position = mx.array(offset, mx.int32)
+            position = mx.array([offset] * POSITION_LANES if carry is not None else offset, mx.int32)
         flat = [position, *arrays, *(a for b in buffers for a in b if a is not None)]
         self._caches = caches
         try:
@@ -134,7 +136,9 @@ class CompiledStep:
         it = iter(rest[count:])
         for c, present in zip(self._caches, layout):
             c.set_step_arrays([next(it) if p else None for p in present])
-        out = [] if carry is None else [position + carry]
+        out = []
+        if carry is not None:
+            out, position = [position + carry], position[0]
         out += self.call_forward(self._caches, position, static, list(rest[:count]))
         for c, present in zip(self._caches, layout):
             arrays = c.step_arrays()

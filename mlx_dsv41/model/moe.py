@@ -9,7 +9,7 @@ import mlx.nn as nn
 from mlx_dsv41.config import ModelArgs
 from mlx_dsv41.kernels import fp32_linear
 from mlx_dsv41.kernels.moe_route import route
-from mlx_dsv41.quant import DenseExperts, swiglu_mlp
+from mlx_dsv41.quant import DenseExperts, fused_moe, swiglu_mlp
 
 
 class Gate(nn.Module):
@@ -67,6 +67,10 @@ class MoE(nn.Module):
         flat = x.reshape(-1, self.dim)
         indices, weights = self.gate(flat)
         if self.exchange is None:
+            sh = self.shared_experts
+            fused = fused_moe(self.experts, sh.w1, sh.w3, sh.w2, sh.limit, flat, indices, weights)
+            if fused is not None:  # the shared expert in the routed experts' launches (same bytes)
+                return fused.reshape(x.shape)
             slots = self.experts(flat, indices, weights)  # [T, k, D] fp32
         else:
             slots = self.exchange(self.experts, flat, indices, weights)

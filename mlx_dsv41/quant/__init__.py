@@ -241,6 +241,19 @@ def swiglu_mlp(
     return combine_moe(routed, w2(swiglu(w1(x), w3(x), limit, dtype=x.dtype)))
 
 
+def fused_moe(experts, w1, w3, w2, limit: float, x: mx.array, indices: mx.array, weights: mx.array):
+    """The MoE's output [T, D] in x.dtype with the shared expert (w1, w3, w2) computed in the routed
+    experts' launches (EXL3 on a GPU: exl3.ops.moe, the same bytes as the two computed apart), or
+    None where the formats or the backend do not allow it (the caller computes them apart)."""
+    if "mlx_dsv41.exl3" not in sys.modules:  # only a model holding EXL3 tensors has imported it
+        return None
+    from mlx_dsv41.exl3 import ops as exl3_ops
+
+    if not exl3_ops.shared_fits(experts, w1, w3, w2, limit, x.shape[0], x.dtype):
+        return None
+    return exl3_ops.moe(x, indices, weights, experts, w1, w3, w2)
+
+
 def make_experts(
     tensors: Mapping[str, mx.array],
     prefix: str,

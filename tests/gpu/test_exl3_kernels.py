@@ -455,6 +455,78 @@ def test_shared_expert_adds_the_routed_slots_in_the_moes_order(T):
     assert same_bytes([runs[0][:T], to_np(fused)])
 
 
+# Routed experts (two w1 / w2 groups, a held range) with a shared expert of another K and codebook:
+# (n_experts, hidden, inter, routed bits, expert range, T, top_k, shared K, shared codebook)
+MOE_CASES = [
+    (8, 1024, 768, {"w1": (3, 2), "w3": 3, "w2": (3, 2)}, (1, 8), 1, 6, 5, "mul1"),
+    (8, 1024, 768, {"w1": 3, "w3": 3, "w2": 3}, None, 3, 6, 4, "mcg"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(MOE_CASES)))
+def test_the_shared_expert_in_the_routed_launches_gives_the_bytes_of_the_two_apart(case):
+    """ops.moe (launch.run_moe: the shared expert's slots in the routed experts' last gate/up and
+    down launches, the slots added there) gives the bytes of the routed experts followed by the
+    shared expert's own launches with ADD (the model's path without it), on the same GPU; five
+    repeats on the same counters agree; the poisoned guard rows of y and of the MoE's output stay
+    untouched."""
+    n_experts, hidden, inter, bits, expert_range, T, top_k, shared_k, shared_cb = MOE_CASES[case]
+    _, ex, x, indices, weights = make_experts(
+        (n_experts, hidden, inter, bits, "mul1", expert_range, T, top_k), 70 + case
+    )
+    indices, weights = mx.array(indices), mx.array(weights)
+    lin = [
+        EXL3Linear.from_stored(random_linear_tensors(i, o, shared_k, shared_cb, seed=s, prefix="p"), "p", i, o)
+        for i, o, s in ((hidden, inter, 81), (hidden, inter, 82), (inter, hidden, 83))
+    ]
+    assert launch.expert_finish() and ops.shared_fits(ex, *lin, ex.swiglu_limit, T, x.dtype)
+    routed = ops.experts(x, indices, weights, ex.w1, ex.w3, ex.w2, ex.expert_range, ex.swiglu_limit)
+    apart = ops.swiglu_mlp(x, *lin, ex.swiglu_limit, routed)
+    fused = [ops.moe(x, indices, weights, ex, *lin) for _ in range(5)]
+    assert fused[0].dtype == mx.bfloat16 and fused[0].shape == (T, hidden)
+    assert same_bytes([to_np(f) for f in fused] + [to_np(apart)])
+    assert np.count_nonzero(to_np(apart)) > apart.size // 2
+    # The launches themselves with a poisoned guard row on every output.
+    shared = tuple(w.as_single_expert() for w in lin)
+    slots, lo = indices.size + T, ex.expert_range[0]
+    keys = launch.gate_up_keys(ex.w1, ex.w3)
+    gu = None
+    for key in keys:
+        last = key == keys[-1]
+        fin = (weights, ex.w2, ex.swiglu_limit, launch.finish_counters(ex.w1, slots)) if last else None
+        call = launch.gate_up_args(
+            x,
+            indices,
+            ex.w1,
+            ex.w3,
+            key,
+            lo,
+            prev=gu,
+            guard=1,
+            init_value=NAN,
+            finish=fin,
+            shared=shared if last else None,
+        )
+        gu, xh = launch.EXPERT_GATE_UP(**call)
+        gu = gu[:-1]
+    assert xh.shape[0] == slots + 1 and not np.isnan(to_np(gu)).any()
+    partial = None
+    for group in ex.w2.groups:
+        last = group is ex.w2.groups[-1]
+        fin = (mx.float32, None, launch.finish_counters(ex.w2, slots)) if last else None
+        per_token = (shared[2], x.dtype, launch.held_counters(shared[2], T * (ex.w2.n // 128))) if last else None
+        partial, y, moe = launch.EXPERT_DOWN(
+            **launch.down_args(
+                xh[:-1], indices, ex.w2, group, lo, prev=partial, guard=1, init_value=NAN, finish=fin, shared=per_token
+            )
+        )
+        partial = partial[:-1]
+    y_np, moe_np = to_np(y), to_np(moe.astype(mx.float32))
+    assert np.all(np.isnan(y_np[-1])) and np.all(np.isnan(moe_np[-1])) and not np.isnan(moe_np[:-1]).any()
+    assert same_bytes([to_np(moe[:-1]), to_np(apart)])
+    assert same_bytes([y_np[: indices.size], to_np(routed.reshape(-1, hidden))])
+
+
 # ------------------------------------------------------------------------------ expert launches that finish themselves
 
 
