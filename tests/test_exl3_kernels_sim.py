@@ -553,29 +553,20 @@ def test_the_shared_experts_finish_adds_the_routed_slots_in_slot_order():
     assert np.array_equal(combined[:-1], want) and np.count_nonzero(want) > want.size // 2
 
 
-def moe_chain(ex, shared, x, indices, weights, tuning):
+def moe_chain(ex, shared, x, indices, weights, tuning, init_value=None):
     """The launch kwargs of launch.run_moe (the shared expert in the routed launches), as
-    expert_chain's: the last gate_up and down launches serve the shared slots too."""
+    expert_chain's (a guard row on every output, poisoned with ``init_value`` where given): the
+    last gate_up and down launches serve the shared slots too."""
     lo, T = ex.expert_range[0], indices.shape[0]
     slots = indices.size + T
     keys, groups = launch.gate_up_keys(ex.w1, ex.w3), ex.w2.groups
+    common = dict(tuning=tuning, guard=1, init_value=init_value)
     gu_calls, prev = [], None
     for key in keys:
         last = key == keys[-1]
         fin = (weights, ex.w2, ex.swiglu_limit, launch.split_counters(slots * ex.w1.n // 128)) if last else None
-        call = launch.gate_up_args(
-            x,
-            indices,
-            ex.w1,
-            ex.w3,
-            key,
-            lo,
-            prev=prev,
-            tuning=tuning,
-            guard=1,
-            finish=fin,
-            shared=shared if last else None,
-        )
+        sh = shared if last else None
+        call = launch.gate_up_args(x, indices, ex.w1, ex.w3, key, lo, prev=prev, finish=fin, shared=sh, **common)
         gu_calls.append(call)
         shape = call["output_shapes"][0]
         prev = mx.zeros((shape[0] - 1, *shape[1:]))
@@ -585,9 +576,7 @@ def moe_chain(ex, shared, x, indices, weights, tuning):
         last = group is groups[-1]
         fin = (mx.float32, None, launch.split_counters(slots * ex.w2.n // 128)) if last else None
         per_token = (shared[2], x.dtype, launch.split_counters(T * ex.w2.n // 128)) if last else None
-        call = launch.down_args(
-            xh, indices, ex.w2, group, lo, prev=prev, tuning=tuning, guard=1, finish=fin, shared=per_token
-        )
+        call = launch.down_args(xh, indices, ex.w2, group, lo, prev=prev, finish=fin, shared=per_token, **common)
         down_calls.append(call)
         shape = call["output_shapes"][0]
         prev = mx.zeros((shape[0] - 1, *shape[1:]))

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from exl3_numpy import rel_err
+from test_exl3_kernels_sim import moe_chain
 from test_exl3_layers import experts_f64
 
 from mlx_dsv41.exl3 import EXL3Experts, EXL3Linear, ops, reference
@@ -486,40 +487,21 @@ def test_the_shared_expert_in_the_routed_launches_gives_the_bytes_of_the_two_apa
     assert fused[0].dtype == mx.bfloat16 and fused[0].shape == (T, hidden)
     assert same_bytes([to_np(f) for f in fused] + [to_np(apart)])
     assert np.count_nonzero(to_np(apart)) > apart.size // 2
-    # The launches themselves with a poisoned guard row on every output.
-    shared = tuple(w.as_single_expert() for w in lin)
-    slots, lo = indices.size + T, ex.expert_range[0]
-    keys = launch.gate_up_keys(ex.w1, ex.w3)
+    # The launches themselves (the simulator test's chain) with a poisoned guard row on y and moe.
+    gu_calls, _, down_calls, _ = moe_chain(ex, tuple(w.as_single_expert() for w in lin), x, indices, weights, None, NAN)
     gu = None
-    for key in keys:
-        last = key == keys[-1]
-        fin = (weights, ex.w2, ex.swiglu_limit, launch.finish_counters(ex.w1, slots)) if last else None
-        call = launch.gate_up_args(
-            x,
-            indices,
-            ex.w1,
-            ex.w3,
-            key,
-            lo,
-            prev=gu,
-            guard=1,
-            init_value=NAN,
-            finish=fin,
-            shared=shared if last else None,
-        )
+    for call in gu_calls:
+        if gu is not None:
+            call["inputs"][launch.EXPERT_GATE_UP.input_names.index("prev")] = gu
         gu, xh = launch.EXPERT_GATE_UP(**call)
         gu = gu[:-1]
-    assert xh.shape[0] == slots + 1 and not np.isnan(to_np(gu)).any()
+    assert xh.shape[0] == indices.size + T + 1 and not np.isnan(to_np(gu)).any()
     partial = None
-    for group in ex.w2.groups:
-        last = group is ex.w2.groups[-1]
-        fin = (mx.float32, None, launch.finish_counters(ex.w2, slots)) if last else None
-        per_token = (shared[2], x.dtype, launch.held_counters(shared[2], T * (ex.w2.n // 128))) if last else None
-        partial, y, moe = launch.EXPERT_DOWN(
-            **launch.down_args(
-                xh[:-1], indices, ex.w2, group, lo, prev=partial, guard=1, init_value=NAN, finish=fin, shared=per_token
-            )
-        )
+    for call in down_calls:
+        call["inputs"][0] = xh[:-1]
+        if partial is not None:
+            call["inputs"][launch.EXPERT_DOWN.input_names.index("prev")] = partial
+        partial, y, moe = launch.EXPERT_DOWN(**call)
         partial = partial[:-1]
     y_np, moe_np = to_np(y), to_np(moe.astype(mx.float32))
     assert np.all(np.isnan(y_np[-1])) and np.all(np.isnan(moe_np[-1])) and not np.isnan(moe_np[:-1]).any()
