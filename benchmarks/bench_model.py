@@ -166,6 +166,22 @@ def graph_primitives(*arrays) -> Counter:
     return Counter(re.findall(r'\[label ="([^"]+)", shape=rectangle\]', buf.getvalue()))
 
 
+def kernel_timeline(intervals: list[tuple[float, float]]) -> tuple[float | None, float | None]:
+    """(busy, span) in ms of kernel intervals (start, end) in µs: the length of their union (MLX's
+    CUDA graphs run launches that do not depend on each other at the same time, so the sum of
+    the kernels' times overstates the GPU's) and first start to last end. (None, None) if empty."""
+    if not intervals:
+        return None, None
+    busy, (cur_start, cur_end) = 0.0, sorted(intervals)[0]
+    for start, end in sorted(intervals)[1:]:
+        if start > cur_end:
+            busy, cur_start, cur_end = busy + cur_end - cur_start, start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    return busy / 1e3, (max(e for _, e in intervals) - min(s for s, _ in intervals)) / 1e3
+
+
 def cuda_kernels(step) -> dict | None:
     """Kernels launched by `step()` (CUPTI via torch.profiler), or None where unavailable."""
     if backend() != "cuda":
@@ -178,16 +194,21 @@ def cuda_kernels(step) -> dict | None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         mx.synchronize()
-    names, times = Counter(), Counter()
+    names, times, spans = Counter(), Counter(), []
     for e in prof.events():
         if not str(getattr(e, "device_type", "")).endswith("CUDA") or e.name.startswith(("Memcpy", "Memset")):
             continue
         name = e.name.split("<")[0][:60]
         names[name] += 1
         times[name] += float(getattr(e, "device_time", getattr(e, "cuda_time", 0.0)) or 0.0) / 1e3
+        if getattr(e, "time_range", None) is not None:
+            spans.append((e.time_range.start, e.time_range.end))
+    busy, span = kernel_timeline(spans)
     return {
         "kernels": sum(names.values()),
         "device_ms": sum(times.values()),
+        "busy_ms": busy,  # the union of the kernels' intervals: launches that ran at once count once
+        "span_ms": span,  # the first kernel's start to the last one's end (gaps included)
         "top": names.most_common(12),
         "top_ms": [(n, round(ms, 3)) for n, ms in times.most_common(12)],
         "all": [(n, names[n], round(ms, 4)) for n, ms in times.most_common()],
@@ -408,7 +429,7 @@ def _f(v, fmt=".2f"):
 def table(runs: list[dict]) -> str:
     lines = [
         "| model | ms/token | ms/token pipelined | tokens/s (pipelined) | build ms/token | kernels/token "
-        "| device ms/token | primitives/token (compute) | GPU GB active / peak |",
+        "| device ms/token: sum (busy, span) | primitives/token (compute) | GPU GB active / peak |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     decoded = [r for r in runs if "decode" in r]  # (--dspark-only: none)
@@ -427,7 +448,7 @@ def table(runs: list[dict]) -> str:
                     _f(tps, ".1f"),
                     _f(d.get("build_ms_per_token")),
                     str(cu.get("kernels", "—")),
-                    _f(cu.get("device_ms")),
+                    f"{_f(cu.get('device_ms'))} ({_f(cu.get('busy_ms'))}, {_f(cu.get('span_ms'))})",
                     f"{d.get('primitives', '—')} ({d.get('primitives_compute', '—')})",
                     f"{_f(r.get('active_GB'), '.1f')} / {_f(d.get('peak_GB'), '.1f')} |",
                 ]

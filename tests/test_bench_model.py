@@ -308,3 +308,11 @@ def test_exl3_tuning_changes_the_plan_inside_and_refuses_unknown_fields():
     with pytest.raises(SystemExit, match="FIELD=INT"):
         with bench_model.exl3_tuning(["no_such_field=3"]):
             pass
+
+
+def test_the_kernel_timeline_counts_overlapping_launches_once():
+    """bench_model's busy time: the union of the kernels' intervals (µs in, ms out); the span runs
+    from the first start to the last end, gaps included; the sum would count overlaps twice."""
+    busy, span = bench_model.kernel_timeline([(20, 25), (0, 10), (5, 12), (24, 30), (40, 41)])
+    assert (round(busy, 6), round(span, 6)) == (0.023, 0.041)
+    assert bench_model.kernel_timeline([]) == (None, None)
