@@ -80,7 +80,7 @@ run() {  # run NAME: one stage
     # the demo checkpoint's decode beside mlx-lm at the demo's dimensions (issue 16: >= 200 tokens/s)
     demo) stage demo 200 python3 benchmarks/bench_model.py --quick --demo --no-dspark --out "$LOGS/demo" ;;
     # our Flash-shaped decode alone, every kernel's count and time in logs/profile/bench_model.json; PROFILE_AB adds an A/B run
-    profile) stage profile 200 python3 benchmarks/bench_model.py --quick --no-dspark --skip-mlx-lm --out "$LOGS/profile" ${PROFILE_AB-} ;;
+    profile) stage profile 240 python3 benchmarks/bench_model.py --quick --no-dspark --skip-mlx-lm --out "$LOGS/profile" ${PROFILE_AB-} ;;
     # decode from the pruned and from the whole kernel sources, one process (issue 16)
     pruning) stage pruning 300 python3 benchmarks/bench_model.py --quick --no-dspark --skip-mlx-lm \
       --whole-kernel-sources --out "$LOGS/pruning" ;;
