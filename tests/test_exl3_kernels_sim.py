@@ -670,3 +670,33 @@ def test_a_k_split_gemv_that_finishes_itself_gives_the_two_launch_bytes(monkeypa
     assert np.array_equal(partial_one.view(np.uint32), partial.view(np.uint32))
     assert np.array_equal(y_one.view(np.uint16), y_two.view(np.uint16))
     assert np.count_nonzero(y_one.astype(np.float32)) > y_one.size // 2
+
+
+def test_where_the_shared_expert_rides_in_the_routed_launches(monkeypatch):
+    """exl3.ops.shared_fits, the choice quant.fused_moe makes (docs/design.md#shared-in-routed):
+    only where the expert launches finish themselves (a GPU backend with grid finish, here
+    pretended), Tuning.shared_in_routed is on, the tokens fit the fused kernels, and the shared
+    expert's three EXL3 linears have the routed experts' shapes and SwiGLU limit."""
+    from mlx_dsv41.exl3 import ops
+    from mlx_dsv41.quant import fused_moe
+
+    tensors = random_experts_tensors(3, 256, 384, 3, seed=5)
+    ex = EXL3Experts.from_tensors(tensors, "experts", 3, None, 256, 384, swiglu_limit=7.0)
+
+    def linears(inter):
+        dims = ((256, inter, 1), (256, inter, 2), (inter, 256, 3))
+        return [EXL3Linear.from_stored(random_linear_tensors(i, o, 4, seed=s, prefix="p"), "p") for i, o, s in dims]
+
+    fits, narrow = linears(384), linears(256)
+    x = mx.zeros((2, 256), mx.bfloat16)
+    assert not ops.shared_fits(ex, *fits, 7.0, 2, x.dtype)  # the CPU: computed apart
+    assert fused_moe(ex, *fits, 7.0, x, mx.zeros((2, 2), mx.int32), mx.ones((2, 2))) is None
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+    monkeypatch.setattr(launch, "expert_finish", lambda tuning=None: True)
+    assert ops.shared_fits(ex, *fits, 7.0, 2, x.dtype)
+    assert not ops.shared_fits(ex, *fits, 10.0, 2, x.dtype)  # another SwiGLU limit
+    assert not ops.shared_fits(ex, *narrow, 7.0, 2, x.dtype)  # another intermediate size
+    assert not ops.shared_fits(ex, *fits, 7.0, ops.FUSED_MAX_TOKENS + 1, x.dtype)  # a prefill
+    assert not ops.shared_fits(ex, *fits, 7.0, 2, mx.float16)
+    monkeypatch.setattr(launch, "TUNING", launch.Tuning(shared_in_routed=0))
+    assert not ops.shared_fits(ex, *fits, 7.0, 2, x.dtype)
