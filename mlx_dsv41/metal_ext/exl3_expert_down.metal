@@ -15,7 +15,7 @@
 // (ADD: [T, k, n] fp32, see exl3_expert_down_finish), counters [>= slots * n / 128] uint32, suh2
 // [E, I] (read with STAGE_X only). Outputs: out [slots, SPLITS, n] float32, y [slots, n] in T.
 // Template: K2, CB, NC, NW, STAGES, XSW, HAS_PREV, LO (first held expert), PER_SPLIT (128-blocks
-// of k per split), SPLITS, FINISH, T, ADD, STAGE_X.
+// of k per split), SPLITS, FINISH, SHARED, T, TM, ADD, STAGE_X, K2S, CBS, STAGES_S (below).
 // With SHARED (FINISH, T = float, no ADD, no STAGE_X: the MoE's last launch,
 // docs/design.md#shared-in-routed) the grid also holds the shared expert, one slot per token after
 // the routed slots (slot routed + t, xh row routed + t), from its own stack of one expert (K2S,

@@ -14,7 +14,8 @@
 // prev [slots, 2, splits, n] float32, weights [T, top_k] float32, svh1/svh3/suh2 [E, n],
 // counters [>= slots * n / 128] uint32. Outputs: out [slots, 2, splits, n] float32, xh
 // [slots, n / 2] uint32. Template: K2, CB, NC, NW, STAGES, XSW, HAS_PREV, LO (first held expert),
-// PER_SPLIT (128-blocks of k per split), SPLITS, FINISH, INTER, LIMIT_BITS (exl3_expert_swiglu's).
+// PER_SPLIT (128-blocks of k per split), SPLITS, FINISH, SHARED, INTER, LIMIT_BITS
+// (exl3_expert_swiglu's), K2S, CBS, STAGES_S (below).
 // With SHARED (FINISH only: the MoE's last launch, docs/design.md#shared-in-routed) the grid also
 // holds the shared expert, one slot per token after the routed slots (slot routed + t), from its own
 // stack of one expert at its own K and codebook (K2S, CBS, STAGES_S: s1 / s3 [1, k/16, n/16, 16K],
