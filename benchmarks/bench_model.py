@@ -27,7 +27,10 @@ For each model (same prompt ids, greedy):
   the Python graph-build ms per token (time to return from the forward, nothing evaluated);
 - kernels per token (GPU): CUDA kernels one decode step launches, counted by CUPTI through
   torch.profiler (kernel activity records of the whole process, graph-launched kernels
-  included), and their summed device time; MLX primitives per token: the non-view nodes of the
+  included), and their summed device time, with the GPU's busy time (the union of the kernels'
+  intervals: MLX's CUDA graphs run launches that do not depend on each other at once, which the
+  sum counts twice) and the span (first start to last end of the synchronous step, the GPU's
+  waits for the host included); MLX primitives per token: the non-view nodes of the
   step's graph (`mx.export_to_dot`, as benchmarks/count_ops.py counts them);
 - memory: MLX active memory after loading, peak during decode, process max RSS. Loading itself
   (`--load DIR` or `--load-synthetic`, load_memory.py): the parameters by dtype, the peak while
