@@ -291,10 +291,12 @@ def shared_fits(experts, w1, w3, w2, limit: float, tokens: int, dtype) -> bool:
         return False
     if not isinstance(experts, EXL3Experts) or not all(isinstance(w, EXL3Linear) for w in (w1, w3, w2)):
         return False
-    shapes = [(w.k, w.n, w.in_features, w.out_features) for w in (experts.w1, experts.w3, experts.w2)]
+
+    def shape(p):
+        return p.k, p.n, p.in_features, p.out_features
+
     return (
-        [(w.as_single_expert().k, w.as_single_expert().n, w.in_features, w.out_features) for w in (w1, w3, w2)]
-        == shapes
+        [shape(w.as_single_expert()) for w in (w1, w3, w2)] == [shape(p) for p in (experts.w1, experts.w3, experts.w2)]
         and float(limit) == experts.swiglu_limit
         and experts.w2.out_features == experts.w2.n
         and dtype in (mx.bfloat16, mx.float32)

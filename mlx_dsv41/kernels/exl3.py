@@ -705,14 +705,8 @@ def run_experts(x, indices, weights, w1, w3, w2, lo, limit, add=None):
     exl3_expert_gate_up and exl3_expert_down launches finish themselves (two launches fewer, the same
     bytes)."""
     T, top_k = indices.shape
-    slots, finish = indices.size, expert_finish()
-    keys = gate_up_keys(w1, w3)
-    gu = xh = None
-    for i, key in enumerate(keys):
-        last = (weights, w2, limit, finish_counters(w1, slots)) if finish and i == len(keys) - 1 else None
-        gu, xh = EXPERT_GATE_UP(**gate_up_args(x, indices, w1, w3, key, lo, prev=gu, finish=last))
-    if not finish:
-        xh = EXPERT_SWIGLU(**swiglu_args(gu, weights, indices, w1, w3, w2, lo, limit))[0]
+    finish = expert_finish()
+    xh = _gate_up(x, indices, weights, w1, w3, w2, lo, limit, finish)
     y = _down(xh, indices, w2, lo, x.dtype if add is not None else mx.float32, add, finish)
     if add is not None:
         return y
@@ -728,35 +722,44 @@ def run_moe(x, indices, weights, w1, w3, w2, lo, limit, shared) -> mx.array:
     down launch adds the slots as the shared expert's ADD finish does (the same bytes as
     run_experts followed by the shared expert's run_experts with ``add``). ``shared`` = its (w1,
     w3, w2) as single experts, fitting the routed ones (ops.shared_fits); needs `expert_finish`."""
-    T = indices.shape[0]
-    slots = indices.size + T
+    xh = _gate_up(x, indices, weights, w1, w3, w2, lo, limit, True, shared)
+    return _down(xh, indices, w2, lo, mx.float32, None, True, (shared[2], x.dtype))
+
+
+def _gate_up(x, indices, weights, w1, w3, w2, lo: int, limit: float, finish: bool, shared=None) -> mx.array:
+    """exl3_expert_gate_up per (K, codebook) group of w1 and w3, the last finishing itself where
+    ``finish`` (with ``shared``, the shared expert's (w1, w3, w2) single experts, its slots too),
+    else exl3_expert_swiglu after them: w2's input xh [slots, I / 2]."""
+    slots = indices.size + (0 if shared is None else indices.shape[0])
     keys = gate_up_keys(w1, w3)
     gu = xh = None
     for i, key in enumerate(keys):
         last = i == len(keys) - 1
-        finish = (weights, w2, limit, finish_counters(w1, slots)) if last else None
-        gu, xh = EXPERT_GATE_UP(
-            **gate_up_args(x, indices, w1, w3, key, lo, prev=gu, finish=finish, shared=shared if last else None)
-        )
-    partial = moe = None
-    for i, group in enumerate(w2.groups):
-        last = i == len(w2.groups) - 1
-        finish = (mx.float32, None, finish_counters(w2, slots)) if last else None
-        per_token = (shared[2], x.dtype, held_counters(shared[2], T * (w2.n // BLOCK))) if last else None
-        partial, _, moe = EXPERT_DOWN(
-            **down_args(xh, indices, w2, group, lo, prev=partial, finish=finish, shared=per_token)
-        )
-    return moe
+        fin = (weights, w2, limit, finish_counters(w1, slots)) if finish and last else None
+        call = gate_up_args(x, indices, w1, w3, key, lo, prev=gu, finish=fin, shared=shared if last else None)
+        gu, xh = EXPERT_GATE_UP(**call)
+    if not finish:
+        xh = EXPERT_SWIGLU(**swiglu_args(gu, weights, indices, w1, w3, w2, lo, limit))[0]
+    return xh
 
 
-def _down(xh, indices, w2, lo: int, out_dtype, add, finish: bool) -> mx.array:
+def _down(xh, indices, w2, lo: int, out_dtype, add, finish: bool, shared=None) -> mx.array:
     """exl3_expert_down per (K, codebook) group of w2 (xh: as down_args takes it), the last finishing
     itself where ``finish``, else exl3_expert_down_finish after them: y [slots, w2.n] in out_dtype
-    (see down_finish_args)."""
-    partial = y = None
+    (see down_finish_args). With ``shared`` = (the shared expert's w2 as a single expert, the MoE's
+    dtype), the last launch also serves its slots and returns the MoE's output instead."""
+    T = indices.shape[0]
+    slots = indices.size + (0 if shared is None else T)
+    partial = y = moe = None
     for i, group in enumerate(w2.groups):
-        last = (out_dtype, add, finish_counters(w2, indices.size)) if finish and i == len(w2.groups) - 1 else None
-        partial, y, _ = EXPERT_DOWN(**down_args(xh, indices, w2, group, lo, prev=partial, finish=last))
+        last = finish and i == len(w2.groups) - 1
+        fin = (out_dtype, add, finish_counters(w2, slots)) if last else None
+        per_token = (*shared, held_counters(shared[0], T * (w2.n // BLOCK))) if last and shared else None
+        partial, y, moe = EXPERT_DOWN(
+            **down_args(xh, indices, w2, group, lo, prev=partial, finish=fin, shared=per_token)
+        )
+    if shared is not None:
+        return moe
     if finish:
         return y
     return EXPERT_DOWN_FINISH(**down_finish_args(partial, indices, w2, lo, out_dtype=out_dtype, add=add))[0]
