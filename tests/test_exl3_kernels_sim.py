@@ -207,27 +207,34 @@ EXPERT_CASES = [
 ]
 
 
-def expert_chain(ex, x, indices, weights, tuning, finish=None):
-    """The launch kwargs exl3_experts issues, with zero stand-ins for chained inputs. ``finish`` =
-    (y's dtype, add): the last gate_up and down launches finish themselves (FINISH; no swiglu and
-    down_finish calls: None in their places)."""
-    lo, slots = ex.expert_range[0], indices.size
+def expert_chain(ex, x, indices, weights, tuning, finish=None, shared=None, init_value=None):
+    """The launch kwargs exl3_experts issues, with zero stand-ins for chained inputs and a guard row
+    on every output (poisoned with ``init_value`` where given). ``finish`` = (y's dtype, add): the
+    last gate_up and down launches finish themselves (FINISH; no swiglu and down_finish calls: None
+    in their places). ``shared`` (the shared expert's (w1, w3, w2) single experts; with finish =
+    (float32, None)): launch.run_moe's calls, the last launches serving its slots too."""
+    lo, T = ex.expert_range[0], indices.shape[0]
+    slots = indices.size + (0 if shared is None else T)
     keys, groups = launch.gate_up_keys(ex.w1, ex.w3), ex.w2.groups
+    common = dict(tuning=tuning, guard=1, init_value=init_value)
     gu_calls, prev = [], None
     for key in keys:
         last = finish and key == keys[-1]
         fin = (weights, ex.w2, ex.swiglu_limit, launch.split_counters(slots * ex.w1.n // 128)) if last else None
-        call = launch.gate_up_args(x, indices, ex.w1, ex.w3, key, lo, prev=prev, tuning=tuning, guard=1, finish=fin)
+        sh = shared if last else None
+        call = launch.gate_up_args(x, indices, ex.w1, ex.w3, key, lo, prev=prev, finish=fin, shared=sh, **common)
         gu_calls.append(call)
         shape = call["output_shapes"][0]
         prev = mx.zeros((shape[0] - 1, *shape[1:]))
     gu = prev
     swiglu = launch.swiglu_args(gu, weights, indices, ex.w1, ex.w3, ex.w2, lo, ex.swiglu_limit, guard=1)
-    xh = mx.zeros((indices.size, ex.w1.n // 2), mx.uint32)
+    xh = mx.zeros((slots, ex.w1.n // 2), mx.uint32)
     down_calls, prev = [], None
     for group in groups:
-        fin = (*finish, launch.split_counters(slots * ex.w2.n // 128)) if finish and group is groups[-1] else None
-        call = launch.down_args(xh, indices, ex.w2, group, lo, prev=prev, tuning=tuning, guard=1, finish=fin)
+        last = finish and group is groups[-1]
+        fin = (*finish, launch.split_counters(slots * ex.w2.n // 128)) if last else None
+        per_token = (shared[2], x.dtype, launch.split_counters(T * ex.w2.n // 128)) if last and shared else None
+        call = launch.down_args(xh, indices, ex.w2, group, lo, prev=prev, finish=fin, shared=per_token, **common)
         down_calls.append(call)
         shape = call["output_shapes"][0]
         prev = mx.zeros((shape[0] - 1, *shape[1:]))
@@ -553,36 +560,6 @@ def test_the_shared_experts_finish_adds_the_routed_slots_in_slot_order():
     assert np.array_equal(combined[:-1], want) and np.count_nonzero(want) > want.size // 2
 
 
-def moe_chain(ex, shared, x, indices, weights, tuning, init_value=None):
-    """The launch kwargs of launch.run_moe (the shared expert in the routed launches), as
-    expert_chain's (a guard row on every output, poisoned with ``init_value`` where given): the
-    last gate_up and down launches serve the shared slots too."""
-    lo, T = ex.expert_range[0], indices.shape[0]
-    slots = indices.size + T
-    keys, groups = launch.gate_up_keys(ex.w1, ex.w3), ex.w2.groups
-    common = dict(tuning=tuning, guard=1, init_value=init_value)
-    gu_calls, prev = [], None
-    for key in keys:
-        last = key == keys[-1]
-        fin = (weights, ex.w2, ex.swiglu_limit, launch.split_counters(slots * ex.w1.n // 128)) if last else None
-        sh = shared if last else None
-        call = launch.gate_up_args(x, indices, ex.w1, ex.w3, key, lo, prev=prev, finish=fin, shared=sh, **common)
-        gu_calls.append(call)
-        shape = call["output_shapes"][0]
-        prev = mx.zeros((shape[0] - 1, *shape[1:]))
-    xh = mx.zeros((slots, ex.w1.n // 2), mx.uint32)
-    down_calls, prev = [], None
-    for group in groups:
-        last = group is groups[-1]
-        fin = (mx.float32, None, launch.split_counters(slots * ex.w2.n // 128)) if last else None
-        per_token = (shared[2], x.dtype, launch.split_counters(T * ex.w2.n // 128)) if last else None
-        call = launch.down_args(xh, indices, ex.w2, group, lo, prev=prev, finish=fin, shared=per_token, **common)
-        down_calls.append(call)
-        shape = call["output_shapes"][0]
-        prev = mx.zeros((shape[0] - 1, *shape[1:]))
-    return gu_calls, None, down_calls, None
-
-
 @pytest.mark.parametrize("mma", [True, False], ids=["mma", "fma"])
 @pytest.mark.parametrize("tuning", [None, T(gate_up_warps=4, nc=8, gate_up_split_warps=8, down_split_warps=8)])
 def test_the_shared_expert_in_the_routed_launches_gives_the_bytes_of_its_own_launches(tuning, mma):
@@ -613,7 +590,7 @@ def test_the_shared_expert_in_the_routed_launches_gives_the_bytes_of_its_own_lau
     routed = expert_chain(ex, x, indices, weights, tuning, finish=(mx.float32, None))
     placeholder = mx.zeros((T_, top_k, hidden), mx.float32)
     alone = expert_chain(one, x, one_idx, one_w, tuning, finish=(mx.bfloat16, placeholder))
-    merged = moe_chain(ex, shared, x, indices, weights, tuning)
+    merged = expert_chain(ex, x, indices, weights, tuning, finish=(mx.float32, None), shared=shared)
     program = exl3_sim.build(chain_specs(routed) + chain_specs(alone) + chain_specs(merged), mma=mma)
     outs_r, spec = run_chain(program, 0, routed)
     y_r = outs_r[-1][1][:-1]

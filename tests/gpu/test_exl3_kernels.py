@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from exl3_numpy import rel_err
-from test_exl3_kernels_sim import moe_chain
+from test_exl3_kernels_sim import expert_chain
 from test_exl3_layers import experts_f64
 
 from mlx_dsv41.exl3 import EXL3Experts, EXL3Linear, ops, reference
@@ -488,7 +488,9 @@ def test_the_shared_expert_in_the_routed_launches_gives_the_bytes_of_the_two_apa
     assert same_bytes([to_np(f) for f in fused] + [to_np(apart)])
     assert np.count_nonzero(to_np(apart)) > apart.size // 2
     # The launches themselves (the simulator test's chain) with a poisoned guard row on y and moe.
-    gu_calls, _, down_calls, _ = moe_chain(ex, tuple(w.as_single_expert() for w in lin), x, indices, weights, None, NAN)
+    shared = tuple(w.as_single_expert() for w in lin)
+    chain = expert_chain(ex, x, indices, weights, None, finish=(mx.float32, None), shared=shared, init_value=NAN)
+    gu_calls, _, down_calls, _ = chain
     gu = None
     for call in gu_calls:
         if gu is not None:
