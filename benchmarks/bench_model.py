@@ -254,16 +254,26 @@ def decode(forward, make_cache, prompt: mx.array, steps: int, warmup: int) -> di
     # Pipelined as mlx-lm: build and queue token i+1 before reading token i. Timed before the
     # kernel count: the profiler's first use in a process leaves work behind that slowed the
     # timed loop after it (a 17.7 ms step measured 30.6 ms right after CUPTI, fourteenth session).
+    # Each step's host time is split three ways: building it (Python, a compiled replay), queueing
+    # it (mx.async_eval: MLX encodes every node and commits its CUDA graphs on this thread) and
+    # waiting for the token before it. A wait near zero means the host, not the GPU, sets the pace.
     nxt = mx.argmax(forward(tok, cache)[:, -1:], axis=-1).astype(mx.int32)
     mx.async_eval(nxt)
+    parts = []
     t0 = time.perf_counter()
     for _ in range(steps):
         cur = nxt
+        t1 = time.perf_counter()
         nxt = mx.argmax(forward(cur, cache)[:, -1:], axis=-1).astype(mx.int32)
+        t2 = time.perf_counter()
         mx.async_eval(nxt)
+        t3 = time.perf_counter()
         int(cur.item())
+        parts.append((t2 - t1, t3 - t2, time.perf_counter() - t3))
     int(nxt.item())
     out["ms_per_token_pipelined"] = 1e3 * (time.perf_counter() - t0) / steps
+    for i, name in enumerate(("build", "queue", "wait")):
+        out[f"pipelined_{name}_ms"] = 1e3 * statistics.median(p[i] for p in parts)
     out["peak_GB"] = mx.get_peak_memory() / 1e9
 
     def one_step():
@@ -431,9 +441,10 @@ def _f(v, fmt=".2f"):
 
 def table(runs: list[dict]) -> str:
     lines = [
-        "| model | ms/token | ms/token pipelined | tokens/s (pipelined) | build ms/token | kernels/token "
+        "| model | ms/token | ms/token pipelined | tokens/s (pipelined) | build ms/token "
+        "| pipelined host ms: build / queue / wait | kernels/token "
         "| device ms/token: sum (busy, span) | primitives/token (compute) | GPU GB active / peak |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     decoded = [r for r in runs if "decode" in r]  # (--dspark-only: none)
     if not decoded:
@@ -450,6 +461,7 @@ def table(runs: list[dict]) -> str:
                     _f(d.get("ms_per_token_pipelined")),
                     _f(tps, ".1f"),
                     _f(d.get("build_ms_per_token")),
+                    " / ".join(_f(d.get(f"pipelined_{n}_ms")) for n in ("build", "queue", "wait")),
                     str(cu.get("kernels", "—")),
                     f"{_f(cu.get('device_ms'))} ({_f(cu.get('busy_ms'))}, {_f(cu.get('span_ms'))})",
                     f"{d.get('primitives', '—')} ({d.get('primitives_compute', '—')})",

@@ -30,13 +30,14 @@ stage() {  # stage NAME SECONDS COMMAND...: NAME's command, within the budget
 
 # decode against MLX's CUDA graph settings. MLX records launches into CUDA graphs of at most
 # MLX_MAX_OPS_PER_BUFFER nodes (its source: 100 on sm_90), updating a cached executable graph at
-# each commit; MLX_USE_CUDA_GRAPHS=0 launches each kernel directly instead. Which costs the
-# ~2,000-launch step less host time? (issue 16)
+# each commit; MLX_USE_CUDA_GRAPHS=0 launches each kernel directly instead (the fourteenth
+# session: more host time). Fewer, larger graphs: less host time per step? (issue 16;
+# GRAPH_SETTINGS overrides the list, "" is MLX's defaults)
 graphs() {
-  for setting in "" "MLX_USE_CUDA_GRAPHS=0" "MLX_MAX_OPS_PER_BUFFER=400"; do
-    echo "${setting:-MLX defaults}"
-    env $setting python3 benchmarks/bench_model.py --quick --skip-mlx-lm --no-dspark \
-      --out "$LOGS/graphs_${setting:-default}" | grep -A2 "^| model"
+  for setting in ${GRAPH_SETTINGS:-MLX_MAX_OPS_PER_BUFFER=300 MLX_MAX_OPS_PER_BUFFER=1000}; do
+    echo "$setting"
+    env "$setting" python3 benchmarks/bench_model.py --quick --skip-mlx-lm --no-dspark \
+      --out "$LOGS/graphs_$setting" | grep -A2 "^| model"
   done
 }
 export LOGS
