@@ -859,6 +859,14 @@ def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
     if a.exl3_tuning:
         with exl3_tuning(a.exl3_tuning) as changed:
             runs.append(measure(f"{runs[-1]['label']}, EXL3 {changed}", build, a, prompt_len))
+    if a.separate_ring_writes:
+        from mlx_dsv41.model import rope as rope_module
+
+        rope_module.WRITES_RING = False
+        try:
+            runs.append(measure(f"{runs[0]['label']}, ring writes apart from the rope", build, a, prompt_len))
+        finally:
+            rope_module.WRITES_RING = True
     if a.host_position:
         compiled_step.CompiledStep.carries_position = False
         try:
@@ -972,6 +980,11 @@ def main() -> int:
         "--host-position",
         action="store_true",
         help="also time our decode with each compiled step's position made on the host (the A/B of carrying it)",
+    )
+    ap.add_argument(
+        "--separate-ring-writes",
+        action="store_true",
+        help="also time our decode with the window KV's ring writes as their own launches (A/B of RING)",
     )
     ap.add_argument("--compiled", action="store_true", help="time our step both eagerly and compiled")
     ap.add_argument(

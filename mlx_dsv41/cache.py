@@ -211,16 +211,27 @@ class LayerCache(_PositionalCache):
         """
         B, S, D = kv.shape
         R = self.ring_size
-        self._ensure_ring(B, D, kv.dtype)
-        if S <= R - self.window_size + 1:  # the writes replace positions before every query's window
-            self.ring = store_rows(self.ring, kv, self.position, R)
-            return self.ring, window_rows(self.position, S, self.window_size, R, appended=False)
+        if self.window_ring(B, S, D, kv.dtype) is not None:
+            return self.written_window(store_rows(self.ring, kv, self.position, R), S)
         window = mx.concatenate([self.ring, kv], axis=1)
         rows = window_rows(self.position, S, self.window_size, R)
         # Only the last R new rows can survive in the ring; write them at their slots.
         keep = min(S, R)
         self.ring = store_rows(self.ring, kv[:, S - keep :], self.position + (S - keep), R)
         return window, rows
+
+    def window_ring(self, batch: int, tokens: int, dim: int, dtype: mx.Dtype) -> mx.array | None:
+        """The ring, where the window KV of `tokens` new tokens can be written into it in place
+        (the writes replace only positions before every new query's window: tokens <=
+        trim_slack + 1), else None. A caller that writes the rows itself (at slots (offset + s) %
+        ring_size, as store_rows does) hands the result to `written_window`."""
+        self._ensure_ring(batch, dim, dtype)
+        return self.ring if tokens <= self.ring_size - self.window_size + 1 else None
+
+    def written_window(self, ring: mx.array, tokens: int) -> tuple[mx.array, mx.array]:
+        """update_window's result for the ring from `window_ring` with the new rows written."""
+        self.ring = ring
+        return ring, window_rows(self.position, tokens, self.window_size, self.ring_size, appended=False)
 
     def group_inputs(self, kv: mx.array, gate: mx.array) -> tuple[mx.array, mx.array]:
         """Ratio > 1 owners: record the new raw projections; return the rows from the start of the

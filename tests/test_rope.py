@@ -118,7 +118,7 @@ def test_the_gpu_launch_over_the_whole_vector_gives_the_tails_bytes(monkeypatch,
     from mlx_dsv41.kernels import rope as rope_kernel
     from mlx_dsv41.model import rope as rope_module
 
-    monkeypatch.setattr(rope_kernel, "refusal", lambda x, quant: "refused for this test")
+    monkeypatch.setattr(rope_kernel, "refusal", lambda x, quant, ring=None: "refused for this test")
 
     rope = RoPE(64, 10000.0, FLASH_YARN)
     shape = (2, 5, 3, 512) if ndim == 4 else (2, 5, 512)

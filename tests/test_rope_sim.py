@@ -137,3 +137,51 @@ def test_the_norm_is_hc_collapse_norms_for_one_stream():
     (one_launch,) = program.run(2)
     assert np.array_equal(_bits(one_launch), _bits(two_launches))
     assert np.count_nonzero(one_launch.astype(np.float32)) > one_launch.size // 2
+
+
+@pytest.mark.parametrize("tokens, at", [(1, 4093), (1, 5), (3, 10), (3, 11), (6, 20)])
+def test_the_ring_write_gives_the_bytes_of_the_rope_then_the_slice_update(monkeypatch, tokens, at):
+    """RING: the rope kernel writes the window KV's rows into the ring (slots (offset + s) % R,
+    wrapping at `at` = 10, 11 with R = 6) and copies the ring's other rows, in one launch: the
+    bytes of the rope kernel's own rows stored by cache.store_rows (one dynamic slice update, or
+    the scatter of several rows), through the model's RoPE call as Attention.store_window makes it."""
+    from mlx_dsv41.cache import store_rows
+
+    rope = RoPE(64, 160000.0, FLASH_YARN)
+    x, norm = _x((2, tokens, 128), mx.bfloat16, seed=tokens), random_norm(128)
+    ring = _x((2, 6, 128), mx.bfloat16, seed=7)
+    offset = mx.array(at, mx.int32)
+    monkeypatch.setattr(rope_module, "backend", lambda: "cuda")
+    monkeypatch.setattr(fq, "backend", lambda: "cuda")
+    calls = []
+    sim = exl3_sim.launcher(rope_kernel.ROPE)
+
+    def run_on_sim(self, **call):
+        calls.append(dict(call["template"])["RING"])
+        return sim(**call)
+
+    monkeypatch.setattr(type(rope_kernel.ROPE), "__call__", run_on_sim)
+    kw = dict(dtype=mx.bfloat16, norm=norm, then=fq.WINDOW_KV)
+    got = rope(x, offset, ring=ring, **kw)
+    rows = rope(x, offset, **kw)
+    assert calls == [1, 0]  # the rows and the write: one launch
+    want = store_rows(ring, rows, offset, 6)
+    assert got.shape == ring.shape and np.array_equal(_bits(_np(got)), _bits(_np(want)))
+    slots = {(at + s) % 6 for s in range(tokens)}
+    kept = [j for j in range(6) if j not in slots]
+    assert np.array_equal(_bits(_np(got)[:, kept]), _bits(_np(ring)[:, kept]))  # copied, not recomputed
+    assert np.count_nonzero(_np(got)[:, sorted(slots)]) > tokens * 128  # the new rows hold values
+
+
+def test_the_ring_write_keeps_its_guard_rows_and_refuses_what_it_cannot_take():
+    x = _x((1, 2, 64), mx.bfloat16, seed=2)
+    ring = _x((1, 5, 64), mx.bfloat16, seed=3)
+    periods, offset = RoPE(64, 10000.0)._whole_width(64), mx.array(4, mx.int32)
+    call = rope_kernel.args(x, offset, periods, mx.bfloat16, 1, False, None, ring=ring, guard=2)
+    (out,) = exl3_sim.build([(rope_kernel.ROPE, call)], mma=False).run(0)
+    assert out.shape == (7, 64) and np.all(_bits(out[-2:]) == 0xFFFF)
+    assert np.array_equal(_bits(out[1:4].astype(np.float32)), _bits(_np(ring)[0, 1:4]))  # slots 4, 0 take the rows
+    assert rope_kernel.refusal(x, None, ring) is None
+    assert rope_kernel.refusal(_x((1, 6, 64), mx.bfloat16), None, ring) is not None  # more rows than slots
+    assert rope_kernel.refusal(x, None, _x((1, 5, 32), mx.bfloat16)) is not None
+    assert rope_kernel.refusal(_x((1, 2, 2, 64), mx.bfloat16), None, ring) is not None  # heads: not a ring's rows

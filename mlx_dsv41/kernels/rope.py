@@ -5,12 +5,16 @@ computes what mx.fast.rope computes, expression for expression, on rows laid out
 them (no transpose to put positions on axis -2, so no copy after it); the norm is hc_collapse_norm's
 for one stream, operation for operation.
 
-    run(x, offset, periods, out_dtype, step, inverse, quant, norm) -> x's shape in out_dtype
+    run(x, offset, periods, out_dtype, step, inverse, quant, norm, ring) -> x's shape in out_dtype
     quant: None or (block, mode), mode one of kernels.fake_quant's modes
     norm: None or (weight [D], eps)
+    ring: None, or a window ring [B, R, D] in out_dtype: the result is then the ring with x's rows
+          [B, S, D] written at slots (offset + s) % R (docs/cache.md#window-ring), in the same launch
 """
 
 from __future__ import annotations
+
+import math
 
 import mlx.core as mx
 
@@ -21,7 +25,7 @@ _THREADS = 256
 ROPE = register(
     Kernel(
         "rope",
-        ("x", "offset", "period", "weight"),
+        ("x", "offset", "period", "weight", "ring"),
         ("out",),
         includes=("fake_quant.h", "hc.h"),
         max_threads=_THREADS,
@@ -30,14 +34,19 @@ ROPE = register(
 )
 
 
-def refusal(x: mx.array, quant: tuple[int, int] | None) -> str | None:
-    """Why the kernel cannot take x, or None (the offset is one position: a 0-d array)."""
+def refusal(x: mx.array, quant: tuple[int, int] | None, ring: mx.array | None = None) -> str | None:
+    """Why the kernel cannot take x (and write its rows into `ring`), or None (the offset is one
+    position: a 0-d array)."""
     if x.ndim not in (3, 4) or x.size == 0 or x.shape[-1] % 32:
         return f"rows [B, S, D] or [B, S, H, D] of a width that is a multiple of 32, got {x.shape}"
-    if x.size >= 1 << 31:
+    if max(x.size, 0 if ring is None else ring.size) >= 1 << 31:
         return f"{x.size} elements: the kernel indexes with 32 bits"
     if quant is not None and not fake_quant.takes(x, quant[0]):
         return f"fake quantization in blocks of {quant[0]} along a last axis of {x.shape[-1]}"
+    if ring is not None and (
+        x.ndim != 3 or ring.ndim != 3 or ring.shape[::2] != x.shape[::2] or x.shape[1] > ring.shape[1]
+    ):
+        return f"rows [B, S, D] into a ring [B, R >= S, D], got {x.shape} into {ring.shape}"
     return None
 
 
@@ -50,18 +59,21 @@ def args(
     inverse: bool,
     quant: tuple[int, int] | None,
     norm: tuple[mx.array, float] | None = None,
+    ring: mx.array | None = None,
     init_value=None,
     guard: int = 0,
 ) -> dict:
-    """Launch kwargs: a threadgroup per row of x, the output in x's shape (as rows [rows + guard,
-    D] with ``guard`` extra rows: tests). No reshape of x or of the output: each is a graph node a
-    decode step would build and evaluate."""
+    """Launch kwargs: a threadgroup per row of the output, in x's shape (the ring's with `ring`; as
+    rows [rows + guard, D] with ``guard`` extra rows: tests). No reshape of x or of the output:
+    each is a graph node a decode step would build and evaluate."""
     block, mode = quant or (32, 0)
-    rows = x.size // x.shape[-1]
+    shape = x.shape if ring is None else ring.shape
+    rows = math.prod(shape[:-1])
     weight, eps = norm if norm is not None else (periods, 0.0)  # without NORM the weight is not read
+    offset = offset.astype(mx.int32).reshape(()) if offset.ndim else offset.astype(mx.int32)
     return dict(
-        inputs=[x, offset.astype(mx.int32).reshape(()) if offset.ndim else offset.astype(mx.int32), periods, weight],
-        output_shapes=[x.shape if not guard else (rows + guard, x.shape[-1])],
+        inputs=[x, offset, periods, weight, periods if ring is None else ring],  # without RING the ring is not read
+        output_shapes=[shape if not guard else (rows + guard, shape[-1])],
         output_dtypes=[out_dtype],
         grid=(_THREADS * rows, 1, 1),
         threadgroup=(_THREADS, 1, 1),
@@ -74,13 +86,14 @@ def args(
             ("QUANT", int(quant is not None)),
             ("BLOCK", block),
             ("MODE", mode),
+            ("RING", int(ring is not None)),
         ],
         init_value=init_value,
     )
 
 
-def run(x, offset, periods, out_dtype, step: int, inverse: bool, quant, norm=None) -> mx.array:
-    return ROPE(**args(x, offset, periods, out_dtype, step, inverse, quant, norm))[0]
+def run(x, offset, periods, out_dtype, step: int, inverse: bool, quant, norm=None, ring=None) -> mx.array:
+    return ROPE(**args(x, offset, periods, out_dtype, step, inverse, quant, norm, ring))[0]
 
 
 def _examples():
@@ -93,4 +106,15 @@ def _examples():
         args(x[:, :, 0], offset, periods, mx.bfloat16, 4, False, (32, fake_quant.FP8_UE8M0)),
         args(x, offset, periods, mx.bfloat16, 1, False, (16, fake_quant.FP4_E4M3)),
         args(x[:, :, 0], offset, periods, mx.bfloat16, 1, False, (32, fake_quant.FP8_UE8M0), (mx.ones((64,)), 1e-20)),
+        args(
+            x[:, :1, 0],
+            offset,
+            periods,
+            mx.bfloat16,
+            1,
+            False,
+            (32, fake_quant.FP8_UE8M0),
+            (mx.ones((64,)), 1e-20),
+            mx.zeros((2, 6, 64), mx.bfloat16),
+        ),
     ]

@@ -84,7 +84,7 @@ class Attention(nn.Module):
         cache.reserve(B, S, self.head_dim, self.indexer.head_dim if self.role.owns_kv else 0, x.dtype)
         position = cache.position  # an int32 array: a compiled step is not specialised on it
         q, qr = self.queries(x, position)
-        window, rows = cache.update_window(self.window_keys(x, position))
+        window, rows = self.store_window(x, position, cache)
         indices = mx.broadcast_to(rows, (B, S, rows.shape[1]))
         pool = window[:, :0]
         if self.role.ratio:
@@ -104,10 +104,21 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x))
         return self.rope(self.wq_b(qr).reshape(B, S, self.n_heads, self.head_dim), offset), qr
 
-    def window_keys(self, x: mx.array, offset: mx.array | int) -> mx.array:
+    def window_keys(self, x: mx.array, offset: mx.array | int, ring: mx.array | None = None) -> mx.array:
         """The window KV [B, S, head_dim] of x at positions offset..: kv_norm(wkv(x)), roped, FP8
-        fake-quantized over all dims (docs/model.md#attention)."""
-        return self.rope(self.wkv(x), offset, norm=self.kv_norm, then=WINDOW_KV)
+        fake-quantized over all dims (docs/model.md#attention); with `ring`, that ring with the
+        rows written at their slots (RoPE's `ring`)."""
+        return self.rope(self.wkv(x), offset, norm=self.kv_norm, then=WINDOW_KV, ring=ring)
+
+    def store_window(self, x: mx.array, position: mx.array, cache: LayerCache) -> tuple[mx.array, mx.array]:
+        """The window KV of x's tokens (at position..) stored in the cache's ring; what
+        cache.update_window returns. Where the rows go into the ring in place (decode steps,
+        verifies) the rope writes them there: on a GPU one launch (docs/cache.md#window-ring)."""
+        B, S, _ = x.shape
+        ring = cache.window_ring(B, S, self.head_dim, x.dtype)
+        if ring is None:
+            return cache.update_window(self.window_keys(x, position))
+        return cache.written_window(self.window_keys(x, position, ring), S)
 
     def output(self, o: mx.array, offset: mx.array | int, dtype) -> mx.array:
         """Attention output o [B, S, H, head_dim] (fp32) at positions offset.. -> [B, S, hidden] in

@@ -56,7 +56,7 @@ class StageAttention(Attention):
         B, S, _ = x.shape
         main_x = shared[MAIN_X]
         position = cache.position  # an int32 array, as in Attention: a compiled draft replays it
-        window, rows = cache.update_window(self.window_keys(main_x, position))
+        window, rows = self.store_window(main_x, position, cache)
         cache.advance(main_x.shape[1])
         start = position + main_x.shape[1]  # p + 1
         q, _ = self.queries(x, start)  # no fake quant on q (docs/dspark.md#dtypes)

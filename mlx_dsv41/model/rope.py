@@ -16,10 +16,15 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from mlx_dsv41.cache import store_rows
 from mlx_dsv41.config import ConfigError, ModelArgs
 from mlx_dsv41.kernels import backend
 from mlx_dsv41.kernels import rope as rope_kernel
 from mlx_dsv41.model.fake_quant import FakeQuant
+
+# The window KV's ring write rides in the rope kernel's launch on a GPU (RoPE's `ring`); False
+# keeps it as its own launches (benchmarks/bench_model.py --separate-ring-writes: an A/B switch).
+WRITES_RING = True
 
 
 def yarn_correction_range(
@@ -78,21 +83,30 @@ class RoPE:
         dtype=None,
         norm=None,
         then: FakeQuant | None = None,
+        ring: mx.array | None = None,
     ) -> mx.array:
         """RoPE of norm(x.astype(dtype)) (dtype: x's own by default; norm: an RMSNorm, or None),
-        then the fake quantization `then`."""
+        then the fake quantization `then`. With `ring` (a window ring [B, R, D]; x [B, S <= R, D]):
+        that ring with the result's rows stored at slots (offset + s) % R, as cache.store_rows
+        stores them (on a GPU in the same launch: docs/cache.md#window-ring)."""
         dtype = x.dtype if dtype is None else dtype
         scale = float(-step if inverse else step)
         on_gpu = backend() != "cpu"
         if on_gpu:
             quant = None if then is None else (then.block, then.mode)
-            if rope_kernel.refusal(x, quant) is None:
-                # One launch for the cast, the norm, the rotation and the fake quantization: the
-                # bytes of hc_collapse_norm, the whole-width mx.fast.rope below and the fake_quant
-                # kernel (docs/numerics.md#rope-launch).
+            into = ring if ring is not None and ring.dtype == dtype and WRITES_RING else None
+            if rope_kernel.refusal(x, quant, into) is None and (ring is None or into is not None):
+                # One launch for the cast, the norm, the rotation, the fake quantization and the
+                # ring write: the bytes of hc_collapse_norm, the whole-width mx.fast.rope below, the
+                # fake_quant kernel and store_rows (docs/numerics.md#rope-launch).
                 offset = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
                 weights = None if norm is None else (norm.weight, norm.eps)
-                return rope_kernel.run(x, offset, self._whole_width(x.shape[-1]), dtype, step, inverse, quant, weights)
+                periods = self._whole_width(x.shape[-1])
+                return rope_kernel.run(x, offset, periods, dtype, step, inverse, quant, weights, into)
+        if ring is not None:
+            y = self(x, offset, step=step, inverse=inverse, dtype=dtype, norm=norm, then=then)
+            offset = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
+            return store_rows(ring, y, offset, ring.shape[1])
         x = x.astype(dtype) if norm is None else norm(x.astype(dtype))
         if on_gpu:
             # MLX's GPU rope kernels compute in fp32 from any input dtype and round once, and the

@@ -29,7 +29,7 @@ def test_one_launch_gives_the_fp32_tail_bytes(monkeypatch, shape, inverse, yarn)
     rope = RoPE(64, 10000.0 if yarn is None else 160000.0, yarn)
     x = mx.array(np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
     offset = mx.array(4093, mx.int32)
-    monkeypatch.setattr(rk, "refusal", lambda x, quant: "the path where the kernel refuses")
+    monkeypatch.setattr(rk, "refusal", lambda x, quant, ring=None: "the path where the kernel refuses")
     whole = np.array(rope(x, offset, step=4 if yarn else 1, inverse=inverse).astype(mx.float32))
     monkeypatch.setattr(rope_module, "backend", lambda: "cpu")  # the tail path, still on the GPU stream
     tail = np.array(rope(x, offset, step=4 if yarn else 1, inverse=inverse).astype(mx.float32))
@@ -110,3 +110,48 @@ def test_the_rope_kernel_contract_nonfinite_poison_guards_repeats_and_limit():
             assert np.all(np.abs(got[..., 64:] - turned)[ok] <= 2**-8 * size[ok])
     with pytest.raises(ValueError, match="declared limit"):
         rk.ROPE(**dict(rk.args(x, offset, periods, mx.bfloat16, 1, False, None), threadgroup=(512, 1, 1)))
+
+
+@pytest.mark.parametrize("tokens, at", [(1, 40961), (1, 160), (5, 158), (33, 4000)])
+def test_the_ring_write_gives_the_bytes_of_the_rope_then_the_cache_write(monkeypatch, tokens, at):
+    """RING (docs/cache.md#window-ring): the window KV's rows written into a Flash-sized ring (128 +
+    32 slots of 512) in the rope launch give the bytes of the rope kernel's rows stored by
+    cache.store_rows (MLX's dynamic slice update, or its scatter for several rows: 5 tokens wrap at
+    158); NaN / inf inputs where those launches put them; poisoned guard rows untouched; five repeats
+    byte-identical."""
+    from mlx_dsv41.cache import store_rows
+
+    rope = RoPE(64, 160000.0, FLASH_YARN)
+    rng = np.random.default_rng(tokens)
+    raw = (rng.standard_normal((2, tokens, 512)) * np.exp2(rng.integers(-6, 7, (2, tokens, 512)))).astype(np.float32)
+    raw[0, 0, 7], raw[1, -1, 500] = np.nan, np.inf
+    x = mx.array(raw).astype(mx.bfloat16)
+    ring = mx.array(rng.standard_normal((2, 160, 512)).astype(np.float32)).astype(mx.bfloat16)
+    offset, norm = mx.array(at, mx.int32), random_norm(512)
+    kw = dict(dtype=mx.bfloat16, norm=norm, then=fq.WINDOW_KV)
+    got = np.array(rope(x, offset, ring=ring, **kw).astype(mx.float32))
+    monkeypatch.setattr(rope_module, "WRITES_RING", False)
+    want = np.array(store_rows(ring, rope(x, offset, **kw), offset, 160).astype(mx.float32))
+    nan = np.isnan(want)
+    assert nan.any() and np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(_bits(got[~nan]), _bits(want[~nan]))
+    slots = [(at + s) % 160 for s in range(tokens)]
+    assert np.count_nonzero(got[:, slots]) > got[:, slots].size // 4
+    quant = (fq.WINDOW_KV.block, fq.WINDOW_KV.mode)
+    call = rk.args(
+        x,
+        offset,
+        rope._whole_width(512),
+        mx.bfloat16,
+        1,
+        False,
+        quant,
+        (norm.weight, norm.eps),
+        ring,
+        init_value=float("nan"),
+        guard=3,
+    )
+    runs = [np.array(rk.ROPE(**call)[0].astype(mx.float32)) for _ in range(5)]
+    assert all(np.array_equal(_bits(r), _bits(runs[0])) for r in runs)
+    assert np.all(np.isnan(runs[0][-3:]))
+    assert np.array_equal(_bits(runs[0][:-3].reshape(got.shape)), _bits(got))
