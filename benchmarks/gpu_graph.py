@@ -152,6 +152,8 @@ def report(rec: Recorder, compiled: bool, layers: int, *arrays) -> dict:
         "kernel_launches": dict(rec.launches.most_common()),
         "mlx_compute": sum(compute.values()),
         "mlx_compute_by_name": dict(compute.most_common()),
+        # views launch nothing, but MLX still evaluates each as a graph node (host time per step)
+        "mlx_views_by_name": {k: v for k, v in counted.most_common() if k in VIEWS},
         "copied_kernel_inputs": dict(rec.copied_inputs.most_common()),
         "sites": dict(rec.sites.most_common(40)),
     }
@@ -241,6 +243,7 @@ def main() -> int:
         print(f"\n{mode} {what}, {r['layers']} layers: {counts}")
         print("  kernels:", r["kernel_launches"])
         print("  MLX:", r["mlx_compute_by_name"])
+        print("  views (no launch, a node each):", r["mlx_views_by_name"])
         print("  kernel inputs MLX copies first:", r["copied_kernel_inputs"])
         for k, v in r["sites"].items():
             print(f"  {v:5d}  {k}")

@@ -64,7 +64,9 @@ def full(shape: tuple[int, ...], value: float | int, dtype: mx.Dtype) -> mx.arra
         bits = np.full(shape, value, np.float32).view(np.uint32)
         if np.any(bits & 0xFFFF):
             raise ValueError(f"graph_constants.full: {value!r} is not a bfloat16 value")
-        return mx.array((bits >> 16).astype(np.uint16)).view(mx.bfloat16)
+        made = mx.array((bits >> 16).astype(np.uint16)).view(mx.bfloat16)
+        mx.eval(made)  # the view evaluated once: left lazy, a compiled step would replay it
+        return made
     return mx.array(np.full(shape, value, _NP[dtype]))
 
 

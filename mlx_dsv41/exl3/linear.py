@@ -60,7 +60,12 @@ class EXL3Linear(nn.Module):
         """This linear as a one-expert EXL3ExpertProjection over the same arrays (made once), so
         that the fused expert kernels can serve it (ops.swiglu_mlp: the shared expert)."""
         if getattr(self, "_single_expert", None) is None:
+            views = self.trellis[None], self.suh[None], self.svh[None]
+            # Evaluated now (views: no copy), so each is a constant: a view left lazy would be an
+            # ExpandDims node that every compiled step replays (nine a layer), also when made
+            # inside a step's trace (docs/design.md#constant-views).
+            mx.eval(*views)
             self._single_expert = EXL3ExpertProjection.from_stacked(
-                self.trellis[None], self.suh[None], self.svh[None], self.codebook, self.in_features, self.out_features
+                *views, self.codebook, self.in_features, self.out_features
             )
         return self._single_expert

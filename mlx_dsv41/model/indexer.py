@@ -47,7 +47,7 @@ def index_scores(q: mx.array, weights: mx.array, keys: mx.array, visible: mx.arr
     fp32, -inf where an entry is not visible (keys past the visible count may be any values)."""
     dots = q.astype(mx.float32) @ keys.astype(mx.float32)[:, None].swapaxes(-1, -2)  # [B, S, Hi, T]
     scores = mx.sum(mx.maximum(dots, 0.0) * weights[..., None], axis=2)
-    seen = graph_constants.arange(keys.shape[1])[None, :] < visible[:, None]
+    seen = graph_constants.arange(keys.shape[1]) < visible[:, None]  # [T] broadcasts as [1, T]: no view to replay
     return mx.where(seen, scores, -mx.inf)
 
 
@@ -84,7 +84,7 @@ def select_candidate_blocks(scores: mx.array, visible: mx.array, block: int, kee
     # Pin the block of the newest visible entry: it is only partly filled
     # (docs/model.md#two-level-selection).
     newest = mx.where(visible > 0, (visible - 1) // block, -1)
-    block_scores = mx.where(graph_constants.arange(nb)[None, :] == newest[:, None], mx.inf, block_scores)
+    block_scores = mx.where(graph_constants.arange(nb) == newest[:, None], mx.inf, block_scores)
     keep = min(keep, nb)
     ranks = _ranking_keys(block_scores)
     kth_best = mx.partition(ranks, kth=nb - keep, axis=-1)[..., nb - keep : nb - keep + 1]

@@ -1,0 +1,83 @@
+"""Arrays a step reads that do not depend on its inputs are evaluated once, when made: a lazy view of
+a constant (a weight with a new axis, a bf16 fill viewed from its bits) would otherwise be a graph
+node that every compiled step replays, host time per token for nothing (docs/design.md#constant-views).
+Each check here failed before its fix: the shared expert's nine views a layer, the NaN fills of the
+attention's empty key sets, the indexer's position rows."""
+
+import io
+import re
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_dsv41 import graph_constants
+from mlx_dsv41.exl3.linear import EXL3Linear
+from mlx_dsv41.exl3.synthetic import random_linear_tensors
+from mlx_dsv41.model import indexer
+
+
+def _constant_nodes(fn, *inputs) -> list[str]:
+    """The primitives of fn's compiled replay that depend on none of its inputs: work every replay
+    repeats though its result never changes."""
+    compiled = mx.compile(fn)
+    mx.eval(compiled(*inputs))  # the trace
+    out = compiled(*inputs)
+    out = list(out) if isinstance(out, (list, tuple)) else [out]
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *out, **{f"input{i}": a for i, a in enumerate(inputs)})
+    text = buf.getvalue()
+    label = dict(re.findall(r'(\d+) \[label ="([^"]+)", shape=rectangle\]', text))
+    after: dict[str, list[str]] = {}
+    for a, b in re.findall(r'^"?(\w+)"? -> "?(\w+)"?$', text, re.M):
+        after.setdefault(a, []).append(b)
+    reached, todo = set(), [f"input{i}" for i in range(len(inputs))]
+    while todo:
+        node = todo.pop()
+        if node not in reached:
+            reached.add(node)
+            todo += after.get(node, [])
+    return sorted(label[p] for p in label if p not in reached)
+
+
+def _primitives(*arrays) -> list[str]:
+    """The primitives evaluating `arrays` would run (none for arrays that hold their values)."""
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *arrays)
+    return re.findall(r'\[label ="([^"]+)", shape=rectangle\]', buf.getvalue())
+
+
+def test_the_shared_experts_single_expert_views_hold_their_values_and_share_the_weights():
+    lin = EXL3Linear.from_stored(random_linear_tensors(256, 128, 3, seed=4, prefix="p"), "p")
+    proj = lin.as_single_expert()
+    views = [proj.groups[0].trellis, proj.suh, proj.svh]
+    assert _primitives(*views) == []
+    assert np.array_equal(np.array(views[0][0]), np.array(lin.trellis))
+    assert proj is lin.as_single_expert()  # made once
+
+
+def test_made_inside_a_compiled_trace_they_are_constants_of_the_trace():
+    lin = EXL3Linear.from_stored(random_linear_tensors(256, 128, 3, seed=5, prefix="p"), "p")
+
+    def step(x):  # the views first made here, inside the trace
+        proj = lin.as_single_expert()
+        return x.astype(mx.float16) + proj.suh, x.astype(mx.float16)[:, :128] * proj.svh
+
+    assert _constant_nodes(step, mx.ones((1, 256))) == []  # before the fix: two ExpandDims
+    assert _primitives(lin.as_single_expert().groups[0].trellis) == []
+
+
+def test_a_bf16_fill_holds_its_values():
+    nan = graph_constants.full((1, 1, 64), float("nan"), mx.bfloat16)
+    assert _primitives(nan) == [] and np.all(np.isnan(np.array(nan.astype(mx.float32))))
+
+
+def test_the_indexers_masks_read_the_position_rows_without_a_view():
+    scores = mx.array(np.random.default_rng(1).standard_normal((1, 2, 40)).astype(np.float32))
+    visible = mx.array([17, 18], mx.int32)
+    q, w = mx.ones((1, 2, 4, 8)), mx.ones((1, 2, 4))
+    keys = mx.ones((1, 40, 8))
+    assert _constant_nodes(indexer.index_scores, q, w, keys, visible) == []
+    assert _constant_nodes(lambda s, v: indexer.select_candidate_blocks(s, v, 8, 2), scores, visible) == []
+    got = np.array(indexer.index_scores(q, w, keys, visible))
+    assert np.all(np.isinf(got[0, 0, 17:])) and np.all(np.isfinite(got[0, 0, :17]))
+    assert np.all(np.isfinite(got[0, 1, :18])) and np.all(np.isinf(got[0, 1, 18:]))
