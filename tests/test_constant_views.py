@@ -81,3 +81,25 @@ def test_the_indexers_masks_read_the_position_rows_without_a_view():
     got = np.array(indexer.index_scores(q, w, keys, visible))
     assert np.all(np.isinf(got[0, 0, 17:])) and np.all(np.isfinite(got[0, 0, :17]))
     assert np.all(np.isfinite(got[0, 1, :18])) and np.all(np.isinf(got[0, 1, 18:]))
+
+
+def test_the_cpu_reference_linears_replay_no_work_on_their_weights():
+    """The CPU path of an EXL3 linear, a grouped linear (wo_a) and the gathered experts: W̃, suh and
+    svh (float32) and each group's slices are held once made, and gather_mm's row indices are a
+    constant, so a compiled replay evaluates nothing that no input reaches (before: a cast of suh
+    and of svh per call, three slices per group, an arange per gather_mm)."""
+    from mlx_dsv41.exl3 import ops
+    from mlx_dsv41.exl3.experts import EXL3ExpertProjection
+    from mlx_dsv41.exl3.stored import linear_tensors
+
+    lin = EXL3Linear.from_stored(random_linear_tensors(256, 128, 3, seed=6, prefix="p"), "p")
+    x = mx.array(np.random.default_rng(2).standard_normal((1, 256)).astype(np.float32)).astype(mx.bfloat16)
+    want = lin(x)  # eager: holds W̃, suh, svh
+    assert _constant_nodes(lin, x) == []
+    assert np.array_equal(np.array(mx.compile(lin)(x).astype(mx.float32)), np.array(want.astype(mx.float32)))
+    slices = [random_linear_tensors(128, 64, 2 + g, seed=10 + g, prefix="p") for g in range(3)]
+    proj = EXL3ExpertProjection.from_experts([linear_tensors(t, "p") for t in slices], 128, 64)
+    xg = mx.array(np.random.default_rng(3).standard_normal((2, 3, 128)).astype(np.float32)).astype(mx.bfloat16)
+    want = ops.grouped(xg, proj)
+    assert _constant_nodes(lambda v: ops.grouped(v, proj), xg) == []
+    assert np.array_equal(np.array(ops.grouped(xg, proj).astype(mx.float32)), np.array(want.astype(mx.float32)))

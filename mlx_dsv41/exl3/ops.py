@@ -79,7 +79,10 @@ def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, ou
     if m == 0:
         return mx.zeros((*lead, out_features), out_dtype or x.dtype)
     if backend() == "cpu":
-        w = cpu_weight(trellis, codebook) if owner is None else _held_weight(owner, "linear", trellis, codebook)
+        if owner is None:
+            w = cpu_weight(trellis, codebook)
+        else:
+            w, suh, svh = _held_linear(owner, trellis, suh, svh, codebook)
         y = reference.linear(x.reshape(m, -1), trellis, suh, svh, codebook, bias, out_features, out_dtype, w)
         return y.reshape(*lead, out_features)
     out_dtype = out_dtype or x.dtype
@@ -325,14 +328,14 @@ def grouped(x, proj) -> mx.array:
     if G != proj.n_local or width != proj.in_features:
         raise ValueError(f"exl3 grouped: x must be [T, {proj.n_local}, {proj.in_features}], got {x.shape}")
     if backend() == "cpu":
-        stack = _stacked_weight(proj)
+        held = _held_groups(proj)
         return mx.stack(
             [
                 reference.linear(
                     x[:, g],
-                    *proj.expert(g),
+                    *(proj.expert(g) if held is None else held[g][:4]),
                     out_features=proj.out_features,
-                    w_tilde=None if stack is None else stack[g],
+                    w_tilde=None if held is None else held[g][4],
                 )
                 for g in range(G)
             ],
@@ -376,7 +379,37 @@ def _held_weight(owner, key, trellis, codebook: str):
         held = owner._w_tilde = {}
     if key not in held:
         held[key] = cpu_weight(trellis, codebook)
+        mx.eval(held[key])  # decoded now: made inside a compiled trace, still a constant of it
     return held[key]
+
+
+def _held_linear(owner, trellis, suh, svh, codebook: str):
+    """(W̃, suh, svh) of an EXL3 linear for the CPU path: where W̃ is held (_held_weight), suh and
+    svh are kept beside it widened to float32 (exact from fp16, the widening the transforms do), so
+    no call casts them again."""
+    w = _held_weight(owner, "linear", trellis, codebook)
+    if not _held(trellis):
+        return w, suh, svh
+    held = owner._w_tilde
+    if "suh" not in held:
+        held["suh"], held["svh"] = suh.astype(mx.float32), svh.astype(mx.float32)
+        mx.eval(held["suh"], held["svh"])  # made inside a compiled trace, still constants of it
+    return w, held["suh"], held["svh"]
+
+
+def _held_groups(proj):
+    """Each group's (trellis, suh, svh, codebook, W̃) of an EXL3ExpertProjection held whole on the
+    CPU (_stacked_weight), suh and svh in float32; None when not held. Sliced once, not at every
+    call (each slice and cast is a graph node)."""
+    stack = _stacked_weight(proj)
+    if stack is None:
+        return None
+    held = proj._w_tilde
+    if "groups" not in held:
+        groups = [(*proj.expert(g), stack[g]) for g in range(proj.n_local)]
+        held["groups"] = [(t, u.astype(mx.float32), v.astype(mx.float32), cb, w) for t, u, v, cb, w in groups]
+        mx.eval([a for t, u, v, _, w in held["groups"] for a in (t, u, v, w)])
+    return held["groups"]
 
 
 def _stacked_weight(proj):
@@ -389,6 +422,7 @@ def _stacked_weight(proj):
         held = proj._w_tilde = {}
     if "stack" not in held:
         held["stack"] = mx.stack([cpu_weight(t, cb) for t, _, _, cb in (proj.expert(e) for e in range(proj.n_local))])
+        mx.eval(held["stack"])
     return held["stack"]
 
 
@@ -404,7 +438,8 @@ def hold_cpu_weights(root) -> None:
     held = []
     for module in root.modules():
         if isinstance(module, EXL3Linear) and _held(module.trellis):
-            held.append(_held_weight(module, "linear", module.trellis, module.codebook))
+            held += _held_linear(module, module.trellis, module.suh, module.svh, module.codebook)
         elif isinstance(module, EXL3ExpertProjection):
             held.append(_stacked_weight(module))
+            _held_groups(module)
     mx.eval([w for w in held if w is not None])

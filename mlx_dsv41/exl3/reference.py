@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from mlx_dsv41 import graph_constants
 from mlx_dsv41.exl3.hadamard import hadamard_128, input_transform, output_transform
 from mlx_dsv41.exl3.trellis import reconstruct
 from mlx_dsv41.quant.experts import swiglu
@@ -49,7 +50,14 @@ def experts_gathered(x, indices, weights, w1, w3, w2, expert_range, limit, tilde
     inside = (indices >= lo) & (indices < hi)
     local = mx.where(inside, indices - lo, 0).reshape(-1)
     rows = mx.repeat(x, top_k, axis=0)  # slot (t, s) -> x[t]
-    product = lambda xh, w: mx.gather_mm(xh.astype(mx.float32)[:, None, :], w, rhs_indices=local).squeeze(1)  # noqa: E731
+    # lhs_indices as MLX's default makes them (row i reads row i; uint32, the type gather_mm casts
+    # indices to), but a constant: MLX's own arange would be a node every compiled replay
+    # evaluates again.
+    lhs = graph_constants.array(tuple(range(rows.shape[0])), mx.uint32)
+
+    def product(xh, w):
+        return mx.gather_mm(xh.astype(mx.float32)[:, None, :], w, lhs_indices=lhs, rhs_indices=local).squeeze(1)
+
     y = slot_experts(rows, weights.reshape(-1), local, (w1, w3, w2), tildes, limit, product)
     return mx.where(inside.reshape(-1, 1), y, 0.0).reshape(T, top_k, -1)
 

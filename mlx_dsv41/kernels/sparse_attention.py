@@ -34,6 +34,7 @@ import time
 from collections import Counter
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_dsv41 import graph_constants
 from mlx_dsv41.kernels import Kernel, backend, float_bits, register
@@ -97,6 +98,12 @@ def _check(q, window, pool, indices, sinks, scale):
         raise ValueError(f"sparse_attention: scale must be a finite, non-negative Python float, got {scale!r}")
 
 
+@graph_constants.constant
+def _row_bases(batch: int, rows: int) -> np.ndarray:
+    """int32 [batch, 1, 1]: the first row of each sequence's keys in the reference's flat kv."""
+    return (np.arange(batch, dtype=np.int32) * rows)[:, None, None]
+
+
 def sparse_attention_reference(q, window, pool, indices, sinks, scale: float) -> mx.array:
     """Plain-MLX path (CPU, and the oracle for the kernels). fp32 throughout."""
     B, S, H, D = q.shape
@@ -104,7 +111,7 @@ def sparse_attention_reference(q, window, pool, indices, sinks, scale: float) ->
     kv = mx.concatenate([window, pool], axis=1).astype(mx.float32).reshape(B * (W + T), D)
     if W + T == 0:
         kv = mx.zeros((1, D), mx.float32)
-    base = (mx.arange(B, dtype=mx.int32) * (W + T))[:, None, None]
+    base = _row_bases(B, W + T)
     sink = sinks.astype(mx.float32)[:, None]  # [H, 1]
     outs = []
     for s0 in range(0, S, _REFERENCE_ROW_CHUNK):
