@@ -134,15 +134,60 @@ def call_sites(rec: Recorder):
         mx.array.astype, mx.arange = saved_astype, saved_arange
 
 
+def constant_nodes(outputs, inputs) -> Counter:
+    """The primitives of the graph of `outputs` that none of `inputs` reaches, by name: in a
+    compiled replay, work every step repeats though its result never changes (a lazy array made
+    from weights or fixed values: docs/design.md#constant-views)."""
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *outputs, **{f"input{i}": a for i, a in enumerate(inputs)})
+    text = buf.getvalue()
+    label = dict(re.findall(r'(\d+) \[label ="([^"]+)", shape=rectangle\]', text))
+    after: dict[str, list[str]] = {}
+    for a, b in re.findall(r'^"?(\w+)"? -> "?(\w+)"?$', text, re.M):
+        after.setdefault(a, []).append(b)
+    reached, todo = set(), [f"input{i}" for i in range(len(inputs))]
+    while todo:
+        node = todo.pop()
+        if node not in reached:
+            reached.add(node)
+            todo += after.get(node, [])
+    return Counter(name for node, name in label.items() if node not in reached)
+
+
+@contextlib.contextmanager
+def recorded_steps(record: dict):
+    """Each compiled step's call: its arrays in (`record["inputs"]`) and out (`record["outputs"]`)."""
+    from mlx_dsv41.model import compiled_step
+
+    saved = compiled_step.CompiledStep.__init__
+
+    def init(self, forward):
+        saved(self, forward)
+        fn = self._fn
+
+        def recording(key, *flat):
+            record["inputs"], record["outputs"] = flat, fn(key, *flat)
+            return record["outputs"]
+
+        self._fn = recording
+
+    compiled_step.CompiledStep.__init__ = init
+    try:
+        yield record
+    finally:
+        compiled_step.CompiledStep.__init__ = saved
+
+
 def primitives(*arrays) -> Counter:
     buf = io.StringIO()
     mx.export_to_dot(buf, *arrays)
     return Counter(re.findall(r'\[label ="([^"]+)", shape=rectangle\]', buf.getvalue()))
 
 
-def report(rec: Recorder, compiled: bool, layers: int, *arrays) -> dict:
+def report(rec: Recorder, compiled: bool, layers: int, *arrays, step: dict | None = None) -> dict:
     """What a counted graph launches: custom kernels by name, other compute primitives by name, the
-    kernel inputs MLX copies and the creating lines (empty where not recorded)."""
+    kernel inputs MLX copies and the creating lines (empty where not recorded); for a compiled
+    step (`step`: recorded_steps' record), the replayed primitives no step input reaches."""
     counted = primitives(*arrays)
     compute = Counter({k: v for k, v in counted.items() if k not in VIEWS and k != "CustomKernel"})
     return {
@@ -155,6 +200,7 @@ def report(rec: Recorder, compiled: bool, layers: int, *arrays) -> dict:
         # views launch nothing, but MLX still evaluates each as a graph node (host time per step)
         "mlx_views_by_name": {k: v for k, v in counted.most_common() if k in VIEWS},
         "copied_kernel_inputs": dict(rec.copied_inputs.most_common()),
+        "constant_nodes": dict(constant_nodes(step["outputs"], step["inputs"]).most_common()) if step else {},
         "sites": dict(rec.sites.most_common(40)),
     }
 
@@ -168,8 +214,8 @@ def _demo_model():
 
 def count(layers: int, prompt: int, compiled: bool, sites: bool, demo: bool = False) -> dict:
     os.environ["MLX_DSV41_COMPILE"] = "1" if compiled else "0"
-    rec = Recorder()
-    with gpu_graph_on_cpu(rec):
+    rec, step = Recorder(), {}
+    with gpu_graph_on_cpu(rec), recorded_steps(step):
         model = _demo_model() if demo else flash_model.build(flash_model.flash_args(layers))
         layers = model.args.num_hidden_layers
         cache = model.make_cache()
@@ -181,7 +227,7 @@ def count(layers: int, prompt: int, compiled: bool, sites: bool, demo: bool = Fa
         rec.check_inputs = True
         with call_sites(rec) if sites else contextlib.nullcontext():
             logits = model(token, cache)
-    return report(rec, compiled, layers, logits)
+    return report(rec, compiled, layers, logits, step=step if compiled else None)
 
 
 def count_draft(layers: int, prompt: int, compiled: bool) -> dict:
@@ -245,6 +291,8 @@ def main() -> int:
         print("  MLX:", r["mlx_compute_by_name"])
         print("  views (no launch, a node each):", r["mlx_views_by_name"])
         print("  kernel inputs MLX copies first:", r["copied_kernel_inputs"])
+        if r["compiled"]:
+            print("  replayed nodes no step input reaches:", r["constant_nodes"])
         for k, v in r["sites"].items():
             print(f"  {v:5d}  {k}")
     if a.out:

@@ -103,3 +103,25 @@ def test_the_cpu_reference_linears_replay_no_work_on_their_weights():
     want = ops.grouped(xg, proj)
     assert _constant_nodes(lambda v: ops.grouped(v, proj), xg) == []
     assert np.array_equal(np.array(ops.grouped(xg, proj).astype(mx.float32)), np.array(want.astype(mx.float32)))
+
+
+def test_the_demos_gpu_step_replays_almost_nothing_that_no_input_reaches(tmp_path_factory, monkeypatch):
+    """The whole compiled decode step as a GPU builds it (benchmarks/gpu_graph.py: kernels as
+    stand-ins, on this CPU): no view of a constant, and no more constant-only nodes than the 14
+    known (Engram's and the head's weight transposes and casts, MLX's gather aranges: ~30 µs of host
+    a token). Before the fixes: the shared expert's 9 views a layer and the fills' bf16 views too."""
+    from demo_helpers import REPO, cache_dir, demo_checkpoint
+
+    from mlx_dsv41.demo import CACHE_ENV
+
+    demo_checkpoint(tmp_path_factory)
+    monkeypatch.setenv(CACHE_ENV, str(cache_dir(tmp_path_factory)))
+    monkeypatch.setenv("MLX_DSV41_COMPILE", "1")  # count() sets it; restored after the test
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import gpu_graph
+
+    r = gpu_graph.count(3, 12, True, False, demo=True)
+    assert r["kernels"] > 100  # the GPU path was counted
+    constant = r["constant_nodes"]
+    assert not {"ExpandDims", "View bfloat16", "Broadcast"} & set(constant), constant
+    assert sum(constant.values()) <= 14, constant
