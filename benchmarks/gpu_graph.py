@@ -11,7 +11,9 @@ step of the Flash-shaped model (flash_model.py, --layers, Engram off) after a sh
   fused elementwise chains count once, as `Compiled`);
 - for casts and aranges, the Python lines that create them (`--sites`);
 - custom-kernel inputs that are views MLX will copy before the launch (a kernel takes row-contiguous
-  inputs: transposes, strided slices and broadcasts become `copy_gg` launches on CUDA).
+  inputs: transposes, strided slices and broadcasts become `copy_gg` launches on CUDA);
+- views (no launch, but a graph node each) by name, and for the compiled step the replayed nodes
+  that no step input reaches (docs/design.md#constant-views).
 Nothing is evaluated but the prompt's prefill (stand-in zeros). The H200's own count (CUPTI) is in
 bench_model.py; this is the tool for changing the graph between device sessions.
 
