@@ -6,14 +6,19 @@ attention's empty key sets, the indexer's position rows."""
 
 import io
 import re
+import sys
 
 import mlx.core as mx
 import numpy as np
+from demo_helpers import REPO, cache_dir, demo_checkpoint
 
 from mlx_dsv41 import graph_constants
 from mlx_dsv41.exl3.linear import EXL3Linear
 from mlx_dsv41.exl3.synthetic import random_linear_tensors
 from mlx_dsv41.model import indexer
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gpu_graph  # noqa: E402
 
 
 def _constant_nodes(fn, *inputs) -> list[str]:
@@ -22,21 +27,7 @@ def _constant_nodes(fn, *inputs) -> list[str]:
     compiled = mx.compile(fn)
     mx.eval(compiled(*inputs))  # the trace
     out = compiled(*inputs)
-    out = list(out) if isinstance(out, (list, tuple)) else [out]
-    buf = io.StringIO()
-    mx.export_to_dot(buf, *out, **{f"input{i}": a for i, a in enumerate(inputs)})
-    text = buf.getvalue()
-    label = dict(re.findall(r'(\d+) \[label ="([^"]+)", shape=rectangle\]', text))
-    after: dict[str, list[str]] = {}
-    for a, b in re.findall(r'^"?(\w+)"? -> "?(\w+)"?$', text, re.M):
-        after.setdefault(a, []).append(b)
-    reached, todo = set(), [f"input{i}" for i in range(len(inputs))]
-    while todo:
-        node = todo.pop()
-        if node not in reached:
-            reached.add(node)
-            todo += after.get(node, [])
-    return sorted(label[p] for p in label if p not in reached)
+    return sorted(gpu_graph.constant_nodes(list(out) if isinstance(out, (list, tuple)) else [out], inputs).elements())
 
 
 def _primitives(*arrays) -> list[str]:
@@ -110,16 +101,11 @@ def test_the_demos_gpu_step_replays_almost_nothing_that_no_input_reaches(tmp_pat
     stand-ins, on this CPU): no view of a constant, and no more constant-only nodes than the 14
     known (Engram's and the head's weight transposes and casts, MLX's gather aranges: ~30 µs of host
     a token). Before the fixes: the shared expert's 9 views a layer and the fills' bf16 views too."""
-    from demo_helpers import REPO, cache_dir, demo_checkpoint
-
     from mlx_dsv41.demo import CACHE_ENV
 
     demo_checkpoint(tmp_path_factory)
     monkeypatch.setenv(CACHE_ENV, str(cache_dir(tmp_path_factory)))
     monkeypatch.setenv("MLX_DSV41_COMPILE", "1")  # count() sets it; restored after the test
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    import gpu_graph
-
     r = gpu_graph.count(3, 12, True, False, demo=True)
     assert r["kernels"] > 100  # the GPU path was counted
     constant = r["constant_nodes"]
