@@ -39,8 +39,9 @@ def refusal(x: mx.array, quant: tuple[int, int] | None, ring: mx.array | None = 
     position: a 0-d array)."""
     if x.ndim not in (3, 4) or x.size == 0 or x.shape[-1] % 32:
         return f"rows [B, S, D] or [B, S, H, D] of a width that is a multiple of 32, got {x.shape}"
-    if max(x.size, 0 if ring is None else ring.size) >= 1 << 31:
-        return f"{x.size} elements: the kernel indexes with 32 bits"
+    size = max(x.size, 0 if ring is None else ring.size)
+    if size >= 1 << 31:
+        return f"{size} elements: the kernel indexes with 32 bits"
     if quant is not None and not fake_quant.takes(x, quant[0]):
         return f"fake quantization in blocks of {quant[0]} along a last axis of {x.shape[-1]}"
     if ring is not None and (
