@@ -247,8 +247,10 @@ class LayerCache(_PositionalCache):
         all_kv, all_gate = kv, gate
         if pending:
             held = ring_slots(self.position, -pending, pending, Q)
-            all_kv = mx.concatenate([self.raw_kv[:, held], kv], axis=1)
-            all_gate = mx.concatenate([self.raw_gate[:, held], gate], axis=1)
+            # mx.take, not raw[:, held]: the same rows in 3 graph nodes where the slice-then-index
+            # form builds 8 (an arange and casts for the sliced axis) at every step
+            all_kv = mx.concatenate([mx.take(self.raw_kv, held, axis=1), kv], axis=1)
+            all_gate = mx.concatenate([mx.take(self.raw_gate, held, axis=1), gate], axis=1)
         keep = min(S, Q)
         self.raw_kv = store_rows(self.raw_kv, kv[:, S - keep :], self.position + (S - keep), Q)
         self.raw_gate = store_rows(self.raw_gate, gate[:, S - keep :], self.position + (S - keep), Q)
