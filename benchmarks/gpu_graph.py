@@ -57,10 +57,18 @@ class Recorder:
         self.route_experts = 0  # > 0: moe_route's stand-in spreads slots over this many experts
 
 
-def _producer(a: mx.array) -> str | None:
+_PRIMITIVE = re.compile(r'(\d+) \[label ="([^"]+)", shape=rectangle\]')
+
+
+def _dot(*arrays, **named) -> str:
+    """mx.export_to_dot's text: primitives are `ID [label ="Name", shape=rectangle]` nodes."""
     buf = io.StringIO()
-    mx.export_to_dot(buf, a)
-    names = re.findall(r'\[label ="([^"]+)", shape=rectangle\]', buf.getvalue())
+    mx.export_to_dot(buf, *arrays, **named)
+    return buf.getvalue()
+
+
+def _producer(a: mx.array) -> str | None:
+    names = [name for _, name in _PRIMITIVE.findall(_dot(a))]
     return names[-1] if names else None
 
 
@@ -140,10 +148,8 @@ def constant_nodes(outputs, inputs) -> Counter:
     """The primitives of the graph of `outputs` that none of `inputs` reaches, by name: in a
     compiled replay, work every step repeats though its result never changes (a lazy array made
     from weights or fixed values: docs/design.md#constant-views)."""
-    buf = io.StringIO()
-    mx.export_to_dot(buf, *outputs, **{f"input{i}": a for i, a in enumerate(inputs)})
-    text = buf.getvalue()
-    label = dict(re.findall(r'(\d+) \[label ="([^"]+)", shape=rectangle\]', text))
+    text = _dot(*outputs, **{f"input{i}": a for i, a in enumerate(inputs)})
+    label = dict(_PRIMITIVE.findall(text))
     after: dict[str, list[str]] = {}
     for a, b in re.findall(r'^"?(\w+)"? -> "?(\w+)"?$', text, re.M):
         after.setdefault(a, []).append(b)
@@ -181,9 +187,7 @@ def recorded_steps(record: dict):
 
 
 def primitives(*arrays) -> Counter:
-    buf = io.StringIO()
-    mx.export_to_dot(buf, *arrays)
-    return Counter(re.findall(r'\[label ="([^"]+)", shape=rectangle\]', buf.getvalue()))
+    return Counter(name for _, name in _PRIMITIVE.findall(_dot(*arrays)))
 
 
 def report(rec: Recorder, compiled: bool, layers: int, *arrays, step: dict | None = None) -> dict:

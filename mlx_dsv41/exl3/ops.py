@@ -427,19 +427,16 @@ def _stacked_weight(proj):
 
 
 def hold_cpu_weights(root) -> None:
-    """On the CPU, decode and keep now every W̃ the reference path keeps on first use, for each EXL3
-    layer under `root`. A compiled step must find them held: decoded inside its trace, W̃ becomes
-    part of the replayed graph and is decoded again at every step."""
+    """On the CPU, decode and keep now every W̃ (and what goes with it) the reference path keeps on
+    first use, for each EXL3 layer under `root`: the holders evaluate what they make, so a compiled
+    step's trace finds constants, and the decoding happens here rather than at its first step."""
     if backend() != "cpu":
         return
     from mlx_dsv41.exl3.experts import EXL3ExpertProjection  # they call this module
     from mlx_dsv41.exl3.linear import EXL3Linear
 
-    held = []
     for module in root.modules():
         if isinstance(module, EXL3Linear) and _held(module.trellis):
-            held += _held_linear(module, module.trellis, module.suh, module.svh, module.codebook)
+            _held_linear(module, module.trellis, module.suh, module.svh, module.codebook)
         elif isinstance(module, EXL3ExpertProjection):
-            held.append(_stacked_weight(module))
-            _held_groups(module)
-    mx.eval([w for w in held if w is not None])
+            _held_groups(module)  # the stacked W̃ too

@@ -94,15 +94,15 @@ class RoPE:
         on_gpu = backend() != "cpu"
         if on_gpu:
             quant = None if then is None else (then.block, then.mode)
-            into = ring if ring is not None and ring.dtype == dtype and WRITES_RING else None
-            if rope_kernel.refusal(x, quant, into) is None and (ring is None or into is not None):
+            kernel_writes = ring is None or (WRITES_RING and ring.dtype == dtype)
+            if kernel_writes and rope_kernel.refusal(x, quant, ring) is None:
                 # One launch for the cast, the norm, the rotation, the fake quantization and the
                 # ring write: the bytes of hc_collapse_norm, the whole-width mx.fast.rope below, the
                 # fake_quant kernel and store_rows (docs/numerics.md#rope-launch).
                 offset = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
                 weights = None if norm is None else (norm.weight, norm.eps)
                 periods = self._whole_width(x.shape[-1])
-                return rope_kernel.run(x, offset, periods, dtype, step, inverse, quant, weights, into)
+                return rope_kernel.run(x, offset, periods, dtype, step, inverse, quant, weights, ring)
         if ring is not None:
             y = self(x, offset, step=step, inverse=inverse, dtype=dtype, norm=norm, then=then)
             offset = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
