@@ -123,7 +123,7 @@ import flash_model  # noqa: E402 (benchmarks/ is not a package)
 from count_ops import VIEWS  # noqa: E402
 
 from mlx_dsv41 import kernels  # noqa: E402
-from mlx_dsv41.kernels import backend  # noqa: E402
+from mlx_dsv41.kernels import backend, grid_finish  # noqa: E402
 from mlx_dsv41.model import compiled_step  # noqa: E402
 from mlx_dsv41.synthetic import hf_config  # noqa: E402
 
@@ -856,6 +856,9 @@ def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
     if a.whole_kernel_sources:
         with whole_kernel_sources():
             runs.append(measure(f"{runs[-1]['label']}, whole kernel sources", build, a, prompt_len))
+    if a.inline_kernel_headers:
+        with inline_kernel_headers():
+            runs.append(measure(f"{runs[0]['label']}, kernel headers inline", build, a, prompt_len))
     if a.exl3_tuning:
         with exl3_tuning(a.exl3_tuning) as changed:
             runs.append(measure(f"{runs[-1]['label']}, EXL3 {changed}", build, a, prompt_len))
@@ -867,6 +870,15 @@ def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
             runs.append(measure(f"{runs[0]['label']}, ring writes apart from the rope", build, a, prompt_len))
         finally:
             rope_module.WRITES_RING = True
+    if a.separate_launches:
+        with separate_launches():
+            runs.append(measure(f"{runs[0]['label']}, sites, router and ropes in two launches", build, a, prompt_len))
+    if a.host_counters:
+        grid_finish.COUNTERS_ON_DEVICE = False
+        try:
+            runs.append(measure(f"{runs[0]['label']}, FINISH counters made on the host", build, a, prompt_len))
+        finally:
+            grid_finish.COUNTERS_ON_DEVICE = True
     if a.host_position:
         compiled_step.CompiledStep.carries_position = False
         try:
@@ -897,18 +909,59 @@ def exl3_tuning(settings: list[str]):
 
 
 @contextlib.contextmanager
+def separate_launches():
+    """The nineteenth session's merged launches off: an mHC site as fp32_gemv + hc_mix, the router
+    as fp32_gemv + moe_route, a layer's queries and window keys as two rope launches."""
+    from mlx_dsv41.model import rope as rope_module
+
+    grid_finish.MERGES = rope_module.PAIRS = False
+    try:
+        yield
+    finally:
+        grid_finish.MERGES = rope_module.PAIRS = True
+
+
+@contextlib.contextmanager
 def whole_kernel_sources():
     """Every kernel compiled from its whole headers (Kernel.whole_source, what Kernel.source prunes):
     the same launches and the same code, more text for MLX to hash per launch
     (docs/design.md#kernel-source-size)."""
-    registry, pruned = kernels.load_all().values(), kernels.Kernel.source
-    for k in registry:
-        k._built.clear()  # the kernel objects MLX built from the pruned sources
+    pruned = kernels.Kernel.source
     kernels.Kernel.source = kernels.Kernel.whole_source
+    try:
+        with rebuilt_kernels():
+            yield
+    finally:
+        kernels.Kernel.source = pruned
+
+
+@contextlib.contextmanager
+def inline_kernel_headers():
+    """Every CUDA kernel compiled with its header text in the source MLX hashes at each launch,
+    instead of an #include of the file holding it (docs/design.md#kernel-header-files)."""
+    from mlx_dsv41.kernels import header_files
+
+    saved = os.environ.get(header_files.ENV_VAR)
+    os.environ[header_files.ENV_VAR] = header_files.INLINE
+    try:
+        with rebuilt_kernels():
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop(header_files.ENV_VAR)
+        else:
+            os.environ[header_files.ENV_VAR] = saved
+
+
+@contextlib.contextmanager
+def rebuilt_kernels():
+    """Every kernel built afresh inside (what MLX built from before is dropped) and after."""
+    registry = kernels.load_all().values()
+    for k in registry:
+        k._built.clear()
     try:
         yield
     finally:
-        kernels.Kernel.source = pruned
         for k in registry:
             k._built.clear()
 
@@ -968,6 +1021,21 @@ def main() -> int:
         "--whole-kernel-sources",
         action="store_true",
         help="also time our decode with every kernel compiled from its whole headers (the A/B of pruning)",
+    )
+    ap.add_argument(
+        "--separate-launches",
+        action="store_true",
+        help="also time our decode with mHC sites, the router and the q / window-key ropes in two launches each (A/B)",
+    )
+    ap.add_argument(
+        "--host-counters",
+        action="store_true",
+        help="also time our decode with the FINISH counters made from host data (managed memory): the A/B",
+    )
+    ap.add_argument(
+        "--inline-kernel-headers",
+        action="store_true",
+        help="also time our decode with CUDA kernel headers inline in the source MLX hashes (A/B of header files)",
     )
     ap.add_argument(
         "--exl3-tuning",

@@ -44,9 +44,9 @@ import numpy as np
 
 from mlx_dsv41 import chat
 from mlx_dsv41.synthetic import TINY_DSPARK
+from mlx_dsv41.user_cache import CACHE_ENV, cache_root  # noqa: F401 (CACHE_ENV: where tests point the demo)
 
 DEMO_VERSION = 2  # 2: the DSpark draft head
-CACHE_ENV = "MLX_DSV41_CACHE"
 
 # The demo's model: the tiny config's layer schedule (every role, docs/model.md#layer-roles) and its
 # DSpark head of three stages (mlx_dsv41.synthetic: TINY, TINY_DSPARK; the noise id is set by
@@ -109,10 +109,6 @@ Hello! How are you today? I am fine, thank you. What is two plus two? Two plus t
 
 class DemoError(RuntimeError):
     """The demo checkpoint could not be built; the message says where."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mlx_dsv41").expanduser()
 
 
 def demo_root() -> Path:

@@ -185,3 +185,43 @@ def test_the_ring_write_keeps_its_guard_rows_and_refuses_what_it_cannot_take():
     assert rope_kernel.refusal(_x((1, 6, 64), mx.bfloat16), None, ring) is not None  # more rows than slots
     assert rope_kernel.refusal(x, None, _x((1, 5, 32), mx.bfloat16)) is not None
     assert rope_kernel.refusal(_x((1, 2, 2, 64), mx.bfloat16), None, ring) is not None  # heads: not a ring's rows
+
+
+@pytest.mark.parametrize("tokens, at", [(1, 4093), (3, 10), (6, 20)])
+def test_the_pair_gives_each_rope_launch_s_bytes(monkeypatch, tokens, at):
+    """rope_pair: a layer's queries (the plain rope of [B, S, H, D]) and window keys (norm, rope,
+    FP8, ring write) in one launch, through Attention's RoPE.pair: the bytes of the two rope launches,
+    every guard row untouched; the pair is refused where either launch would be."""
+    rope = RoPE(64, 160000.0, FLASH_YARN)
+    q = _x((2, tokens, 4, 128), mx.bfloat16, seed=20 + tokens)
+    x, norm = _x((2, tokens, 128), mx.bfloat16, seed=tokens), random_norm(128)
+    ring = _x((2, 6, 128), mx.bfloat16, seed=7)
+    offset = mx.array(at, mx.int32)
+    for mod in (rope_module, fq):
+        monkeypatch.setattr(mod, "backend", lambda: "cuda")
+    sims = {k.name: exl3_sim.launcher(k) for k in (rope_kernel.ROPE, rope_kernel.PAIR)}
+    calls = []
+
+    def run_on_sim(self, **call):
+        calls.append(self.name)
+        return sims[self.name](**call)
+
+    monkeypatch.setattr(type(rope_kernel.ROPE), "__call__", run_on_sim)
+    kw = dict(norm=norm, then=fq.WINDOW_KV)
+    q_out, written = rope.pair(q, x, offset, ring=ring, **kw)
+    assert calls == ["rope_pair"]
+    want_q, want_ring = rope(q, offset), rope(x, offset, ring=ring, **kw)
+    assert calls == ["rope_pair", "rope", "rope"]
+    assert np.array_equal(_bits(_np(q_out)), _bits(_np(want_q)))
+    assert np.array_equal(_bits(_np(written)), _bits(_np(want_ring)))
+    periods = rope._whole_width(128)
+    call = rope_kernel.pair_args(
+        q, x, offset, periods, mx.bfloat16, 1, False, (32, fq.WINDOW_KV.mode), (norm.weight, norm.eps), ring, guard=2
+    )
+    guarded_q, guarded_ring = exl3_sim.build([(rope_kernel.PAIR, call)], mma=False).run(0)
+    assert np.all(_bits(guarded_q[-2:]) == 0xFFFF) and np.all(_bits(guarded_ring[-2:]) == 0xFFFF)
+    assert np.array_equal(_bits(guarded_q[:-2].astype(np.float32)), _bits(_np(want_q).reshape(-1, 128)))
+    assert rope.pair(q[..., :96], x, offset, ring=ring, **kw) is None  # q narrower than the keys
+    assert rope.pair(q, x.astype(mx.float32), offset, ring=ring, **kw) is None  # the ring's dtype differs
+    monkeypatch.setattr(rope_module, "backend", lambda: "cpu")
+    assert rope.pair(q, x, offset, ring=ring, **kw) is None

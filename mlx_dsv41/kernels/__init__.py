@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dsv41 import metal_ext
+from mlx_dsv41.kernels.header_files import cuda_header
 from mlx_dsv41.kernels.source_text import minified, pruned, resolved
 
 # Metal only passes a [[thread_position_in_grid]]-style argument when its name occurs in the body
@@ -108,8 +109,8 @@ class Kernel:
             )
             if backend_name == "metal":
                 self._built[backend_name] = mx.fast.metal_kernel(**common, compile_options={"math_mode": "safe"})
-            elif backend_name == "cuda":
-                self._built[backend_name] = mx.fast.cuda_kernel(**common)
+            elif backend_name == "cuda":  # the header as a file MLX does not hash (kernels/header_files.py)
+                self._built[backend_name] = mx.fast.cuda_kernel(**common | {"header": cuda_header(self.name, header)})
             else:
                 raise RuntimeError(f"kernel {self.name} needs a GPU backend, not {backend_name!r}")
         return self._built[backend_name]

@@ -36,7 +36,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dsv41 import graph_constants
-from mlx_dsv41.kernels import Kernel, backend, float_bits, register
+from mlx_dsv41.kernels import Kernel, backend, float_bits, grid_finish, register
+from mlx_dsv41.kernels.grid_finish import held_counters, no_counters, split_counters
 
 BLOCK = 128  # the kernels' column block: the format's Hadamard block (mlx_dsv41.exl3.hadamard.BLOCK)
 GEMV_MAX_ROWS = 8  # rows served by exl3_gemv (the M template: 1, 2, 4 or 8)
@@ -46,7 +47,7 @@ _OUT_KIND = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # the kernels' OUT t
 _XS_WORDS = 4096  # largest xh staging (XSW template in exl3_matmul.h): 16 KiB
 # Threadgroup memory the product kernels' trellis ring and xh staging may take, in words: what a
 # kernel may declare statically (48 KiB on CUDA, 32 KiB on Metal) less 16 bytes for the rest (the
-# FINISH flag word: exl3_finish_arrival).
+# FINISH flag word: grid_finish_arrival).
 _SHARED_WORDS = {"cuda": 12288 - 4, "metal": 8192 - 4}
 # The kernels' CB template value of each codebook (EXL3_CB_* of exl3_decode.h).
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
@@ -151,7 +152,7 @@ class Tuning:
 
 TUNING = Tuning()
 
-_HEADERS = ("float_bits.h", "exl3_decode.h", "exl3_matmul.h")
+_HEADERS = ("float_bits.h", "grid_finish.h", "exl3_decode.h", "exl3_matmul.h")
 _EXPERT_HEADERS = _HEADERS + ("exl3_experts.h",)
 
 # The example launches (CI) are defined at the end of this module, hence the lambdas.
@@ -299,19 +300,10 @@ def reconstruct_args(trellis, codebook: str, guard_rows: int = 0, init_value=Non
     )
 
 
-# Backends on which a launch's last threadgroup may finish the others' work (KX_HAS_GRID_FINISH).
-GRID_FINISH = {"cuda": True, "metal": False}
-
-
 def _grid_finish(t: Tuning) -> bool:
     """Whether exl3_gemv may finish its own k splits here (the backend, and exl3_gemv_out's 8 SIMD
     groups, whose order of sums the FINISH path repeats)."""
-    return t.warps == 8 and GRID_FINISH.get(backend(), False)
-
-
-@graph_constants.constant
-def _no_counters() -> np.ndarray:
-    return np.zeros(1, np.uint32)
+    return t.warps == 8 and grid_finish.available(backend())
 
 
 @graph_constants.constant
@@ -323,18 +315,7 @@ def expert_finish(tuning: Tuning | None = None) -> bool:
     """Whether the expert kernels' last launches finish themselves here (FINISH: exl3_expert_gate_up
     does exl3_expert_swiglu's work, exl3_expert_down exl3_expert_down_finish's), as a k-split
     exl3_gemv does (the backend, and ``finish_splits``)."""
-    return bool((tuning or TUNING).finish_splits) and GRID_FINISH.get(backend(), False)
-
-
-def held_counters(owner, size: int) -> mx.array:
-    """FINISH counters of ``size`` (`split_counters`) kept on ``owner``, the module whose launches
-    use them (an EXL3 linear; an expert projection, one per slot count), made once per size."""
-    held = getattr(owner, "_finish_counters", None)
-    if held is None:
-        held = owner._finish_counters = {}
-    if size not in held:
-        held[size] = split_counters(size)
-    return held[size]
+    return bool((tuning or TUNING).finish_splits) and grid_finish.available(backend())
 
 
 def finish_counters(proj, slots: int) -> mx.array:
@@ -348,13 +329,6 @@ def _check_counters(counters, slots: int, n: int, what: str) -> None:
         raise ValueError(
             f"exl3 {what}: FINISH counters must be uint32 [>= {slots * (n // BLOCK)}], got {counters.shape}"
         )
-
-
-def split_counters(size: int) -> mx.array:
-    """FINISH counters: uint32 zeros, one per output block a launch finishes (a linear's 128-column
-    blocks; an expert launch's (slot, block) pairs), made from host data, so a compiled step holds
-    them as a constant; each launch leaves them at 0."""
-    return mx.array(np.zeros(size, np.uint32))
 
 
 def _rows_out(x, n: int, guard_rows: int) -> tuple:
@@ -397,7 +371,7 @@ def gemv_args(
     has_bias = bias is not None
     bias_in = bias if has_bias else svh
     gemv = dict(
-        inputs=[x, suh, trellis, svh, bias_in, counters if finish_here else _no_counters()],
+        inputs=[x, suh, trellis, svh, bias_in, counters if finish_here else no_counters()],
         output_shapes=[
             _rows_out(x, n, guard_rows) if fused else (splits + guard_rows, m, n),
             _rows_out(x, n, guard_rows) if finish_here else (1,),
@@ -494,7 +468,7 @@ def gate_up_args(
     slots = indices.size + (0 if shared is None else indices.shape[0])
     splits, per_split = expert_plan(w1, t)
     if finish is None:  # stand-ins of the same dtypes (one source text), never read
-        weights, suh2, limit, counters, xh_shape = _no_weights(), w1.svh, 0.0, _no_counters(), (1,)
+        weights, suh2, limit, counters, xh_shape = _no_weights(), w1.svh, 0.0, no_counters(), (1,)
         if shared is not None:
             raise ValueError("exl3 expert gate_up: the shared expert's slots need the finishing launch")
     else:
@@ -581,7 +555,7 @@ def down_args(
     slots = indices.size + (0 if shared is None else indices.shape[0])
     splits, per_split = down_plan(w2, t)
     if finish is None:  # stand-ins, never read
-        out_dtype, add, counters, y_shape = mx.float32, None, _no_counters(), (1,)
+        out_dtype, add, counters, y_shape = mx.float32, None, no_counters(), (1,)
         if shared is not None:
             raise ValueError("exl3 expert down: the shared expert's slots need the finishing launch")
     else:

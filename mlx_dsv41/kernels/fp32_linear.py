@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_dsv41.kernels import Kernel, backend, register
 
 MAX_ROWS = 8  # rows of x one fp32_gemv launch takes (its per-lane accumulators are M x COLS)
-_COLS, _THREADS = 4, 256  # outputs per SIMD group; 8 SIMD groups per threadgroup
+_COLS, THREADS = 4, 256  # outputs per SIMD group; 8 SIMD groups per threadgroup
 # Weights of fewer rows than this split K over a threadgroup's 8 SIMD groups, one output each: at
 # 4 outputs per SIMD group the mHC mixes' fn (24 rows) ran in one threadgroup, 126 µs per call on
 # the H200, 10 ms of a Flash decode step (docs/benchmarks.md, twelfth session).
@@ -32,7 +32,9 @@ PIECE_BYTES = 1 << 26  # fp32 bytes of w widened at once off the kernel path
 _W_CODES = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
 
 GEMV = register(
-    Kernel("fp32_gemv", ("x", "w"), ("y",), max_threads=_THREADS, examples=lambda: _examples()),
+    Kernel(
+        "fp32_gemv", ("x", "w"), ("y",), includes=("fp32_gemv.h",), max_threads=THREADS, examples=lambda: _examples()
+    ),
 )
 
 
@@ -45,23 +47,32 @@ def linear_reference(x: mx.array, w: mx.array, piece_bytes: int = PIECE_BYTES) -
     return mx.concatenate([x @ w[i : i + rows].astype(mx.float32).T for i in range(0, N, rows)], axis=-1)
 
 
-def gemv_args(x: mx.array, w: mx.array, init_value=None, guard: int = 0, split: int | None = None) -> dict:
-    """Kernel kwargs for x [..., K] (rows in order; no reshape: the output is [..., N], or [M + guard,
-    N] with ``guard`` rows for tests); split: SIMD groups per output (1 or 8), by default 8 below
-    SPLIT_BELOW_N rows of w. It sets the order of an output's sums (fp32_gemv.metal), so it depends
-    on w alone."""
-    M, N = math.prod(x.shape[:-1]), w.shape[0]
+def gemv_launch(rows: int, w: mx.array, split: int | None = None) -> dict:
+    """The grid, threadgroup and template of fp32_gemv's work for `rows` rows of x against w [N, K]
+    (also the first part of the launches that finish it: hc_site, moe_gate); split: SIMD groups per
+    output (1 or 8), by default 8 below SPLIT_BELOW_N rows of w. It sets the order of an output's
+    sums (fp32_gemv.metal), so it depends on w alone."""
+    N = w.shape[0]
     split = split or (8 if N < SPLIT_BELOW_N else 1)
     cols = 1 if split > 1 else _COLS
-    per_group = cols * (_THREADS // 32) // split
+    per_group = cols * (THREADS // 32) // split
+    return dict(
+        grid=(THREADS * math.ceil(N / per_group), 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        template=[("M", rows), ("COLS", cols), ("SPLIT", split), ("W", _W_CODES[w.dtype])],
+    )
+
+
+def gemv_args(x: mx.array, w: mx.array, init_value=None, guard: int = 0, split: int | None = None) -> dict:
+    """Kernel kwargs for x [..., K] (rows in order; no reshape: the output is [..., N], or [M + guard,
+    N] with ``guard`` rows for tests); split: as `gemv_launch`."""
+    M, N = math.prod(x.shape[:-1]), w.shape[0]
     return dict(
         inputs=[x, w],
         output_shapes=[(*x.shape[:-1], N) if not guard else (M + guard, N)],
         output_dtypes=[mx.float32],
-        grid=(_THREADS * math.ceil(N / per_group), 1, 1),
-        threadgroup=(_THREADS, 1, 1),
-        template=[("M", M), ("COLS", cols), ("SPLIT", split), ("W", _W_CODES[w.dtype])],
         init_value=init_value,
+        **gemv_launch(M, w, split),
     )
 
 

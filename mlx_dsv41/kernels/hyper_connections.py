@@ -34,10 +34,13 @@ from functools import cache
 import mlx.core as mx
 
 from mlx_dsv41 import graph_constants
-from mlx_dsv41.kernels import Kernel, backend, float_bits, fp32_linear, register
+from mlx_dsv41.kernels import Kernel, backend, float_bits, fp32_linear, grid_finish, register
 
 _THREADS = 256  # hc_collapse_norm, hc_expand: threads per threadgroup (hc_collapse_norm: one per token)
 _MIX_THREADS = 1024  # hc_mix: one threadgroup per token; every stream element's load in flight at once
+# The order hc_mix's sums keep (those of 1,024 threads), whatever its threads: hc_site finishes a
+# site in one of fp32_gemv's 256-thread threadgroups with the bytes of hc_mix (hc.h: hc_mix_token).
+_MIX_ORDER = 1024
 _FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 MIX = register(
@@ -48,6 +51,16 @@ MIX = register(
         includes=("hc.h",),
         max_threads=_MIX_THREADS,
         examples=lambda: _example_mix(),
+    )
+)
+SITE = register(
+    Kernel(
+        "hc_site",
+        ("streams", "fn", "base", "scale", "pre", "weight", "counters"),
+        ("mm", "out", "x"),
+        includes=("grid_finish.h", "fp32_gemv.h", "hc.h"),
+        max_threads=fp32_linear.THREADS,
+        examples=lambda: _example_site(),
     )
 )
 COLLAPSE_NORM = register(
@@ -161,16 +174,23 @@ def mixes(streams, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: floa
     return split(m, hc)
 
 
-def site(streams, prev, weight, eps: float, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: float):
+def site(
+    streams, prev, weight, eps: float, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: float, counters=None
+):
     """One Block site: (its input collapse_norm(streams, prev, weight, eps) [..., D], its mixes m
     [..., (2+HC)·HC]); prev: the previous site's m (or any [..., >= HC] array whose first HC columns
-    are the pre). On a GPU: fp32_gemv and hc_mix, two launches."""
+    are the pre). On a GPU: fp32_gemv and hc_mix, two launches; one hc_site launch where a launch
+    may finish itself (kernels/grid_finish.py), given the site's ``counters`` (held_counters)."""
     hc, dim = _check_site(streams, fn, base, scale, iters)
     _check_collapse(streams, prev, weight, "hc site")
     if backend() == "cpu":
         x = collapse_norm_reference(streams, prev[..., :hc], weight, eps)
         pre, post, comb = mixes_reference(streams, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
         return x, mx.concatenate([pre, post, comb.reshape(*comb.shape[:-2], hc * hc)], axis=-1)
+    one_launch = counters is not None and grid_finish.merges(backend())
+    if one_launch and fp32_linear.takes_kernel(_rows(streams.shape[:-2]), fn):
+        _, out, x = SITE(**site_args(streams, fn, base, scale, prev, weight, counters, iters, hc_eps, norm_eps, eps))
+        return x, out
     mm = fp32_linear.linear(streams.reshape(*streams.shape[:-2], hc * dim), fn)  # fp32 (docs/numerics.md#fp32-linears)
     out, x = MIX(**mix_args(mm, streams, base, scale, prev, weight, iters, hc_eps, norm_eps, eps))
     return x, out
@@ -259,24 +279,70 @@ def mix_args(
 ) -> dict:
     """hc_mix call kwargs: one threadgroup per token of streams [..., HC, D] (pre: [..., >= HC])."""
     *lead, hc, dim = streams.shape
-    T = _rows(lead)
     return dict(
         inputs=[mm, streams, base.astype(mx.float32), scale.astype(mx.float32), pre.astype(mx.float32), weight],
         output_shapes=[_out_shape(lead, (2 + hc) * hc, guard), _out_shape(lead, dim, guard)],
         output_dtypes=[mx.float32, streams.dtype],
-        grid=(_MIX_THREADS * T, 1, 1),
+        grid=(_MIX_THREADS * _rows(lead), 1, 1),
         threadgroup=(_MIX_THREADS, 1, 1),
-        template=[
-            ("T", streams.dtype),
-            ("HC", hc),
-            ("ITERS", int(iters)),
-            ("HC_EPS_BITS", float_bits(hc_eps)),
-            ("NORM_EPS_BITS", float_bits(norm_eps)),
-            ("EPS_BITS", float_bits(eps)),
-            ("THREADS", _MIX_THREADS),
-        ],
+        template=_mix_template(streams, iters, hc_eps, norm_eps, eps, _MIX_THREADS),
         init_value=init_value,
     )
+
+
+def site_args(
+    streams,
+    fn,
+    base,
+    scale,
+    pre,
+    weight,
+    counters,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    eps: float,
+    init_value=None,
+    guard: int = 0,
+) -> dict:
+    """hc_site call kwargs: fp32_gemv's launch over the tokens of streams [..., HC, D] (read in place
+    as [T, HC·D]) against fn, finished by hc_mix's work for each token; outputs mm (fp32_gemv's), then
+    hc_mix's two. counters: uint32 [>= 1] zeros (held_counters)."""
+    *lead, hc, dim = streams.shape
+    mix = (2 + hc) * hc
+    if counters.dtype != mx.uint32 or counters.size < 1:
+        raise ValueError(f"hc site: counters must be uint32 [>= 1], got {counters.dtype} {counters.shape}")
+    launch = fp32_linear.gemv_launch(_rows(lead), fn)
+    return dict(
+        inputs=[
+            streams,
+            fn,
+            base.astype(mx.float32),
+            scale.astype(mx.float32),
+            pre.astype(mx.float32),
+            weight,
+            counters,
+        ],
+        output_shapes=[_out_shape(lead, mix, guard), _out_shape(lead, mix, guard), _out_shape(lead, dim, guard)],
+        output_dtypes=[mx.float32, mx.float32, streams.dtype],
+        grid=launch["grid"],
+        threadgroup=launch["threadgroup"],
+        template=launch["template"] + _mix_template(streams, iters, hc_eps, norm_eps, eps, fp32_linear.THREADS),
+        init_value=init_value,
+    )
+
+
+def _mix_template(streams, iters: int, hc_eps: float, norm_eps: float, eps: float, threads: int) -> list:
+    return [
+        ("T", streams.dtype),
+        ("HC", streams.shape[-2]),
+        ("ITERS", int(iters)),
+        ("HC_EPS_BITS", float_bits(hc_eps)),
+        ("NORM_EPS_BITS", float_bits(norm_eps)),
+        ("EPS_BITS", float_bits(eps)),
+        ("THREADS", threads),
+        ("ORDER", _MIX_ORDER),
+    ]
 
 
 def collapse_norm_args(streams, pre, weight, eps: float, init_value=None, guard: int = 0, hc=None) -> dict:
@@ -327,6 +393,20 @@ def _example_mix():
     return [
         mix_args(mx.zeros((T, mix)), s, mx.zeros((mix,)), mx.ones((3,)), prev, w, 20, 1e-6, 1e-20, 1e-20),
         mix_args(mx.zeros((1, T, 8)), s2, mx.zeros((8,)), mx.ones((3,)), mx.ones((1, T, 2)), w, 3, 1e-6, 1e-20, 1e-6),
+    ]
+
+
+def _example_site():
+    s = _example_streams()
+    T, hc, dim = s.shape
+    mix = (2 + hc) * hc
+    fn = mx.random.normal((mix, hc * dim), key=mx.random.key(3))
+    prev, w, counters = mx.ones((T, mix)), mx.ones((dim,)), grid_finish.split_counters(1)
+    return [
+        site_args(s, fn, mx.zeros((mix,)), mx.ones((3,)), prev, w, counters, 20, 1e-6, 1e-20, 1e-20),
+        site_args(
+            s[:1].astype(mx.float32), fn, mx.zeros((mix,)), mx.ones((3,)), prev[:1], w, counters, 3, 1e-6, 1e-20, 1e-6
+        ),
     ]
 
 

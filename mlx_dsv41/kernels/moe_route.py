@@ -18,10 +18,14 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_dsv41.kernels import Kernel, backend, float_bits, register
+from mlx_dsv41.kernels import Kernel, backend, float_bits, fp32_linear, grid_finish, register
 
 RENORM_EPS = 1e-20  # a literal of the reference, not rms_norm_eps
-_THREADS, _MAX_EXPERTS, _MAX_K = 256, 1024, 16
+_THREADS, _MAX_EXPERTS, _MAX_K = (
+    fp32_linear.THREADS,
+    1024,
+    16,
+)  # moe_gate runs moe_route's work in fp32_gemv's threadgroup
 
 ROUTE = register(
     Kernel(
@@ -31,6 +35,17 @@ ROUTE = register(
         includes=("moe.h",),
         max_threads=_THREADS,
         examples=lambda: _examples(),
+    )
+)
+
+GATE = register(
+    Kernel(
+        "moe_gate",
+        ("x", "w", "bias", "counters"),
+        ("logits", "indices", "weights"),
+        includes=("grid_finish.h", "fp32_gemv.h", "moe.h"),
+        max_threads=_THREADS,
+        examples=lambda: _gate_examples(),
     )
 )
 
@@ -55,25 +70,87 @@ def route_args(logits, bias, top_k: int, temperature: float, scale: float, init_
         output_dtypes=[mx.int32, mx.float32],
         grid=(_THREADS * T, 1, 1),
         threadgroup=(_THREADS, 1, 1),
-        template=[("K", int(top_k)), ("TEMP_BITS", float_bits(temperature)), ("SCALE_BITS", float_bits(scale))],
+        template=_route_template(top_k, temperature, scale),
         init_value=init_value,
     )
 
 
+def gate_args(
+    x, w, bias, counters, top_k: int, temperature: float, scale: float, init_value=None, guard: int = 0
+) -> dict:
+    """moe_gate call kwargs: fp32_gemv's launch of x [T, D] against w [E, D], finished by moe_route's
+    work for each token; outputs the fp32 logits [T, E] (fp32_gemv's), then moe_route's two.
+    counters: uint32 [>= 1] zeros (held_counters)."""
+    T, E = x.shape[0], w.shape[0]
+    if counters.dtype != mx.uint32 or counters.size < 1:
+        raise ValueError(f"moe gate: counters must be uint32 [>= 1], got {counters.dtype} {counters.shape}")
+    launch = fp32_linear.gemv_launch(T, w)
+    return dict(
+        inputs=[x, w, bias.astype(mx.float32), counters],
+        output_shapes=[(T + guard, E), (T + guard, top_k), (T + guard, top_k)],
+        output_dtypes=[mx.float32, mx.int32, mx.float32],
+        grid=launch["grid"],
+        threadgroup=launch["threadgroup"],
+        template=launch["template"] + _route_template(top_k, temperature, scale),
+        init_value=init_value,
+    )
+
+
+def _route_template(top_k: int, temperature: float, scale: float) -> list:
+    return [("K", int(top_k)), ("TEMP_BITS", float_bits(temperature)), ("SCALE_BITS", float_bits(scale))]
+
+
 def route(logits, bias, top_k: int, temperature: float, scale: float):
     """See the module docstring. logits [T, E] float32."""
-    if logits.ndim != 2 or logits.dtype != mx.float32 or bias.shape != (logits.shape[1],):
-        raise ValueError(
-            f"moe route: logits must be float32 [T, E] and bias [E], got {logits.dtype} {logits.shape} and {bias.shape}"
-        )
-    if not 0 < top_k <= logits.shape[1]:
-        raise ValueError(f"moe route: top_k {top_k} must be in 1..{logits.shape[1]}")
-    if backend() == "cpu" or logits.shape[1] > _MAX_EXPERTS or top_k > _MAX_K or logits.shape[0] == 0:
+    if logits.ndim != 2 or logits.dtype != mx.float32:
+        raise ValueError(f"moe route: logits must be float32 [T, E], got {logits.dtype} {logits.shape}")
+    _check(logits.shape[1], bias, top_k)
+    if backend() == "cpu" or not _takes_kernel(logits.shape[0], logits.shape[1], top_k):
         return route_reference(logits, bias, top_k, temperature, scale)
     indices, weights = ROUTE(**route_args(logits, bias, top_k, temperature, scale))
     return indices, weights
 
 
+def gate(x, w, bias, top_k: int, temperature: float, scale: float, counters=None):
+    """The router from its input: logits = x [T, D] · w [E, D]ᵀ in fp32 (fp32_linear), then `route`.
+    One moe_gate launch where a launch may finish itself (kernels/grid_finish.py), given the
+    router's ``counters`` (held_counters); the same bytes."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"moe gate: x [T, D] and w [E, D] expected, got {x.shape} and {w.shape}")
+    T, E = x.shape[0], w.shape[0]
+    _check(E, bias, top_k)
+    if (
+        counters is not None
+        and grid_finish.merges(backend())
+        and fp32_linear.takes_kernel(T, w)
+        and _takes_kernel(T, E, top_k)
+    ):
+        _, indices, weights = GATE(**gate_args(x, w, bias, counters, top_k, temperature, scale))
+        return indices, weights
+    return route(fp32_linear.linear(x, w), bias, top_k, temperature, scale)
+
+
+def _check(E: int, bias, top_k: int) -> None:
+    if bias.shape != (E,):
+        raise ValueError(f"moe route: bias must be [E] = [{E}], got {bias.shape}")
+    if not 0 < top_k <= E:
+        raise ValueError(f"moe route: top_k {top_k} must be in 1..{E}")
+
+
+def _takes_kernel(T: int, E: int, top_k: int) -> bool:
+    return T > 0 and E <= _MAX_EXPERTS and top_k <= _MAX_K
+
+
 def _examples():
     logits = mx.random.normal((3, 384), key=mx.random.key(2))
     return [route_args(logits, mx.zeros((384,)), 6, 1.0, 1.5), route_args(logits[:, :8], mx.zeros((8,)), 2, 0.5, 1.0)]
+
+
+def _gate_examples():
+    x = mx.random.normal((3, 256), key=mx.random.key(3)).astype(mx.bfloat16)
+    w = mx.random.normal((384, 256), key=mx.random.key(4)).astype(mx.bfloat16)
+    counters = grid_finish.split_counters(1)
+    return [
+        gate_args(x, w, mx.zeros((384,)), counters, 6, 1.0, 1.5),
+        gate_args(x[:1].astype(mx.float32), w[:8], mx.zeros((8,)), counters, 2, 0.5, 1.0),
+    ]

@@ -10,6 +10,9 @@ for one stream, operation for operation.
     norm: None or (weight [D], eps)
     ring: None, or a window ring [B, R, D] in out_dtype: the result is then the ring with x's rows
           [B, S, D] written at slots (offset + s) % R (docs/cache.md#window-ring), in the same launch
+
+    run_pair(q, x, ...) -> (the plain rope of q [B, S, H, D], run(x, ...)): the two in one rope_pair
+          launch, each row with its own launch's bytes (the queries and the window keys of a layer)
 """
 
 from __future__ import annotations
@@ -27,9 +30,19 @@ ROPE = register(
         "rope",
         ("x", "offset", "period", "weight", "ring"),
         ("out",),
-        includes=("fake_quant.h", "hc.h"),
+        includes=("fake_quant.h", "hc.h", "rope.h"),
         max_threads=_THREADS,
         examples=lambda: _examples(),
+    )
+)
+PAIR = register(
+    Kernel(
+        "rope_pair",
+        ("q", "x", "offset", "period", "weight", "ring"),
+        ("q_out", "out"),
+        includes=("fake_quant.h", "hc.h", "rope.h"),
+        max_threads=_THREADS,
+        examples=lambda: _pair_examples(),
     )
 )
 
@@ -97,6 +110,47 @@ def run(x, offset, periods, out_dtype, step: int, inverse: bool, quant, norm=Non
     return ROPE(**args(x, offset, periods, out_dtype, step, inverse, quant, norm, ring))[0]
 
 
+def pair_refusal(q: mx.array, x: mx.array, quant, ring: mx.array | None = None) -> str | None:
+    """Why rope_pair cannot take q's plain rope with x's (`refusal`), or None."""
+    why = refusal(q, None) or refusal(x, quant, ring)
+    if why is None and (
+        q.ndim != 4 or q.shape[-1] != x.shape[-1] or q.size + (ring if ring is not None else x).size >= 1 << 31
+    ):
+        why = f"queries [B, S, H, D] of x's width beside x, got {q.shape} beside {x.shape}"
+    return why
+
+
+def pair_args(
+    q: mx.array,
+    x: mx.array,
+    offset,
+    periods,
+    out_dtype,
+    step: int,
+    inverse: bool,
+    quant,
+    norm=None,
+    ring=None,
+    init_value=None,
+    guard: int = 0,
+) -> dict:
+    """rope_pair launch kwargs: q's rows' threadgroups, then `args`' for x (``guard`` rows past each
+    output: tests)."""
+    one = args(x, offset, periods, out_dtype, step, inverse, quant, norm, ring, init_value, guard)
+    q_rows = math.prod(q.shape[:-1])
+    return one | dict(
+        inputs=[q, *one["inputs"]],
+        output_shapes=[q.shape if not guard else (q_rows + guard, q.shape[-1]), *one["output_shapes"]],
+        output_dtypes=[out_dtype, out_dtype],
+        grid=(one["grid"][0] + _THREADS * q_rows, 1, 1),
+    )
+
+
+def run_pair(q, x, offset, periods, out_dtype, step: int, inverse: bool, quant, norm=None, ring=None):
+    q_out, out = PAIR(**pair_args(q, x, offset, periods, out_dtype, step, inverse, quant, norm, ring))
+    return q_out, out
+
+
 def _examples():
     x = (mx.random.normal((2, 3, 4, 64), key=mx.random.key(8)) * 3).astype(mx.bfloat16)
     periods = mx.array([float("inf")] * 16 + [10000.0 ** (k / 16) for k in range(16)])
@@ -115,6 +169,28 @@ def _examples():
             1,
             False,
             (32, fake_quant.FP8_UE8M0),
+            (mx.ones((64,)), 1e-20),
+            mx.zeros((2, 6, 64), mx.bfloat16),
+        ),
+    ]
+
+
+def _pair_examples():
+    q = (mx.random.normal((2, 3, 4, 64), key=mx.random.key(9)) * 3).astype(mx.bfloat16)
+    x = mx.random.normal((2, 3, 64), key=mx.random.key(10)).astype(mx.bfloat16)
+    periods = mx.array([float("inf")] * 16 + [10000.0 ** (k / 16) for k in range(16)])
+    offset, fp8 = mx.array(5, mx.int32), (32, fake_quant.FP8_UE8M0)
+    return [
+        pair_args(q, x, offset, periods, mx.bfloat16, 1, False, fp8, (mx.ones((64,)), 1e-20)),
+        pair_args(
+            q[:, :1],
+            x[:, :1],
+            offset,
+            periods,
+            mx.bfloat16,
+            1,
+            False,
+            fp8,
             (mx.ones((64,)), 1e-20),
             mx.zeros((2, 6, 64), mx.bfloat16),
         ),

@@ -67,7 +67,7 @@ if (pos < 0) {
 }
 if (FINISH && KX_HAS_GRID_FINISH) {
   const u32 blocks = tiles_n / 8;
-  const bool finishes = exl3_finish_arrival(counters, (u64)slot * blocks + col_block, (u32)SPLITS, last, KX_LID_X);
+  const bool finishes = grid_finish_arrival(counters, (u64)slot * blocks + col_block, (u32)SPLITS, last, KX_LID_X);
   if (finishes && warp == 0) {
     if (SHARED && shared)  // the shared expert's own launch, one slot per token: row routed + t
       exl3_down_finish_block<SPLITS, false>((const KX_DEVICE float*)out + (u64)routed * SPLITS * n, sidx, ssvh2, add, 0u,
@@ -77,7 +77,7 @@ if (FINISH && KX_HAS_GRID_FINISH) {
                                           n, svh2_shape[0], LO, slot, col_block, lane);
   }
   // (finishes is uniform over the threadgroup: every thread takes the second count's barriers)
-  if (SHARED && finishes && exl3_finish_arrival(counters2, (u64)token * blocks + col_block, top_k + 1, last, KX_LID_X) &&
+  if (SHARED && finishes && grid_finish_arrival(counters2, (u64)token * blocks + col_block, top_k + 1, last, KX_LID_X) &&
       warp == 0)
     exl3_moe_combine((const KX_DEVICE float*)y, moe, top_k, routed, n, token, col_block, lane);
 }

@@ -66,7 +66,7 @@ if (pos < 0) {
 }
 if (FINISH && KX_HAS_GRID_FINISH) {
   const u32 blocks = tiles_n / 8;
-  if (exl3_finish_arrival(counters, (u64)slot * blocks + col_block, 2 * splits, last, KX_LID_X) && warp == 0) {
+  if (grid_finish_arrival(counters, (u64)slot * blocks + col_block, 2 * splits, last, KX_LID_X) && warp == 0) {
     if (SHARED && shared)  // the shared expert's own launch, one slot per token: rows routed + t
       exl3_swiglu_block<SPLITS>((const KX_DEVICE float*)out + (u64)routed * 2 * splits * n, sw, sidx, ssvh1, ssvh3,
                                 ssuh2, xh + (u64)routed * (n / 2), n, 1u, 0, (u32)INTER, KX_BITS_F32(LIMIT_BITS),

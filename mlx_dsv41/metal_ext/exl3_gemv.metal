@@ -49,7 +49,7 @@ if (FUSED) {
   }
   if (FINISH && KX_HAS_GRID_FINISH) {
     const u32 splits = (tiles_k / 8 + PER_SPLIT - 1) / PER_SPLIT;
-    if (exl3_finish_arrival(counters, col_block, splits, last, KX_LID_X)) {
+    if (grid_finish_arrival(counters, col_block, splits, last, KX_LID_X)) {
       for (u32 r = 0; r < rows; r++)  // xs is free: the product is done
         exl3_finish_row<OUT, HAS_BIAS>((const KX_DEVICE float*)out, svh, bias, y, (KX_THREADGROUP float*)xs, splits, rows,
                                        n, r, col_block, warp, lane);

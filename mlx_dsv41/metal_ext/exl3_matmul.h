@@ -515,25 +515,6 @@ KX_INLINE Exl3Vec4 exl3_ys_row(const KX_THREADGROUP float* ys, u32 r, u32 lane) 
   return v;
 }
 
-// A FINISH launch's count (KX_HAS_GRID_FINISH): after this threadgroup's partial sums are stored,
-// whether it is the last of `arrivals` threadgroups to store partials for counters[i]; that last
-// one sets the counter back to 0 (each launch leaves its counters at 0 for the next) and may then
-// read every arrival's partials (through L2). Every thread of the threadgroup calls it (tid: its
-// index in the one-dimensional threadgroup); last: 1 word of threadgroup memory.
-KX_INLINE bool exl3_finish_arrival(const KX_DEVICE u32* counters, u64 i, u32 arrivals, KX_THREADGROUP u32* last,
-                                   u32 tid) {
-  KX_GRID_FENCE();  // this thread's partial sums, visible to every threadgroup before the count
-  KX_BARRIER();
-  if (tid == 0) {
-    last[0] = KX_ATOMIC_INC(counters + i) + 1 == arrivals ? 1u : 0u;
-    if (last[0]) KX_ATOMIC_ZERO(counters + i);
-  }
-  KX_BARRIER();
-  const bool is_last = last[0] != 0u;
-  if (is_last) KX_GRID_FENCE();
-  return is_last;
-}
-
 // exl3_gemv_out's work for one row (docs/exl3.md#forward steps 4-6): the k-split partials
 // [splits, rows, n] added (SIMD group w adds splits w, w + 8, ... with all their loads independent;
 // group 0 adds the 8 sums in group order), then H128, svh and the bias -> out (OUT as

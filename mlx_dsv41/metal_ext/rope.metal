@@ -15,41 +15,7 @@
 // at slot (offset + s) % R and ring's own row, copied, at every other slot (docs/cache.md#window-ring,
 // docs/numerics.md#rope-launch): the cache write's two launches ride in this one. A threadgroup per
 // slot of the output then; without RING, ring is not read (the launcher passes any array).
-const u32 lid = KX_LID_X, lane = KX_LANE, warp = KX_WARP;
-const u32 r = KX_TGID_X;
-const u32 D = x_shape[x_ndim - 1], H = x_ndim == 4 ? x_shape[2] : 1, S = x_shape[1];
-u64 row = (u64)r * D;
-u32 s = (r / H) % S;
-u64 dst = row;
 KX_SHARED(float, partials, 8);
-if (RING) {
-  const u32 R = ring_shape[1], slot = r % R;
-  s = (slot + R - (u32)KX_SCALAR(offset) % R) % R;
-  if (s >= S) {  // a slot the new rows do not reach: the whole threadgroup copies it
-    for (u32 d = lid; d < D; d += 256) out[dst + d] = static_cast<T>(ring[dst + d]);
-    return;
-  }
-  row = ((u64)(r / R) * S + s) * D;
-}
-float inv = 1.0f;
-if (NORM) {
-  float acc = 0.0f;
-  for (u32 d = lid; d < D; d += 256) {
-    const float v = KX_TO_F32(static_cast<T>(x[row + d]));
-    acc = KX_FMA(v, v, acc);
-  }
-  inv = 1.0f / KX_SQRT(hc_threadgroup_sum(acc, partials, lane, warp, 8) / (float)D + KX_BITS_F32(EPS_BITS));
-}
-const float L = (INVERSE ? -(float)STEP : (float)STEP) * (float)(KX_SCALAR(offset) + (i32)s);
-for (u32 d = lid; d < D; d += 256) {
-  float v = KX_TO_F32(static_cast<T>(x[row + d]));
-  if (NORM) v = KX_TO_F32(static_cast<T>(v * inv * KX_TO_F32(weight[d])));
-  const float other = KX_SHUFFLE_XOR(v, 1);
-  const float x1 = (d & 1u) ? other : v, x2 = (d & 1u) ? v : other;
-  const float theta = L * KX_ROPE_INV(period[d >> 1]);
-  const float c = KX_ROPE_COS(theta), sn = KX_ROPE_SIN(theta);
-  const float rotated = (d & 1u) ? x1 * sn + x2 * c : x1 * c - x2 * sn;
-  float q = KX_TO_F32(static_cast<T>(rotated));
-  if (QUANT) q = fq_quantize(q, BLOCK, MODE);
-  out[dst + d] = static_cast<T>(q);
-}
+rope_row<T, STEP, INVERSE, NORM, QUANT, BLOCK, MODE, RING>(
+    x, KX_SCALAR(offset), period, weight, ring, out, KX_TGID_X, x_shape[x_ndim - 1], x_ndim == 4 ? x_shape[2] : 1,
+    x_shape[1], RING ? ring_shape[1] : 1, EPS_BITS, partials, KX_LID_X, KX_LANE, KX_WARP);

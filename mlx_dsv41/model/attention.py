@@ -83,8 +83,7 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         cache.reserve(B, S, self.head_dim, self.indexer.head_dim if self.role.owns_kv else 0, x.dtype)
         position = cache.position  # an int32 array: a compiled step is not specialised on it
-        q, qr = self.queries(x, position)
-        window, rows = self.store_window(x, position, cache)
+        q, qr, (window, rows) = self.queries_and_window(x, position, cache)
         indices = mx.broadcast_to(rows, (B, S, rows.shape[1]))
         pool = window[:, :0]
         if self.role.ratio:
@@ -100,9 +99,30 @@ class Attention(nn.Module):
 
     def queries(self, x: mx.array, offset: mx.array | int) -> tuple[mx.array, mx.array]:
         """(q [B, S, H, head_dim] roped at offset.., qr [B, S, q_lora_rank]) of x [B, S, hidden]."""
+        q, qr = self._query_rows(x)
+        return self.rope(q, offset), qr
+
+    def _query_rows(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """(q [B, S, H, head_dim] before its rope, qr)."""
         B, S, _ = x.shape
         qr = self.q_norm(self.wq_a(x))
-        return self.rope(self.wq_b(qr).reshape(B, S, self.n_heads, self.head_dim), offset), qr
+        return self.wq_b(qr).reshape(B, S, self.n_heads, self.head_dim), qr
+
+    def queries_and_window(self, x: mx.array, position: mx.array, cache: LayerCache):
+        """(q, qr) as `queries` gives them and the window as `store_window` stores it; on a GPU the
+        two ropes in one launch where the kernel takes both (RoPE.pair: rope_pair, the bytes of
+        the two launches)."""
+        B, S, _ = x.shape
+        ring = cache.window_ring(B, S, self.head_dim, x.dtype)
+        if ring is not None:
+            q, qr = self._query_rows(x)
+            kv = self.wkv(x)
+            pair = self.rope.pair(q, kv, position, norm=self.kv_norm, then=WINDOW_KV, ring=ring)
+            if pair is not None:
+                return pair[0], qr, cache.written_window(pair[1], S)
+            keys = self.rope(kv, position, norm=self.kv_norm, then=WINDOW_KV, ring=ring)
+            return self.rope(q, position), qr, cache.written_window(keys, S)
+        return *self.queries(x, position), self.store_window(x, position, cache)
 
     def window_keys(self, x: mx.array, offset: mx.array | int, ring: mx.array | None = None) -> mx.array:
         """The window KV [B, S, head_dim] of x at positions offset..: kv_norm(wkv(x)), roped, FP8

@@ -34,6 +34,7 @@ from mlx_dsv41.cache import (
     make_layer_cache,
 )
 from mlx_dsv41.config import ModelArgs
+from mlx_dsv41.kernels.grid_finish import held_counters
 from mlx_dsv41.model import compiled_step
 from mlx_dsv41.model.attention import Attention
 from mlx_dsv41.model.engram import Engram, RowSource
@@ -80,6 +81,7 @@ class Block(nn.Module):
             iters=self.hc_iters,
             hc_eps=self.hc_eps,
             norm_eps=self.norm_eps,
+            counters=held_counters(self, 1, site),  # on CUDA the site is one launch (kernels/grid_finish.py)
         )
 
     def __call__(

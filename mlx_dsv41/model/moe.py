@@ -7,8 +7,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dsv41.config import ModelArgs
-from mlx_dsv41.kernels import fp32_linear
-from mlx_dsv41.kernels.moe_route import route
+from mlx_dsv41.kernels.grid_finish import held_counters
+from mlx_dsv41.kernels.moe_route import gate
 from mlx_dsv41.quant import DenseExperts, fused_moe, swiglu_mlp
 
 
@@ -26,8 +26,9 @@ class Gate(nn.Module):
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x [T, D] -> indices [T, k] int32 (ascending expert id), weights [T, k] fp32."""
-        logits = fp32_linear.linear(x, self.weight)  # fp32 from the stored bf16 (docs/numerics.md#fp32-linears)
-        return route(logits, self.bias, self.top_k, self.temperature, self.route_scale)
+        # fp32 logits from the stored bf16 (docs/numerics.md#fp32-linears); on CUDA one launch with the route
+        counters = held_counters(self, 1)
+        return gate(x, self.weight, self.bias, self.top_k, self.temperature, self.route_scale, counters)
 
 
 class SharedExpert(nn.Module):

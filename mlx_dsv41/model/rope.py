@@ -25,6 +25,9 @@ from mlx_dsv41.model.fake_quant import FakeQuant
 # The window KV's ring write rides in the rope kernel's launch on a GPU (RoPE's `ring`); False
 # keeps it as its own launches (benchmarks/bench_model.py --separate-ring-writes: an A/B switch).
 WRITES_RING = True
+# A layer's queries and window keys in one rope_pair launch (RoPE.pair); False: two rope launches
+# (benchmarks/bench_model.py --separate-launches: an A/B switch).
+PAIRS = True
 
 
 def yarn_correction_range(
@@ -118,6 +121,18 @@ class RoPE:
             tail = self._rope(x[..., -d:].astype(mx.float32), d, scale, offset, self._periods)
             y = mx.concatenate([x[..., :-d], tail.astype(x.dtype)], axis=-1)
         return y if then is None else then(y)
+
+    def pair(self, q: mx.array, x: mx.array, offset: mx.array, *, norm, then: FakeQuant, ring: mx.array):
+        """(self(q, offset), self(x, offset, norm=norm, then=then, ring=ring)) in one rope_pair launch
+        (a layer's queries and window keys: each row the bytes of its own launch), where the GPU
+        kernel takes them both; else None."""
+        if backend() == "cpu" or not (PAIRS and WRITES_RING) or ring.dtype != x.dtype or q.dtype != x.dtype:
+            return None
+        quant = (then.block, then.mode)
+        if rope_kernel.pair_refusal(q, x, quant, ring) is not None:
+            return None
+        periods = self._whole_width(x.shape[-1])
+        return rope_kernel.run_pair(q, x, offset, periods, x.dtype, 1, False, quant, (norm.weight, norm.eps), ring)
 
     @staticmethod
     def _rope(x: mx.array, dims: int, scale: float, offset, periods: mx.array) -> mx.array:

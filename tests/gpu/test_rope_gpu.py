@@ -155,3 +155,49 @@ def test_the_ring_write_gives_the_bytes_of_the_rope_then_the_cache_write(monkeyp
     assert all(np.array_equal(_bits(r), _bits(runs[0])) for r in runs)
     assert np.all(np.isnan(runs[0][-3:]))
     assert np.array_equal(_bits(runs[0][:-3].reshape(got.shape)), _bits(got))
+
+
+@pytest.mark.parametrize("tokens, at", [(1, 40961), (5, 158)])
+def test_the_pair_gives_the_bytes_of_the_two_rope_launches(tokens, at):
+    """rope_pair (RoPE.pair, Attention.queries_and_window): Flash's queries (64 heads of 512) and
+    window keys into a Flash-sized ring in one launch give the bytes of the two rope launches, NaN /
+    inf where they put them; poisoned guard rows of both outputs untouched; five repeats
+    byte-identical; the launch limit declared."""
+    rope = RoPE(64, 160000.0, FLASH_YARN)
+    rng = np.random.default_rng(50 + tokens)
+
+    def rows(shape):
+        raw = (rng.standard_normal(shape) * np.exp2(rng.integers(-6, 7, shape))).astype(np.float32)
+        raw.reshape(-1, 512)[0, 7], raw.reshape(-1, 512)[-1, 500] = np.nan, np.inf
+        return mx.array(raw).astype(mx.bfloat16)
+
+    q, x = rows((1, tokens, 64, 512)), rows((1, tokens, 512))
+    ring = mx.array(rng.standard_normal((1, 160, 512)).astype(np.float32)).astype(mx.bfloat16)
+    offset, norm = mx.array(at, mx.int32), random_norm(512)
+    q_out, written = rope.pair(q, x, offset, norm=norm, then=fq.WINDOW_KV, ring=ring)
+    want_q, want_ring = rope(q, offset), rope(x, offset, norm=norm, then=fq.WINDOW_KV, ring=ring)
+    for got, want in ((q_out, want_q), (written, want_ring)):
+        got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+        assert np.isnan(want).any() and np.array_equal(_bits(got), _bits(want))
+    quant = (fq.WINDOW_KV.block, fq.WINDOW_KV.mode)
+    periods = rope._whole_width(512)
+    call = rk.pair_args(
+        q,
+        x,
+        offset,
+        periods,
+        mx.bfloat16,
+        1,
+        False,
+        quant,
+        (norm.weight, norm.eps),
+        ring,
+        init_value=float("nan"),
+        guard=3,
+    )
+    runs = [[np.array(o.astype(mx.float32)) for o in rk.PAIR(**call)] for _ in range(5)]
+    assert all(np.array_equal(_bits(r[i]), _bits(runs[0][i])) for r in runs for i in (0, 1))
+    assert np.all(np.isnan(runs[0][0][-3:])) and np.all(np.isnan(runs[0][1][-3:]))
+    assert np.array_equal(_bits(runs[0][0][:-3].reshape(q.shape)), _bits(np.array(want_q.astype(mx.float32))))
+    with pytest.raises(ValueError, match="declared limit"):
+        rk.PAIR(**dict(call, threadgroup=(512, 1, 1)))

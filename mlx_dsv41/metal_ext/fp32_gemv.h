@@ -1,0 +1,82 @@
+// fp32_gemv's work (fp32_gemv.metal: what it computes, in which order) for one threadgroup of 8 SIMD
+// groups: threadgroup `group`'s outputs of y [M, N] = x [M, K] · w [N, K]ᵀ. sums: 8 x 8 x 4 floats of
+// threadgroup memory (SPLIT > 1: SIMD groups x M x COLS range sums). Shared by fp32_gemv and the
+// launches that finish its outputs in their last threadgroup (hc_site, moe_gate), so all give the
+// same bytes.
+#pragma once
+
+template <int M, int COLS, int SPLIT, int W, typename TX, typename TW>
+KX_INLINE void fp32_gemv_group(const KX_DEVICE TX* x, const KX_DEVICE TW* w, KX_DEVICE float* y, u32 N, u32 K,
+                               KX_THREADGROUP float* sums, u32 group, u32 warp, u32 lane) {
+  const u32 C = K / 8;
+  const u32 part = warp % SPLIT;
+  const u32 n0 = (group * (8 / SPLIT) + warp / SPLIT) * COLS;
+  const bool live = n0 < N;  // the same for the whole SIMD group: the butterfly below has every lane
+  float acc[M][COLS];
+  for (int m = 0; m < M; m++)
+    for (int j = 0; j < COLS; j++) acc[m][j] = 0.0f;
+  const KX_DEVICE u32* words = (const KX_DEVICE u32*)w;
+  const u32 c_end = live ? (part + 1) * C / SPLIT : 0;
+  // U chunks per lane per pass, every load of a pass issued before its FMAs (one memory round trip
+  // per pass: a one-output SIMD group of the mHC mixes' fn walks 10 chunks a lane); the FMAs keep
+  // the chunk order, so the sums are the same operations in the same order whatever U.
+  constexpr int U = (M * 8 + COLS * 8) <= 16 ? 8 : (M * 8 + COLS * 8) <= 40 ? 2 : 1;
+  for (u32 c0 = part * C / SPLIT + lane; c0 < c_end; c0 += U * KX_SIMD_WIDTH) {
+    float xv[U][M][8];
+    float wf[U][COLS][8];
+    KX_UNROLL for (int u = 0; u < U; u++) {
+      const u32 c = c0 + u * KX_SIMD_WIDTH;
+      if (c >= c_end) break;
+      for (int m = 0; m < M; m++)
+        for (int e = 0; e < 8; e++) xv[u][m][e] = KX_TO_F32(x[(u64)m * K + c * 8 + e]);
+      for (int j = 0; j < COLS; j++) {
+        const u32 n = n0 + j < N ? n0 + j : N - 1;  // past the end: read the last row, write nothing
+        if (W == 0) {
+          KX_LOAD_X4(float4, (const KX_DEVICE float*)w + (u64)n * K + c * 8, wf[u][j]);
+          KX_LOAD_X4(float4, (const KX_DEVICE float*)w + (u64)n * K + c * 8 + 4, wf[u][j] + 4);
+        } else {
+          u32 wv[4];
+          KX_LOAD_U32X4(words + ((u64)n * K + c * 8) / 2, wv);
+          for (int e = 0; e < 8; e++) {
+            const u32 bits = (e & 1) ? (wv[e >> 1] >> 16) : (wv[e >> 1] & 0xFFFFu);
+            wf[u][j][e] = W == 2 ? KX_BITS_F32(bits << 16) : KX_F16_BITS_TO_F32(bits);
+          }
+        }
+      }
+    }
+    KX_UNROLL for (int u = 0; u < U; u++) {
+      if (c0 + u * KX_SIMD_WIDTH >= c_end) break;
+      for (int j = 0; j < COLS; j++)
+        for (int e = 0; e < 8; e++)
+          for (int m = 0; m < M; m++) acc[m][j] = KX_FMA(xv[u][m][e], wf[u][j][e], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < M; m++)
+    for (int j = 0; j < COLS; j++)
+      for (u32 o = KX_SIMD_WIDTH / 2; o > 0; o >>= 1) acc[m][j] += KX_SHUFFLE_XOR(acc[m][j], o);
+  if (SPLIT == 1) {
+    if (live && lane == 0)
+      for (int m = 0; m < M; m++)
+        for (int j = 0; j < COLS; j++)
+          if (n0 + j < N) y[(u64)m * N + n0 + j] = acc[m][j];
+  } else {
+    // The range sums of the threadgroup's SIMD groups, then the first group of each SPLIT adds its
+    // outputs' SPLIT sums in range order.
+    if (lane == 0)
+      for (int m = 0; m < M; m++)
+        for (int j = 0; j < COLS; j++) sums[(warp * M + m) * COLS + j] = acc[m][j];
+    KX_BARRIER();
+    if (live && part == 0 && lane < M * COLS) {
+      const u32 m = lane / COLS, j = lane % COLS;
+      float v = sums[(warp * M + m) * COLS + j];
+      for (u32 s = 1; s < SPLIT; s++) v += sums[((warp + s) * M + m) * COLS + j];
+      if (n0 + j < N) y[(u64)m * N + n0 + j] = v;
+    }
+  }
+}
+
+// Threadgroups of an fp32_gemv launch over N outputs.
+template <int COLS, int SPLIT>
+KX_INLINE u32 fp32_gemv_groups(u32 N) {
+  return (N + COLS * (8 / SPLIT) - 1) / (COLS * (8 / SPLIT));
+}

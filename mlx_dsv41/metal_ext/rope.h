@@ -1,0 +1,47 @@
+// rope's work for one output row (rope.metal: what it computes, in which order), shared by rope and
+// rope_pair so that a row has the same bytes from either (docs/numerics.md#rope-launch).
+#pragma once
+
+// Output row r by a threadgroup of 256 threads: row r of x [.., S, H, D] (H = 1 for [B, S, D]) at
+// position offset + s; with RING, slot r % R of ring r / R ([B, R, D]). partials: 8 floats of
+// threadgroup memory.
+template <typename T, int STEP, int INVERSE, int NORM, int QUANT, int BLOCK, int MODE, int RING, typename TX,
+          typename TP, typename TW, typename TR>
+KX_INLINE void rope_row(const KX_DEVICE TX* x, i32 offset, const KX_DEVICE TP* period, const KX_DEVICE TW* weight,
+                        const KX_DEVICE TR* ring, KX_DEVICE T* out, u32 r, u32 D, u32 H, u32 S, u32 R, u32 eps_bits,
+                        KX_THREADGROUP float* partials, u32 lid, u32 lane, u32 warp) {
+  u64 row = (u64)r * D;
+  u32 s = (r / H) % S;
+  u64 dst = row;
+  if (RING) {
+    const u32 slot = r % R;
+    s = (slot + R - (u32)offset % R) % R;
+    if (s >= S) {  // a slot the new rows do not reach: the whole threadgroup copies it
+      for (u32 d = lid; d < D; d += 256) out[dst + d] = static_cast<T>(ring[dst + d]);
+      return;
+    }
+    row = ((u64)(r / R) * S + s) * D;
+  }
+  float inv = 1.0f;
+  if (NORM) {
+    float acc = 0.0f;
+    for (u32 d = lid; d < D; d += 256) {
+      const float v = KX_TO_F32(static_cast<T>(x[row + d]));
+      acc = KX_FMA(v, v, acc);
+    }
+    inv = 1.0f / KX_SQRT(hc_threadgroup_sum(acc, partials, lane, warp, 8) / (float)D + KX_BITS_F32(eps_bits));
+  }
+  const float L = (INVERSE ? -(float)STEP : (float)STEP) * (float)(offset + (i32)s);
+  for (u32 d = lid; d < D; d += 256) {
+    float v = KX_TO_F32(static_cast<T>(x[row + d]));
+    if (NORM) v = KX_TO_F32(static_cast<T>(v * inv * KX_TO_F32(weight[d])));
+    const float other = KX_SHUFFLE_XOR(v, 1);
+    const float x1 = (d & 1u) ? other : v, x2 = (d & 1u) ? v : other;
+    const float theta = L * KX_ROPE_INV(period[d >> 1]);
+    const float c = KX_ROPE_COS(theta), sn = KX_ROPE_SIN(theta);
+    const float rotated = (d & 1u) ? x1 * sn + x2 * c : x1 * c - x2 * sn;
+    float q = KX_TO_F32(static_cast<T>(rotated));
+    if (QUANT) q = fq_quantize(q, BLOCK, MODE);
+    out[dst + d] = static_cast<T>(q);
+  }
+}

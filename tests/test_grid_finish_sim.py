@@ -1,0 +1,128 @@
+"""Launches that finish themselves (kernels/grid_finish.py, docs/design.md#grid-finish) on the CPU
+simulator: hc_site gives the bytes of fp32_gemv then hc_mix (an mHC site), moe_gate those of
+fp32_gemv then moe_route (the router), for one token and several, bf16 and fp32 inputs, with the
+outputs poisoned and guard rows past the shape untouched. The ops take the one launch only where
+the backend can finish a launch (CUDA), given counters. tests/gpu/test_grid_finish_gpu.py repeats
+this on the device with the kernel contract."""
+
+import shutil
+
+import exl3_sim
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_dsv41.kernels import fp32_linear as fl
+from mlx_dsv41.kernels import grid_finish
+from mlx_dsv41.kernels import hyper_connections as hc
+from mlx_dsv41.kernels import moe_route as mr
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel simulator needs g++")
+
+HC, D, ITERS, HC_EPS, NORM_EPS, EPS = 4, 160, 20, 1e-6, 1e-20, 1e-6
+GUARD = 2
+
+
+def _site(T, dtype, seed):
+    rng = np.random.default_rng(seed)
+    mix = (2 + HC) * HC
+    streams = mx.array(rng.standard_normal((T, HC, D)).astype(np.float32)).astype(dtype)
+    fn = mx.array((rng.standard_normal((mix, HC * D)) * 4 / np.sqrt(HC * D)).astype(np.float32))
+    base = mx.array(rng.standard_normal(mix).astype(np.float32))
+    scale = mx.array(rng.uniform(0.5, 1.5, 3).astype(np.float32))
+    prev = mx.array(rng.uniform(0.2, 1.0, (T, mix)).astype(np.float32))
+    weight = mx.array(rng.uniform(0.5, 1.5, D).astype(np.float32)).astype(dtype)
+    return streams, fn, base, scale, prev, weight
+
+
+SITES = [(1, mx.bfloat16), (3, mx.bfloat16), (2, mx.float32)]
+
+
+@pytest.mark.parametrize("case", range(len(SITES)))
+def test_a_site_in_one_launch_gives_the_two_launch_bytes(case):
+    T, dtype = SITES[case]
+    streams, fn, base, scale, prev, weight = _site(T, dtype, case)
+    counters = grid_finish.split_counters(1)
+    one = (
+        hc.SITE,
+        hc.site_args(streams, fn, base, scale, prev, weight, counters, ITERS, HC_EPS, NORM_EPS, EPS, guard=GUARD),
+    )
+    gemv = (fl.GEMV, fl.gemv_args(streams.reshape(T, HC * D), fn))
+    program = exl3_sim.build([one, gemv], mma=True)
+    mm, out, x = program.run(0)
+    (mm2,) = program.run(1)
+    assert mm.tobytes()[: mm2.nbytes] == mm2.tobytes()  # fp32_gemv's outputs, the same bytes
+    mix = (
+        hc.MIX,
+        hc.mix_args(mx.array(mm2), streams, base, scale, prev, weight, ITERS, HC_EPS, NORM_EPS, EPS, guard=GUARD),
+    )
+    out2, x2 = exl3_sim.build([mix], mma=True).run(0)
+    assert out.tobytes() == out2.tobytes() and x.tobytes() == x2.tobytes()  # the guard rows too: both untouched
+    for a in (mm, out, x):
+        assert np.all(a[T:].view(np.uint8) == 0xFF)
+        assert np.isfinite(a[:T].astype(np.float32)).all()
+
+
+GATES = [(1, 384, 6, 1.0, 1.5, mx.bfloat16), (3, 384, 6, 1.0, 2.5, mx.bfloat16), (2, 16, 2, 0.5, 1.0, mx.float32)]
+
+
+@pytest.mark.parametrize("case", range(len(GATES)))
+def test_the_router_in_one_launch_gives_the_two_launch_bytes(case):
+    T, E, k, temp, scale, w_dtype = GATES[case]
+    rng = np.random.default_rng(10 + case)
+    x = mx.array(rng.standard_normal((T, 256)).astype(np.float32)).astype(mx.bfloat16)
+    w = mx.array((rng.standard_normal((E, 256)) / 16).astype(np.float32)).astype(w_dtype)
+    bias = mx.array((rng.standard_normal(E) * 0.1).astype(np.float32))
+    counters = grid_finish.split_counters(1)
+    program = exl3_sim.build(
+        [(mr.GATE, mr.gate_args(x, w, bias, counters, k, temp, scale, guard=GUARD)), (fl.GEMV, fl.gemv_args(x, w))],
+        mma=True,
+    )
+    logits, idx, wts = program.run(0)
+    (logits2,) = program.run(1)
+    assert logits[:T].tobytes() == logits2.tobytes()
+    idx2, wts2 = exl3_sim.build(
+        [(mr.ROUTE, mr.route_args(mx.array(logits2), bias, k, temp, scale, guard=GUARD))], mma=True
+    ).run(0)
+    assert idx.tobytes() == idx2.tobytes() and wts.tobytes() == wts2.tobytes()
+    ref_idx, ref_wts = mr.route_reference(mx.array(logits2), bias, k, temp, scale)
+    assert np.array_equal(idx[:T], np.array(ref_idx))
+    np.testing.assert_allclose(wts[:T], np.array(ref_wts), rtol=2e-6)
+    assert np.all(logits[T:].view(np.uint8) == 0xFF) and np.all(idx[T:] == -1)
+
+
+def test_the_ops_take_one_launch_only_where_a_launch_can_finish_itself(monkeypatch):
+    """On a backend without grid finish (Metal), or without counters, the two launches; on CUDA one
+    (recorded, not run)."""
+    import mlx_dsv41.kernels as kernels
+
+    streams, fn, base, scale, prev, weight = _site(1, mx.bfloat16, 0)
+    x, w, bias = mx.zeros((1, 256), mx.bfloat16), mx.zeros((16, 256), mx.bfloat16), mx.zeros((16,))
+    seen = []
+
+    def record(self, **call):
+        seen.append(self.name)
+        return [mx.zeros(s, d) for s, d in zip(call["output_shapes"], call["output_dtypes"])]
+
+    monkeypatch.setattr(kernels.Kernel, "__call__", record)
+    for name in ("cuda", "metal"):
+        for mod in (hc, mr, fl):
+            monkeypatch.setattr(mod, "backend", lambda name=name: name)
+        for counters in (grid_finish.split_counters(1), None):
+            seen.clear()
+            hc.site(
+                streams,
+                prev,
+                weight,
+                EPS,
+                fn,
+                base,
+                scale,
+                iters=ITERS,
+                hc_eps=HC_EPS,
+                norm_eps=NORM_EPS,
+                counters=counters,
+            )
+            mr.gate(x, w, bias, 2, 1.0, 1.0, counters=counters)
+            one = name == "cuda" and counters is not None
+            assert seen == (["hc_site", "moe_gate"] if one else ["fp32_gemv", "hc_mix", "fp32_gemv", "moe_route"])
