@@ -106,7 +106,7 @@ def test_the_router_in_one_launch_gives_the_two_launch_bytes_and_keeps_the_contr
     idx2, wts2 = mr.ROUTE(**mr.route_args(logits2, bias, 6, 1.0, 2.5, init_value=NAN, guard=2))
     assert logits[:T].tobytes() == _np(logits2).tobytes()
     assert idx[:T].tobytes() == _np(idx2)[:T].tobytes() and wts.tobytes() == _np(wts2).tobytes()
-    want = raw.astype(np.float64) @ _np(w).astype(np.float64).T
+    want = _np(x).astype(np.float64) @ _np(w).astype(np.float64).T  # from the bf16 inputs the kernel reads
     if nonfinite:
         assert np.isnan(logits[0]).all() and np.isnan(wts[0]).all()
         rows = slice(1, T)
