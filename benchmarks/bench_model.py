@@ -862,29 +862,22 @@ def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
     if a.exl3_tuning:
         with exl3_tuning(a.exl3_tuning) as changed:
             runs.append(measure(f"{runs[-1]['label']}, EXL3 {changed}", build, a, prompt_len))
-    if a.separate_ring_writes:
-        from mlx_dsv41.model import rope as rope_module
+    from mlx_dsv41.model import rope as rope_module
 
-        rope_module.WRITES_RING = False
-        try:
-            runs.append(measure(f"{runs[0]['label']}, ring writes apart from the rope", build, a, prompt_len))
-        finally:
-            rope_module.WRITES_RING = True
-    if a.separate_launches:
-        with separate_launches():
-            runs.append(measure(f"{runs[0]['label']}, sites, router and ropes in two launches", build, a, prompt_len))
-    if a.host_counters:
-        grid_finish.COUNTERS_ON_DEVICE = False
-        try:
-            runs.append(measure(f"{runs[0]['label']}, FINISH counters made on the host", build, a, prompt_len))
-        finally:
-            grid_finish.COUNTERS_ON_DEVICE = True
-    if a.host_position:
-        compiled_step.CompiledStep.carries_position = False
-        try:
-            runs.append(measure(f"{runs[0]['label']}, position made on the host", build, a, prompt_len))
-        finally:
-            compiled_step.CompiledStep.carries_position = True
+    switches = [  # (flag, what the run turns off, the switches it sets)
+        (a.separate_ring_writes, "ring writes apart from the rope", [(rope_module, "WRITES_RING")]),
+        (
+            a.separate_launches,
+            "sites, router and ropes in two launches",
+            [(grid_finish, "MERGES"), (rope_module, "PAIRS")],
+        ),
+        (a.host_counters, "FINISH counters made on the host", [(grid_finish, "COUNTERS_ON_DEVICE")]),
+        (a.host_position, "position made on the host", [(compiled_step.CompiledStep, "carries_position")]),
+    ]
+    for flag, what, off in switches:
+        if flag:
+            with switched_off(off):
+                runs.append(measure(f"{runs[0]['label']}, {what}", build, a, prompt_len))
     return runs
 
 
@@ -909,16 +902,16 @@ def exl3_tuning(settings: list[str]):
 
 
 @contextlib.contextmanager
-def separate_launches():
-    """The nineteenth session's merged launches off: an mHC site as fp32_gemv + hc_mix, the router
-    as fp32_gemv + moe_route, a layer's queries and window keys as two rope launches."""
-    from mlx_dsv41.model import rope as rope_module
-
-    grid_finish.MERGES = rope_module.PAIRS = False
+def switched_off(switches: list[tuple[object, str]]):
+    """Each (owner, name) switch set to False inside (an A/B run: docs/benchmarks.md), restored after."""
+    saved = [getattr(owner, name) for owner, name in switches]
+    for owner, name in switches:
+        setattr(owner, name, False)
     try:
         yield
     finally:
-        grid_finish.MERGES = rope_module.PAIRS = True
+        for (owner, name), value in zip(switches, saved):
+            setattr(owner, name, value)
 
 
 @contextlib.contextmanager

@@ -137,20 +137,7 @@ def test_the_ring_write_gives_the_bytes_of_the_rope_then_the_cache_write(monkeyp
     assert np.array_equal(_bits(got[~nan]), _bits(want[~nan]))
     slots = [(at + s) % 160 for s in range(tokens)]
     assert np.count_nonzero(got[:, slots]) > got[:, slots].size // 4
-    quant = (fq.WINDOW_KV.block, fq.WINDOW_KV.mode)
-    call = rk.args(
-        x,
-        offset,
-        rope._whole_width(512),
-        mx.bfloat16,
-        1,
-        False,
-        quant,
-        (norm.weight, norm.eps),
-        ring,
-        init_value=float("nan"),
-        guard=3,
-    )
+    call = _window_keys_call(rk.args, rope, x, offset, norm, ring)
     runs = [np.array(rk.ROPE(**call)[0].astype(mx.float32)) for _ in range(5)]
     assert all(np.array_equal(_bits(r), _bits(runs[0])) for r in runs)
     assert np.all(np.isnan(runs[0][-3:]))
@@ -179,25 +166,19 @@ def test_the_pair_gives_the_bytes_of_the_two_rope_launches(tokens, at):
     for got, want in ((q_out, want_q), (written, want_ring)):
         got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
         assert np.isnan(want).any() and np.array_equal(_bits(got), _bits(want))
-    quant = (fq.WINDOW_KV.block, fq.WINDOW_KV.mode)
-    periods = rope._whole_width(512)
-    call = rk.pair_args(
-        q,
-        x,
-        offset,
-        periods,
-        mx.bfloat16,
-        1,
-        False,
-        quant,
-        (norm.weight, norm.eps),
-        ring,
-        init_value=float("nan"),
-        guard=3,
-    )
+    call = _window_keys_call(rk.pair_args, rope, x, offset, norm, ring, q)
     runs = [[np.array(o.astype(mx.float32)) for o in rk.PAIR(**call)] for _ in range(5)]
     assert all(np.array_equal(_bits(r[i]), _bits(runs[0][i])) for r in runs for i in (0, 1))
     assert np.all(np.isnan(runs[0][0][-3:])) and np.all(np.isnan(runs[0][1][-3:]))
     assert np.array_equal(_bits(runs[0][0][:-3].reshape(q.shape)), _bits(np.array(want_q.astype(mx.float32))))
     with pytest.raises(ValueError, match="declared limit"):
         rk.PAIR(**dict(call, threadgroup=(512, 1, 1)))
+
+
+def _window_keys_call(make_args, rope, x, offset, norm, ring, *queries):
+    """Launch kwargs for Flash's window keys (norm, rope, FP8, ring write; after `queries` for
+    rope_pair) with NaN-poisoned outputs and 3 guard rows."""
+    quant = (fq.WINDOW_KV.block, fq.WINDOW_KV.mode)
+    weights, periods = (norm.weight, norm.eps), rope._whole_width(x.shape[-1])
+    nan = float("nan")
+    return make_args(*queries, x, offset, periods, mx.bfloat16, 1, False, quant, weights, ring, init_value=nan, guard=3)
