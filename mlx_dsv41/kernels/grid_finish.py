@@ -44,8 +44,8 @@ def split_counters(size: int) -> mx.array:
     blocks; an expert launch's (slot, block) pairs; a site's or a router's one), at least 4 (16
     bytes), evaluated where they are made, so a compiled step holds them as a constant; each launch
     leaves them at 0. Never under 16 bytes: MLX's CUDA backend serves arrays of at most 8 bytes
-    from a pool of managed memory, where a one-word counter made an mHC site's launch 2.4x slower
-    (docs/design.md#grid-finish); made on the device, where MLX keeps its other outputs."""
+    from a pool of managed memory, and with one-word counters there a router's launch ran 3.6x
+    slower on the H200 (docs/design.md#grid-finish); made on the device, where MLX keeps its outputs."""
     if COUNTERS_ON_DEVICE:
         counters = mx.zeros((max(size, 4),), mx.uint32)
     else:

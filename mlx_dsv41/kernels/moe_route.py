@@ -6,11 +6,14 @@ MLX:
     s = sqrt(softplus(logits / temperature)); the k largest s + bias (the bias only chooses);
     weights = s[indices] / (Σ s[indices] + 1e-20) · scale (1e-20 a literal,
     docs/numerics.md#router-eps).
+    gate(x [T, D], w [E, D], bias, ...) -> route(fp32 x · wᵀ, bias, ...), the logits by fp32_linear
 
 On the CPU the plain-MLX reference runs; on a GPU one moe_route launch per call replaces its ~10
 (softplus, sqrt, the biased arg-partition, a sort, a gather, the normalisation). Selection ties
 (equal s + bias, which real fp32 scores practically never produce) go to the lower expert id in the
-kernel; the reference's arg-partition leaves them to the backend.
+kernel; the reference's arg-partition leaves them to the backend. `gate` on CUDA is one moe_gate
+launch: fp32_gemv's threadgroups, the last of which does moe_route's work
+(docs/design.md#grid-finish).
 """
 
 from __future__ import annotations
@@ -21,11 +24,8 @@ import mlx.nn as nn
 from mlx_dsv41.kernels import Kernel, backend, float_bits, fp32_linear, grid_finish, register
 
 RENORM_EPS = 1e-20  # a literal of the reference, not rms_norm_eps
-_THREADS, _MAX_EXPERTS, _MAX_K = (
-    fp32_linear.THREADS,
-    1024,
-    16,
-)  # moe_gate runs moe_route's work in fp32_gemv's threadgroup
+# moe_gate runs moe_route's work in one of fp32_gemv's threadgroups: the same thread count
+_THREADS, _MAX_EXPERTS, _MAX_K = fp32_linear.THREADS, 1024, 16
 
 ROUTE = register(
     Kernel(
@@ -119,12 +119,8 @@ def gate(x, w, bias, top_k: int, temperature: float, scale: float, counters=None
         raise ValueError(f"moe gate: x [T, D] and w [E, D] expected, got {x.shape} and {w.shape}")
     T, E = x.shape[0], w.shape[0]
     _check(E, bias, top_k)
-    if (
-        counters is not None
-        and grid_finish.merges(backend())
-        and fp32_linear.takes_kernel(T, w)
-        and _takes_kernel(T, E, top_k)
-    ):
+    one_launch = counters is not None and grid_finish.merges(backend())
+    if one_launch and fp32_linear.takes_kernel(T, w) and _takes_kernel(T, E, top_k):
         _, indices, weights = GATE(**gate_args(x, w, bias, counters, top_k, temperature, scale))
         return indices, weights
     return route(fp32_linear.linear(x, w), bias, top_k, temperature, scale)
