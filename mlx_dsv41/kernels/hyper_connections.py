@@ -16,7 +16,8 @@ On the CPU the plain-MLX reference runs (its bytes are the project's CPU referen
 - ``site`` (a Block site's input and mixes; ``mixes`` alone is a site whose input is dropped):
   fp32_gemv for z · fnᵀ (z the streams in fp32) and hc_mix, which does the site's collapse and
   RMSNorm, the mixes' RMS statistic, the gates, the row softmax and all Sinkhorn iterations in one
-  launch (the reference is ~150 MLX primitives per site, most of them Sinkhorn's);
+  launch (the reference is ~150 MLX primitives per site, most of them Sinkhorn's); on CUDA, given
+  the site's counters, the two as one hc_site launch (docs/design.md#grid-finish);
 - ``collapse_norm``: hc_collapse_norm (the collapse, its rounding to the stream dtype, the RMSNorm);
 - ``expand``: hc_expand.
 The kernels take the arrays in the model's shapes (tokens = the leading dims).
