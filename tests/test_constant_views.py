@@ -108,3 +108,18 @@ def test_the_demos_gpu_step_replays_almost_nothing_that_no_input_reaches(tmp_pat
     constant = r["constant_nodes"]
     assert not {"ExpandDims", "View bfloat16", "Broadcast"} & set(constant), constant
     assert sum(constant.values()) <= 8, constant
+
+
+def test_a_grouped_linear_reshapes_its_rows_once_each_way_on_a_gpu():
+    """wo_a's GPU path (benchmarks/gpu_graph.py's stand-in kernels): x [B, S, G, in] becomes the
+    kernels' rows [B·S·G, in] and their output [..., G, out] in one Reshape each (before: four, by
+    way of [T, G, in] and back), each a graph node a decode step evaluates."""
+    from mlx_dsv41.exl3.experts import EXL3ExpertProjection, EXL3GroupedLinear
+    from mlx_dsv41.exl3.stored import linear_tensors
+
+    slices = [random_linear_tensors(128, 64, 2 + g, seed=30 + g, prefix="p") for g in range(3)]
+    layer = EXL3GroupedLinear(EXL3ExpertProjection.from_experts([linear_tensors(t, "p") for t in slices], 128, 64))
+    x = mx.array(np.random.default_rng(4).standard_normal((1, 2, 3, 128)).astype(np.float32)).astype(mx.bfloat16)
+    with gpu_graph.gpu_graph_on_cpu(gpu_graph.Recorder()):
+        y = layer(x)
+    assert y.shape == (1, 2, 3, 64) and gpu_graph.primitives(y)["Reshape"] == 2

@@ -519,6 +519,23 @@ def grouped_run(request):
     return layer, x, y[:-1, :200].reshape(T, G, 200), len(proj.groups)
 
 
+def test_grouped_linear_on_the_gpu_path_takes_the_model_s_shape(grouped_run, monkeypatch):
+    """The layer's GPU path (launch.run_grouped: exl3_expert_down per group, the last finishing
+    itself as on CUDA, on the simulator) from x [B, S, G, in] as Attention.output hands it: the
+    bytes of the same rows given as [T, G, in], and of the separate launches' fixture."""
+    from mlx_dsv41.exl3 import ops
+
+    layer, x, y, _ = grouped_run
+    for mod in (ops, launch):
+        monkeypatch.setattr(mod, "backend", lambda: "cuda")
+    for name in ("EXPERT_DOWN", "EXPERT_DOWN_FINISH"):
+        monkeypatch.setattr(launch, name, exl3_sim.launcher(getattr(launch, name)))
+    flat = np.array(layer(x).astype(mx.float32))
+    model_shape = np.array(layer(x.reshape(1, *x.shape)).astype(mx.float32))
+    assert model_shape.shape == (1, *flat.shape) and np.array_equal(model_shape[0], flat)
+    assert np.array_equal(flat, y)
+
+
 def test_grouped_linear_matches_each_group_alone(grouped_run):
     """Every group's output is its own linear's (the reference, bf16): only summation order differs."""
     layer, x, y, n_groups = grouped_run

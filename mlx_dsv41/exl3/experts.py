@@ -202,6 +202,5 @@ class EXL3GroupedLinear(nn.Module):
         return cls(EXL3ExpertProjection.from_experts(slices, in_features, out_features))
 
     def __call__(self, x: mx.array) -> mx.array:
-        lead = x.shape[:-2]
-        y = ops.grouped(x.reshape(-1, *x.shape[-2:]), self.proj)
-        return y.reshape(*lead, *y.shape[-2:])
+        """x [..., G, in] -> [..., G, out] (ops.grouped)."""
+        return ops.grouped(x, self.proj)

@@ -318,15 +318,25 @@ def moe(x, indices, weights, experts, w1, w3, w2) -> mx.array:
 
 def grouped(x, proj) -> mx.array:
     """A grouped linear whose group g is expert g of `proj` (an EXL3ExpertProjection over the groups'
-    linears, e.g. `wo_a`'s slices): x [T, G, in] -> [T, G, out] in x.dtype, each group's output
+    linears, e.g. `wo_a`'s slices): x [..., G, in] -> [..., G, out] in x.dtype, each group's output
     rounded as its own linear rounds it. On a GPU, up to FUSED_MAX_TOKENS tokens: exl3_expert_down
     (one launch per (K, codebook) group, each forming its groups' xh from x) and
-    exl3_expert_down_finish (CUDA: the last launch finishing itself) for every group at once; more
-    tokens: the groups' W̃ decoded once and the product as for the sorted
-    experts; on the CPU each group through the reference linear."""
-    T, G, width = x.shape
+    exl3_expert_down_finish (CUDA: the last launch finishing itself) for every group at once, x read
+    as rows [tokens · G, in] (one reshape each way: each is a graph node of a decode step); more
+    tokens: the groups' W̃ decoded once and the product as for the sorted experts; on the CPU each
+    group through the reference linear."""
+    *lead, G, width = x.shape
     if G != proj.n_local or width != proj.in_features:
-        raise ValueError(f"exl3 grouped: x must be [T, {proj.n_local}, {proj.in_features}], got {x.shape}")
+        raise ValueError(f"exl3 grouped: x must be [..., {proj.n_local}, {proj.in_features}], got {x.shape}")
+    T = math.prod(lead)
+    if backend() != "cpu" and 0 < T <= FUSED_MAX_TOKENS:
+        return launch.run_grouped(x, proj)
+    return _grouped_tokens(x.reshape(T, G, width), proj).reshape(*lead, G, proj.out_features)
+
+
+def _grouped_tokens(x, proj) -> mx.array:
+    """`grouped` for x [T, G, in] on the CPU, or of no or many tokens on a GPU."""
+    T, G, width = x.shape
     if backend() == "cpu":
         held = _held_groups(proj)
         return mx.stack(
@@ -343,8 +353,6 @@ def grouped(x, proj) -> mx.array:
         )
     if T == 0:
         return mx.zeros((0, G, proj.out_features), x.dtype)
-    if T <= FUSED_MAX_TOKENS:
-        return launch.run_grouped(x, proj)
     # Many tokens: the groups' W̃ decoded once and each group's T rows as one span of the product
     # (docs/exl3.md#many-token-experts), in place of decoding every group's tiles for every token.
     # Group-major rows, read from x and written back token-major in place by the transforms.

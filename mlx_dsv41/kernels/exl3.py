@@ -747,14 +747,15 @@ def _group_indices(T: int, G: int) -> np.ndarray:
 
 def run_grouped(x, proj) -> mx.array:
     """exl3_expert_down (one launch per (K, codebook) group, each transforming its slots' inputs)
-    and exl3_expert_down_finish (or the last launch finishing itself) for x [T, G, in] with group g
-    as expert g of ``proj``: [T, G, out] in x.dtype."""
-    T, G, width = x.shape
+    and exl3_expert_down_finish (or the last launch finishing itself) for x [..., G, in] (T tokens)
+    with group g as expert g of ``proj``: [..., G, out] in x.dtype."""
+    *lead, G, width = x.shape
+    T = math.prod(lead)
     indices = _group_indices(T, G)
     # bf16 values: stored in x's dtype by the kernel when that is bf16 (no cast launch after it)
     out_dtype = x.dtype if x.dtype in (mx.bfloat16, mx.float32) else mx.float32
     y = _down(x.reshape(T * G, width), indices, proj, 0, out_dtype, None, expert_finish())
-    return y[:, : proj.out_features].reshape(T, G, proj.out_features).astype(x.dtype)
+    return y[:, : proj.out_features].reshape(*lead, G, proj.out_features).astype(x.dtype)
 
 
 # ------------------------------------------------------------------------------ CI examples
