@@ -57,6 +57,23 @@ def group_major(T: int, G: int) -> np.ndarray:
     return (r % T) * G + r // T
 
 
+def held(owner, store: str, key, make: Callable[[], object]):
+    """`make()` kept on `owner` under `key` (in the dict attribute `store`: an underscore name, so
+    never a module parameter), made once and evaluated where it is made. Evaluated, its arrays hold
+    their values: made inside a compiled step's trace (no traced input reaches them) they are
+    constants of it, where lazy they would be nodes every replay evaluates again
+    (docs/design.md#constant-views)."""
+    kept = getattr(owner, store, None)
+    if kept is None:
+        kept = {}
+        setattr(owner, store, kept)
+    if key not in kept:
+        made = make()
+        mx.eval(made)
+        kept[key] = made
+    return kept[key]
+
+
 @cache
 def full(shape: tuple[int, ...], value: float | int, dtype: mx.Dtype) -> mx.array:
     """`shape` filled with `value`, contiguous (a kernel input needs no copy)."""

@@ -382,13 +382,7 @@ def _held_weight(owner, key, trellis, codebook: str):
     """W̃ of ``trellis`` in float32, kept on ``owner`` (under an underscore name: not a parameter)."""
     if not _held(trellis):
         return cpu_weight(trellis, codebook)
-    held = getattr(owner, "_w_tilde", None)
-    if held is None:
-        held = owner._w_tilde = {}
-    if key not in held:
-        held[key] = cpu_weight(trellis, codebook)
-        mx.eval(held[key])  # decoded now: made inside a compiled trace, still a constant of it
-    return held[key]
+    return graph_constants.held(owner, "_w_tilde", key, lambda: cpu_weight(trellis, codebook))
 
 
 def _held_linear(owner, trellis, suh, svh, codebook: str):
@@ -398,11 +392,8 @@ def _held_linear(owner, trellis, suh, svh, codebook: str):
     w = _held_weight(owner, "linear", trellis, codebook)
     if not _held(trellis):
         return w, suh, svh
-    held = owner._w_tilde
-    if "suh" not in held:
-        held["suh"], held["svh"] = suh.astype(mx.float32), svh.astype(mx.float32)
-        mx.eval(held["suh"], held["svh"])  # made inside a compiled trace, still constants of it
-    return w, held["suh"], held["svh"]
+    widen = lambda: (suh.astype(mx.float32), svh.astype(mx.float32))  # noqa: E731
+    return (w, *graph_constants.held(owner, "_w_tilde", "transforms", widen))
 
 
 def _held_groups(proj):
@@ -412,12 +403,14 @@ def _held_groups(proj):
     stack = _stacked_weight(proj)
     if stack is None:
         return None
-    held = proj._w_tilde
-    if "groups" not in held:
-        groups = [(*proj.expert(g), stack[g]) for g in range(proj.n_local)]
-        held["groups"] = [(t, u.astype(mx.float32), v.astype(mx.float32), cb, w) for t, u, v, cb, w in groups]
-        mx.eval([a for t, u, v, _, w in held["groups"] for a in (t, u, v, w)])
-    return held["groups"]
+
+    def groups():
+        return [
+            (t, u.astype(mx.float32), v.astype(mx.float32), cb, stack[g])
+            for g, (t, u, v, cb) in enumerate(proj.expert(g) for g in range(proj.n_local))
+        ]
+
+    return graph_constants.held(proj, "_w_tilde", "groups", groups)
 
 
 def _stacked_weight(proj):
@@ -425,13 +418,11 @@ def _stacked_weight(proj):
     over CPU_HELD_WEIGHTS (the caller then runs one expert at a time)."""
     if proj.n_local * proj.k * proj.n > CPU_HELD_WEIGHTS:
         return None
-    held = getattr(proj, "_w_tilde", None)
-    if held is None:
-        held = proj._w_tilde = {}
-    if "stack" not in held:
-        held["stack"] = mx.stack([cpu_weight(t, cb) for t, _, _, cb in (proj.expert(e) for e in range(proj.n_local))])
-        mx.eval(held["stack"])
-    return held["stack"]
+
+    def stack():
+        return mx.stack([cpu_weight(t, cb) for t, _, _, cb in (proj.expert(e) for e in range(proj.n_local))])
+
+    return graph_constants.held(proj, "_w_tilde", "stack", stack)
 
 
 def hold_cpu_weights(root) -> None:

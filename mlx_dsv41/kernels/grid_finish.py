@@ -57,13 +57,8 @@ def split_counters(size: int) -> mx.array:
 def held_counters(owner, size: int, name: str = "") -> mx.array:
     """FINISH counters of ``size`` (`split_counters`) kept on ``owner``, the module whose launches
     use them (an EXL3 linear; an expert projection, one per slot count; a Block's mHC sites, one per
-    ``name``), made once per (name, size). Kept under an underscore name: never a parameter."""
-    held = getattr(owner, "_finish_counters", None)
-    if held is None:
-        held = owner._finish_counters = {}
-    if (name, size) not in held:
-        held[(name, size)] = split_counters(size)
-    return held[(name, size)]
+    ``name``), made once per (name, size) (graph_constants.held: never a parameter)."""
+    return graph_constants.held(owner, "_finish_counters", (name, size), lambda: split_counters(size))
 
 
 @graph_constants.constant

@@ -118,17 +118,18 @@ class Attention(nn.Module):
             q, qr = self._query_rows(x)
             kv = self.wkv(x)
             pair = self.rope.pair(q, kv, position, norm=self.kv_norm, then=WINDOW_KV, ring=ring)
-            if pair is not None:
-                return pair[0], qr, cache.written_window(pair[1], S)
-            keys = self.rope(kv, position, norm=self.kv_norm, then=WINDOW_KV, ring=ring)
-            return self.rope(q, position), qr, cache.written_window(keys, S)
+            q, keys = pair if pair is not None else (self.rope(q, position), self._window_rope(kv, position, ring))
+            return q, qr, cache.written_window(keys, S)
         return *self.queries(x, position), self.store_window(x, position, cache)
 
     def window_keys(self, x: mx.array, offset: mx.array | int, ring: mx.array | None = None) -> mx.array:
         """The window KV [B, S, head_dim] of x at positions offset..: kv_norm(wkv(x)), roped, FP8
         fake-quantized over all dims (docs/model.md#attention); with `ring`, that ring with the
         rows written at their slots (RoPE's `ring`)."""
-        return self.rope(self.wkv(x), offset, norm=self.kv_norm, then=WINDOW_KV, ring=ring)
+        return self._window_rope(self.wkv(x), offset, ring)
+
+    def _window_rope(self, kv: mx.array, offset: mx.array | int, ring: mx.array | None) -> mx.array:
+        return self.rope(kv, offset, norm=self.kv_norm, then=WINDOW_KV, ring=ring)
 
     def store_window(self, x: mx.array, position: mx.array, cache: LayerCache) -> tuple[mx.array, mx.array]:
         """The window KV of x's tokens (at position..) stored in the cache's ring; what
