@@ -63,6 +63,72 @@ def test_a_site_in_one_launch_gives_the_two_launch_bytes(case):
         assert np.isfinite(a[:T].astype(np.float32)).all()
 
 
+# (tokens, dtype, D): D = 4,160 is past one block of hc_mix_token's dims (4 · 1,024): the output
+# reloads the second block's streams instead of keeping them in registers.
+EXPAND_SITES = [(1, mx.bfloat16, D), (3, mx.bfloat16, D), (2, mx.float32, D), (1, mx.bfloat16, 4160)]
+
+
+@pytest.mark.parametrize("case", range(len(EXPAND_SITES)))
+def test_an_expand_and_the_next_site_in_one_launch_give_the_three_launch_bytes(case):
+    """hc_expand_site == hc_expand, then hc_site (whose bytes are fp32_gemv's, then hc_mix's: the
+    test above), for every output; guard rows untouched."""
+    T, dtype, dim = EXPAND_SITES[case]
+    rng = np.random.default_rng(20 + case)
+    mix = (2 + HC) * HC
+    residual = mx.array(rng.standard_normal((T, HC, dim)).astype(np.float32)).astype(dtype)
+    y = mx.array(rng.standard_normal((T, dim)).astype(np.float32)).astype(dtype)
+    m = mx.array(rng.uniform(0.1, 1.0, (T, mix)).astype(np.float32))  # the expanding site's mixes
+    fn = mx.array((rng.standard_normal((mix, HC * dim)) * 4 / np.sqrt(HC * dim)).astype(np.float32))
+    base = mx.array(rng.standard_normal(mix).astype(np.float32))
+    scale = mx.array(rng.uniform(0.5, 1.5, 3).astype(np.float32))
+    weight = mx.array(rng.uniform(0.5, 1.5, dim).astype(np.float32)).astype(dtype)
+    one = hc.expand_site_args(
+        y,
+        residual,
+        m,
+        fn,
+        base,
+        scale,
+        m,
+        weight,
+        grid_finish.split_counters(1),
+        ITERS,
+        HC_EPS,
+        NORM_EPS,
+        EPS,
+        guard=GUARD,
+    )
+    mm, out, x, streams = exl3_sim.build([(hc.EXPAND_SITE, one)], mma=True).run(0)
+    (streams2,) = exl3_sim.build([(hc.EXPAND, hc.expand_args(y, residual, m, guard=GUARD))], mma=True).run(0)
+    assert streams.tobytes() == streams2.tobytes()
+    site = hc.site_args(
+        mx.array(streams2[:T]),
+        fn,
+        base,
+        scale,
+        m,
+        weight,
+        grid_finish.split_counters(1),
+        ITERS,
+        HC_EPS,
+        NORM_EPS,
+        EPS,
+        guard=GUARD,
+    )
+    mm2, out2, x2 = exl3_sim.build([(hc.SITE, site)], mma=True).run(0)
+    for a, b in ((mm, mm2), (out, out2), (x, x2)):
+        assert a.tobytes() == b.tobytes()
+    for a in (mm, out, x, streams):
+        assert np.all(a[T:].view(np.uint8) == 0xFF)
+        assert np.isfinite(a[:T].astype(np.float32)).all()
+    if dim > D:  # past one block, against the one-threadgroup-per-token hc_mix as well
+        mix_call = hc.mix_args(
+            mx.array(mm2[:T]), mx.array(streams2[:T]), base, scale, m, weight, ITERS, HC_EPS, NORM_EPS, EPS
+        )
+        out3, x3 = exl3_sim.build([(hc.MIX, mix_call)], mma=True).run(0)
+        assert out3.tobytes() == out[:T].tobytes() and x3.tobytes() == x[:T].tobytes()
+
+
 GATES = [(1, 384, 6, 1.0, 1.5, mx.bfloat16), (3, 384, 6, 1.0, 2.5, mx.bfloat16), (2, 16, 2, 0.5, 1.0, mx.float32)]
 
 
@@ -124,5 +190,22 @@ def test_the_ops_take_one_launch_only_where_a_launch_can_finish_itself(monkeypat
                 counters=counters,
             )
             mr.gate(x, w, bias, 2, 1.0, 1.0, counters=counters)
+            y, m = streams[:, 0], prev
+            hc.expand_site(
+                y,
+                streams,
+                m,
+                prev,
+                weight,
+                EPS,
+                fn,
+                base,
+                scale,
+                iters=ITERS,
+                hc_eps=HC_EPS,
+                norm_eps=NORM_EPS,
+                counters=counters,
+            )
             one = name == "cuda" and counters is not None
-            assert seen == (["hc_site", "moe_gate"] if one else ["fp32_gemv", "hc_mix", "fp32_gemv", "moe_route"])
+            two = ["fp32_gemv", "hc_mix", "fp32_gemv", "moe_route", "hc_expand", "fp32_gemv", "hc_mix"]
+            assert seen == (["hc_site", "moe_gate", "hc_expand_site"] if one else two)

@@ -21,7 +21,7 @@ from test_linear_arithmetic import experts_reference, rel_err
 from test_model import ref_engram
 
 from mlx_dsv41.model.engram import Engram
-from mlx_dsv41.model.hyper_connections import initial_mixes
+from mlx_dsv41.model.hyper_connections import formed, initial_mixes
 from mlx_dsv41.quant import accumulation, make_linear
 from mlx_dsv41.synthetic import random_engram_tables, tiny_args
 from mlx_dsv41.synthetic_checkpoints import write_official_checkpoint
@@ -51,6 +51,7 @@ def _block_io(model, ids):
     mixes, shared, out = initial_mixes(B, L, hc), {}, []
     for layer, cache in zip(model.layers, model.make_cache()):
         nxt, nxt_mixes = layer(streams, mixes, cache, shared)  # a site's mixes: pre | post | comb
+        nxt = formed(nxt)  # a block hands on its output streams unformed (an Expansion)
         out.append((f64(streams)[0], np.array(mixes, np.float64)[0, :, :hc], f64(nxt)[0]))
         streams, mixes = nxt, nxt_mixes
     return out

@@ -34,7 +34,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_dsv41.model.hyper_connections import initial_mixes
+from mlx_dsv41.model.hyper_connections import formed, initial_mixes
 from mlx_dsv41.quant.experts import sum_slots
 from mlx_dsv41.synthetic import hf_config, random_weights, tiny_args, tiny_model
 from mlx_dsv41.synthetic_checkpoints import write_official_checkpoint
@@ -133,6 +133,7 @@ def _layerwise(ours, theirs, ids):
     shared, their_shared, out = {}, {}, []
     for o, t, c, tc in zip(ours.layers, theirs.model.layers, caches, their_caches):
         nxt, nxt_mixes = o(streams, mixes, c, shared)
+        nxt = formed(nxt)  # a block hands on its output streams unformed (an Expansion)
         other, _ = t(streams, mixes[..., :4], start_pos=0, window_idx=window, cache=tc, shared=their_shared)
         a, b = np.array(nxt.astype(mx.float32)), np.array(other.astype(mx.float32))
         rms = np.sqrt((a**2).mean(-1, keepdims=True))

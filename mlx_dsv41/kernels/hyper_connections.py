@@ -6,6 +6,9 @@
     collapse(streams, pre)                         -> Σ_i pre[i]·stream_i, in the stream dtype
     collapse_norm(streams, pre, weight, eps)       -> rms_norm(collapse(streams, pre), weight)
     expand(y [.., D], residual [.., HC, D], m)     -> post[j]·y + Σ_i comb[i, j]·old_i
+    expand_site(y, residual, m, prev, weight, eps, fn, base, scale)
+                                                   -> streams = expand(y, residual, m), then
+                                                      site(streams, prev, ...): (streams, x, m')
 
 A site's mixes travel as one array m [.., (2+HC)·HC] (`split` gives pre, post, comb): the kernels
 read their parts in place, so a site costs no slices or reshapes (each a graph node that a decode
@@ -19,7 +22,9 @@ On the CPU the plain-MLX reference runs (its bytes are the project's CPU referen
   launch (the reference is ~150 MLX primitives per site, most of them Sinkhorn's); on CUDA, given
   the site's counters, the two as one hc_site launch (docs/design.md#grid-finish);
 - ``collapse_norm``: hc_collapse_norm (the collapse, its rounding to the stream dtype, the RMSNorm);
-- ``expand``: hc_expand.
+- ``expand``: hc_expand; ``expand_site``: hc_expand then the site's launches, or on CUDA, given the
+  site's counters, one hc_expand_site launch that forms the streams as the site reads them
+  (docs/design.md#expand-site).
 The kernels take the arrays in the model's shapes (tokens = the leading dims).
 The kernels sum in fp32 in a fixed order (one threadgroup per token), so a token's bytes do not
 depend on the other tokens of the call; they differ from the MLX reference on the same GPU only
@@ -79,8 +84,19 @@ EXPAND = register(
         "hc_expand",
         ("y", "residual", "mixes"),
         ("out",),
+        includes=("hc.h",),
         max_threads=_THREADS,
         examples=lambda: _example_expand(),
+    )
+)
+EXPAND_SITE = register(
+    Kernel(
+        "hc_expand_site",
+        ("y", "residual", "mixes", "fn", "base", "scale", "pre", "weight", "counters"),
+        ("mm", "out", "x", "streams"),
+        includes=("grid_finish.h", "fp32_gemv.h", "hc.h"),
+        max_threads=fp32_linear.THREADS,
+        examples=lambda: _example_expand_site(),
     )
 )
 
@@ -241,19 +257,62 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return COLLAPSE_NORM(**collapse_norm_args(x, one, weight, eps, hc=1))[0]
 
 
-def expand(y, residual, m) -> mx.array:
-    """new_j = post[j]·y + Σ_i comb[i, j]·old_i in fp32, cast to the stream dtype (post, comb: the
-    parts of a site's mixes m)."""
+def _check_expand(y, residual, m) -> int:
     hc, dim = _check_streams(residual, "hc expand")
     lead = residual.shape[:-2]
     if y.shape != (*lead, dim) or m.shape != (*lead, (2 + hc) * hc):
         raise ValueError(
             f"hc expand: y {(*lead, dim)} and mixes {(*lead, (2 + hc) * hc)} expected, got {y.shape}, {m.shape}"
         )
+    return hc
+
+
+def expand(y, residual, m) -> mx.array:
+    """new_j = post[j]·y + Σ_i comb[i, j]·old_i in fp32, cast to the stream dtype (post, comb: the
+    parts of a site's mixes m)."""
+    hc = _check_expand(y, residual, m)
     if backend() == "cpu":
         _, post, comb = split(m, hc)
         return expand_reference(y, residual, post, comb)
     return EXPAND(**expand_args(y, residual, m))[0]
+
+
+def expand_site(
+    y,
+    residual,
+    m,
+    prev,
+    weight,
+    eps: float,
+    fn,
+    base,
+    scale,
+    *,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    counters=None,
+):
+    """An expand and the next site: (streams = expand(y, residual, m), then that site's input and
+    mixes as `site` gives them for streams). One hc_expand_site launch where a launch may finish
+    itself and the site's fp32_gemv takes its rows, given the site's ``counters``; else `expand`,
+    then `site` (the same bytes)."""
+    if counters is not None and backend() != "cpu" and grid_finish.merges(backend()):
+        hc, dim = _check_site(residual, fn, base, scale, iters)
+        if dim % 8 == 0 and fp32_linear.takes_kernel(_rows(residual.shape[:-2]), fn):
+            _check_expand(y, residual, m)
+            _check_collapse(residual, prev, weight, "hc site")
+            _, out, x, streams = EXPAND_SITE(
+                **expand_site_args(
+                    y, residual, m, fn, base, scale, prev, weight, counters, iters, hc_eps, norm_eps, eps
+                )
+            )
+            return streams, x, out
+    streams = expand(y, residual, m)
+    x, out = site(
+        streams, prev, weight, eps, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, counters=counters
+    )
+    return streams, x, out
 
 
 # ------------------------------------------------------------------------------- launch kwargs
@@ -309,27 +368,54 @@ def site_args(
     """hc_site call kwargs: fp32_gemv's launch over the tokens of streams [..., HC, D] (read in place
     as [T, HC·D]) against fn, finished by hc_mix's work for each token; outputs mm (fp32_gemv's), then
     hc_mix's two. counters: uint32 [>= 1] zeros (held_counters)."""
+    args = _finished_site_args(streams, fn, base, scale, pre, weight, counters, iters, hc_eps, norm_eps, eps, guard)
+    args["inputs"].insert(0, streams)
+    return dict(args, init_value=init_value)
+
+
+def expand_site_args(
+    y,
+    residual,
+    m,
+    fn,
+    base,
+    scale,
+    pre,
+    weight,
+    counters,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    eps: float,
+    init_value=None,
+    guard: int = 0,
+) -> dict:
+    """hc_expand_site call kwargs: hc_site's launch whose streams are expand(y, residual, m) (y [..., D],
+    residual [..., HC, D], m the expanding site's mixes [..., (2+HC)·HC]); outputs hc_site's three,
+    then the streams [..., HC, D] (or [rows + guard, HC, D])."""
+    args = _finished_site_args(residual, fn, base, scale, pre, weight, counters, iters, hc_eps, norm_eps, eps, guard)
+    args["inputs"][:0] = [y, residual, m.astype(mx.float32)]
+    *lead, hc, dim = residual.shape
+    args["output_shapes"].append(tuple(residual.shape) if not guard else (_rows(lead) + guard, hc, dim))
+    args["output_dtypes"].append(residual.dtype)
+    return dict(args, init_value=init_value)
+
+
+def _finished_site_args(streams, fn, base, scale, pre, weight, counters, iters, hc_eps, norm_eps, eps, guard) -> dict:
+    """What hc_site and hc_expand_site share: fp32_gemv's launch over the tokens of streams
+    [..., HC, D] finished by hc_mix's work; the inputs after the streams, mm's and hc_mix's outputs."""
     *lead, hc, dim = streams.shape
     mix = (2 + hc) * hc
     if counters.dtype != mx.uint32 or counters.size < 1:
         raise ValueError(f"hc site: counters must be uint32 [>= 1], got {counters.dtype} {counters.shape}")
     launch = fp32_linear.gemv_launch(_rows(lead), fn)
     return dict(
-        inputs=[
-            streams,
-            fn,
-            base.astype(mx.float32),
-            scale.astype(mx.float32),
-            pre.astype(mx.float32),
-            weight,
-            counters,
-        ],
+        inputs=[fn, base.astype(mx.float32), scale.astype(mx.float32), pre.astype(mx.float32), weight, counters],
         output_shapes=[_out_shape(lead, mix, guard), _out_shape(lead, mix, guard), _out_shape(lead, dim, guard)],
         output_dtypes=[mx.float32, mx.float32, streams.dtype],
         grid=launch["grid"],
         threadgroup=launch["threadgroup"],
         template=launch["template"] + _mix_template(streams, iters, hc_eps, norm_eps, eps, fp32_linear.THREADS),
-        init_value=init_value,
     )
 
 
@@ -407,6 +493,33 @@ def _example_site():
         site_args(s, fn, mx.zeros((mix,)), mx.ones((3,)), prev, w, counters, 20, 1e-6, 1e-20, 1e-20),
         site_args(
             s[:1].astype(mx.float32), fn, mx.zeros((mix,)), mx.ones((3,)), prev[:1], w, counters, 3, 1e-6, 1e-20, 1e-6
+        ),
+    ]
+
+
+def _example_expand_site():
+    s = _example_streams()
+    T, hc, dim = s.shape
+    mix = (2 + hc) * hc
+    fn = mx.random.normal((mix, hc * dim), key=mx.random.key(3))
+    m, w, counters = mx.ones((T, mix)), mx.ones((dim,)), grid_finish.split_counters(1)
+    y = mx.zeros((T, dim), mx.bfloat16)
+    return [
+        expand_site_args(y, s, m, fn, mx.zeros((mix,)), mx.ones((3,)), m, w, counters, 20, 1e-6, 1e-20, 1e-20),
+        expand_site_args(
+            y[:1].astype(mx.float32),
+            s[:1].astype(mx.float32),
+            m[:1],
+            fn,
+            mx.zeros((mix,)),
+            mx.ones((3,)),
+            m[:1],
+            w,
+            counters,
+            3,
+            1e-6,
+            1e-20,
+            1e-6,
         ),
     ]
 

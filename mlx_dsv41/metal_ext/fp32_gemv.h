@@ -1,12 +1,37 @@
 // fp32_gemv's work (fp32_gemv.metal: what it computes, in which order) for one threadgroup of 8 SIMD
-// groups: threadgroup `group`'s outputs of y [M, N] = x [M, K] · w [N, K]ᵀ. sums: 8 x 8 x 4 floats of
-// threadgroup memory (SPLIT > 1: SIMD groups x M x COLS range sums). Shared by fp32_gemv and the
-// launches that finish its outputs in their last threadgroup (hc_site, moe_gate), so all give the
-// same bytes.
+// groups: threadgroup `group`'s outputs of y [M, N] = x [M, K] · w [N, K]ᵀ (x read through a row
+// source: Fp32Rows, or one that forms the rows). sums: 8 x 8 x 4 floats of threadgroup memory
+// (SPLIT > 1: SIMD groups x M x COLS range sums). Shared by fp32_gemv and the launches that finish
+// its outputs in their last threadgroup (hc_site, hc_expand_site, moe_gate), so all give the same
+// bytes.
 #pragma once
 
-template <int M, int COLS, int SPLIT, int W, typename TX, typename TW>
-KX_INLINE void fp32_gemv_group(const KX_DEVICE TX* x, const KX_DEVICE TW* w, KX_DEVICE float* y, u32 N, u32 K,
+// Eight consecutive values of a row of x, in fp32.
+struct Fp32Eight {
+  float v[8];
+};
+
+// x [M, K] as stored: the rows fp32_gemv reads. A launch that forms x as it reads it passes its own
+// source with the same fetch8 (hc.h: HcExpandRows, the streams an expand makes).
+template <typename TX>
+struct Fp32Rows {
+  const KX_DEVICE TX* x;
+  u32 K;
+  KX_INLINE Fp32Eight fetch8(u32 m, u32 k) const {  // row m, columns k .. k + 7
+    Fp32Eight r;
+    for (int e = 0; e < 8; e++) r.v[e] = KX_TO_F32(x[(u64)m * K + k + e]);
+    return r;
+  }
+};
+
+template <typename TX>
+KX_INLINE Fp32Rows<TX> fp32_rows(const KX_DEVICE TX* x, u32 K) {
+  const Fp32Rows<TX> rows = {x, K};
+  return rows;
+}
+
+template <int M, int COLS, int SPLIT, int W, typename XS, typename TW>
+KX_INLINE void fp32_gemv_group(XS x, const KX_DEVICE TW* w, KX_DEVICE float* y, u32 N, u32 K,
                                KX_THREADGROUP float* sums, u32 group, u32 warp, u32 lane) {
   const u32 C = K / 8;
   const u32 part = warp % SPLIT;
@@ -27,8 +52,10 @@ KX_INLINE void fp32_gemv_group(const KX_DEVICE TX* x, const KX_DEVICE TW* w, KX_
     KX_UNROLL for (int u = 0; u < U; u++) {
       const u32 c = c0 + u * KX_SIMD_WIDTH;
       if (c >= c_end) break;
-      for (int m = 0; m < M; m++)
-        for (int e = 0; e < 8; e++) xv[u][m][e] = KX_TO_F32(x[(u64)m * K + c * 8 + e]);
+      for (int m = 0; m < M; m++) {
+        const auto e8 = x.fetch8(m, c * 8);  // .v[0 .. 7]: Fp32Eight, or the source's own
+        for (int e = 0; e < 8; e++) xv[u][m][e] = e8.v[e];
+      }
       for (int j = 0; j < COLS; j++) {
         const u32 n = n0 + j < N ? n0 + j : N - 1;  // past the end: read the last row, write nothing
         if (W == 0) {

@@ -11,4 +11,4 @@
 // y [M, N].
 // 256 threads (8 SIMD groups) per threadgroup.
 KX_SHARED(float, sums, 8 * 8 * 4);
-fp32_gemv_group<M, COLS, SPLIT, W>(x, w, y, w_shape[0], w_shape[1], sums, KX_TGID_X, KX_WARP, KX_LANE);
+fp32_gemv_group<M, COLS, SPLIT, W>(fp32_rows(x, w_shape[1]), w, y, w_shape[0], w_shape[1], sums, KX_TGID_X, KX_WARP, KX_LANE);

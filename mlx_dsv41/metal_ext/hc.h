@@ -5,14 +5,14 @@
 // threadgroup of V · warps SIMD groups holding one each (value j of thread l standing for thread
 // l + 32 · warps · j there): an xor butterfly in each SIMD group, then the V · warps group sums
 // added in that larger threadgroup's group order (by every thread). `partials` holds V · warps
-// floats; the trailing barrier lets a caller reuse it. HcSums: a thread's V values (by value: no
+// floats; the trailing barrier lets a caller reuse it. HcVals: a thread's V values (by value: no
 // address space to name).
 template <int V>
-struct HcSums {
+struct HcVals {
   float v[V];
 };
 template <int V>
-KX_INLINE float hc_threadgroup_sums(HcSums<V> sums, KX_THREADGROUP float* partials, u32 lane, u32 warp, u32 warps) {
+KX_INLINE float hc_threadgroup_sums(HcVals<V> sums, KX_THREADGROUP float* partials, u32 lane, u32 warp, u32 warps) {
   KX_UNROLL for (int j = 0; j < V; j++) {
     float x = sums.v[j];
     for (u32 m = 16; m > 0; m >>= 1) x += KX_SHUFFLE_XOR(x, m);
@@ -28,64 +28,134 @@ KX_INLINE float hc_threadgroup_sums(HcSums<V> sums, KX_THREADGROUP float* partia
 // The sum of v over a threadgroup of `warps` SIMD groups in a fixed order (hc_threadgroup_sums with
 // one value a thread).
 KX_INLINE float hc_threadgroup_sum(float v, KX_THREADGROUP float* partials, u32 lane, u32 warp, u32 warps) {
-  HcSums<1> one;
+  HcVals<1> one;
   one.v[0] = v;
   return hc_threadgroup_sums<1>(one, partials, lane, warp, warps);
+}
+
+// A value through L2 (CG: another threadgroup of the launch wrote it) or as any load, in fp32.
+template <bool CG, typename TS>
+KX_INLINE float hc_load(const KX_DEVICE TS* p) {
+  return KX_TO_F32(CG ? KX_LOAD_CG(p) : *p);
+}
+
+// The collapse Σ_i p[i] · s[i] of one dim's stream values s (FMAs in stream order), rounded to T as
+// the reference holds it, in fp32.
+template <typename T, int HC>
+KX_INLINE float hc_collapse_value(HcVals<HC> p, HcVals<HC> s) {
+  float c = p.v[0] * s.v[0];
+  KX_UNROLL for (int i = 1; i < HC; i++) c = KX_FMA(p.v[i], s.v[i], c);
+  return KX_TO_F32(static_cast<T>(c));
+}
+
+// hc_expand's value of new stream j at one dim (docs/model.md#mhc expand): post[j] · y + Σ_i
+// comb[i][j] · s[i] in fp32 with FMAs in stream order, rounded to T; s: the old streams' values at
+// the dim, mixes: the token's row of the site's mixes (pre | post | comb). Shared by hc_expand and
+// hc_expand_site.
+template <typename T, int HC>
+KX_INLINE T hc_expand_value(HcVals<HC> s, float y, const KX_DEVICE float* mixes, u32 j) {
+  float acc = mixes[2 * HC + j] * s.v[0];
+  for (int i = 1; i < HC; i++) acc = KX_FMA(mixes[2 * HC + (u32)i * HC + j], s.v[i], acc);
+  return static_cast<T>(KX_FMA(mixes[HC + j], y, acc));
+}
+
+// The rows [M, HC·D] an mHC site's fp32_gemv reads (fp32_gemv.h's row-source contract) when the
+// expand before the site is in the site's launch (hc_expand_site): the new streams, each value made
+// by hc_expand_value from y [M, D], the old streams [M, HC, D] and the expanding site's mixes
+// [M, (2+HC)·HC]; where `write`, stored to `out` [M, HC, D] as well (one threadgroup's SIMD
+// groups that read every value once). 8 divides D: eight columns are one stream's.
+template <typename T, int HC, typename TY>
+struct HcExpandRows {
+  const KX_DEVICE TY* y;
+  const KX_DEVICE T* residual;
+  const KX_DEVICE float* mixes;
+  KX_DEVICE T* out;
+  u32 D;
+  bool write;
+  KX_INLINE HcVals<8> fetch8(u32 m, u32 k) const {
+    const u32 j = k / D, d = k - j * D;
+    const KX_DEVICE float* row = mixes + (u64)m * (2 + HC) * HC;
+    HcVals<8> r;
+    for (int e = 0; e < 8; e++) {
+      HcVals<HC> s;
+      KX_UNROLL for (int i = 0; i < HC; i++) s.v[i] = KX_TO_F32(residual[((u64)m * HC + i) * D + d + e]);
+      const T v = hc_expand_value<T, HC>(s, KX_TO_F32(y[(u64)m * D + d + e]), row, j);
+      if (write) out[((u64)m * HC + j) * D + d + e] = v;
+      r.v[e] = KX_TO_F32(v);
+    }
+    return r;
+  }
+};
+
+template <typename T, int HC, typename TY>
+KX_INLINE HcExpandRows<T, HC, TY> hc_expand_rows(const KX_DEVICE TY* y, const KX_DEVICE T* residual,
+                                                 const KX_DEVICE float* mixes, KX_DEVICE T* out, u32 D, bool write) {
+  const HcExpandRows<T, HC, TY> rows = {y, residual, mixes, out, D, write};
+  return rows;
 }
 
 // hc_mix's work for token t (hc_mix.metal: what it computes, in which order) by a threadgroup of
 // THREADS threads, summing in the order of ORDER threads (1,024: thread l keeps the sums of
 // threads l, l + THREADS, .. of that order, ORDER / THREADS of them, in 1, 2 or 4 accumulators);
 // partials: 32 floats of threadgroup memory. mm is read through L2: in hc_site the other
-// threadgroups of the launch wrote it. Shared by hc_mix (1,024 threads) and hc_site (fp32_gemv's
-// 256), so both give the same bytes.
-template <typename T, int HC, int ITERS, int THREADS, int ORDER, typename TS, typename TW>
+// threadgroups of the launch wrote it; so are the streams where CG (hc_expand_site). Shared by
+// hc_mix (1,024 threads) and hc_site / hc_expand_site (fp32_gemv's 256), so all give the same bytes.
+// The dims come in blocks of 4 · ORDER (Flash's D: one block), thread lid's of a block in R = ORDER /
+// THREADS passes of four: every load of a block is issued before its sums (one memory round trip),
+// and the first block's rounded collapse stays in registers for the output (later blocks load again:
+// the same operations give the same bits).
+template <typename T, int HC, int ITERS, int THREADS, int ORDER, bool CG, typename TS, typename TW>
 KX_INLINE void hc_mix_token(const KX_DEVICE float* mm, const KX_DEVICE TS* streams, const KX_DEVICE float* base,
                             const KX_DEVICE float* scale, const KX_DEVICE float* pre, u32 pre_w,
                             const KX_DEVICE TW* weight, KX_DEVICE float* out, KX_DEVICE T* x, u32 D, u32 t,
                             u32 hc_eps_bits, u32 norm_eps_bits, u32 eps_bits, KX_THREADGROUP float* partials,
                             u32 lid, u32 lane, u32 warp) {
   const u32 mix_width = (2 + HC) * HC;
-  float p[HC];
-  KX_UNROLL for (int i = 0; i < HC; i++) p[i] = pre[(u64)t * pre_w + i];
+  HcVals<HC> p;
+  KX_UNROLL for (int i = 0; i < HC; i++) p.v[i] = pre[(u64)t * pre_w + i];
   const u64 first = (u64)t * HC * D;
-  // Dims d0 + u · THREADS go to accumulator u % V: the dims of thread lid + j · THREADS of ORDER's
-  // threadgroup, in their order (d0 advances by 4 · THREADS and V divides 4).
-  constexpr int V = ORDER / THREADS;
+  // Dim lid + (4r + u) · THREADS of a block goes to accumulator u % V: the dims of thread
+  // lid + j · THREADS of ORDER's threadgroup, in their order (V divides 4).
+  constexpr int V = ORDER / THREADS, R = V;
   static_assert(V == 1 || V == 2 || V == 4, "hc_mix_token sums in the order of 1, 2 or 4 times its threads");
-  HcSums<V> zsq, xsq;
+  constexpr u32 BLOCK = 4 * THREADS * R;
+  HcVals<V> zsq, xsq;
   KX_UNROLL for (int j = 0; j < V; j++) zsq.v[j] = xsq.v[j] = 0.0f;
-  for (u32 d0 = lid; d0 < D; d0 += 4 * THREADS) {
-    float v[4][HC];
-    KX_UNROLL for (u32 u = 0; u < 4; u++) {
-      const u32 d = d0 + u * THREADS;
-      KX_UNROLL for (int i = 0; i < HC; i++) v[u][i] = d < D ? KX_TO_F32(streams[first + (u64)i * D + d]) : 0.0f;
+  float kept[R][4];  // the first block's rounded collapse
+  for (u32 b0 = lid; b0 < D; b0 += BLOCK) {
+    HcVals<HC> v[R][4];
+    KX_UNROLL for (int r = 0; r < R; r++) KX_UNROLL for (u32 u = 0; u < 4; u++) {
+      const u32 d = b0 + (4 * r + u) * THREADS;
+      KX_UNROLL for (int i = 0; i < HC; i++) v[r][u].v[i] = d < D ? hc_load<CG>(streams + first + (u64)i * D + d) : 0.0f;
     }
-    KX_UNROLL for (u32 u = 0; u < 4; u++) {
-      if (d0 + u * THREADS < D) {
-        float c = p[0] * v[u][0];
-        KX_UNROLL for (int i = 1; i < HC; i++) c = KX_FMA(p[i], v[u][i], c);
-        const float x = KX_TO_F32(static_cast<T>(c));
-        xsq.v[u % V] = KX_FMA(x, x, xsq.v[u % V]);
-        KX_UNROLL for (int i = 0; i < HC; i++) zsq.v[u % V] = KX_FMA(v[u][i], v[u][i], zsq.v[u % V]);
+    KX_UNROLL for (int r = 0; r < R; r++) KX_UNROLL for (u32 u = 0; u < 4; u++) {
+      float c = 0.0f;
+      if (b0 + (4 * r + u) * THREADS < D) {
+        c = hc_collapse_value<T, HC>(p, v[r][u]);
+        xsq.v[u % V] = KX_FMA(c, c, xsq.v[u % V]);
+        KX_UNROLL for (int i = 0; i < HC; i++) zsq.v[u % V] = KX_FMA(v[r][u].v[i], v[r][u].v[i], zsq.v[u % V]);
       }
+      if (b0 == lid) kept[r][u] = c;
     }
   }
   const float z_sumsq = hc_threadgroup_sums<V>(zsq, partials, lane, warp, THREADS / 32);
   const float x_sumsq = hc_threadgroup_sums<V>(xsq, partials, lane, warp, THREADS / 32);
   const float x_inv = 1.0f / KX_SQRT(x_sumsq / (float)D + KX_BITS_F32(eps_bits));
-  for (u32 d0 = lid; d0 < D; d0 += 4 * THREADS) {
-    float c[4];
-    KX_UNROLL for (u32 u = 0; u < 4; u++) {
-      const u32 d = d0 + u * THREADS;
-      float v[HC];
-      KX_UNROLL for (int i = 0; i < HC; i++) v[i] = d < D ? KX_TO_F32(streams[first + (u64)i * D + d]) : 0.0f;
-      c[u] = p[0] * v[0];
-      KX_UNROLL for (int i = 1; i < HC; i++) c[u] = KX_FMA(p[i], v[i], c[u]);
+  for (u32 b0 = lid; b0 < D; b0 += BLOCK) {
+    float c[R][4];
+    KX_UNROLL for (int r = 0; r < R; r++) KX_UNROLL for (u32 u = 0; u < 4; u++) {
+      const u32 d = b0 + (4 * r + u) * THREADS;
+      if (b0 == lid) {
+        c[r][u] = kept[r][u];
+      } else {
+        HcVals<HC> s;
+        KX_UNROLL for (int i = 0; i < HC; i++) s.v[i] = d < D ? hc_load<CG>(streams + first + (u64)i * D + d) : 0.0f;
+        c[r][u] = hc_collapse_value<T, HC>(p, s);
+      }
     }
-    KX_UNROLL for (u32 u = 0; u < 4; u++) {
-      const u32 d = d0 + u * THREADS;
-      if (d < D) x[(u64)t * D + d] = static_cast<T>(KX_TO_F32(static_cast<T>(c[u])) * x_inv * KX_TO_F32(weight[d]));
+    KX_UNROLL for (int r = 0; r < R; r++) KX_UNROLL for (u32 u = 0; u < 4; u++) {
+      const u32 d = b0 + (4 * r + u) * THREADS;
+      if (d < D) x[(u64)t * D + d] = static_cast<T>(c[r][u] * x_inv * KX_TO_F32(weight[d]));
     }
   }
   if (warp == 0) {

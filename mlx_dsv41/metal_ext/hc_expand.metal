@@ -1,17 +1,14 @@
 // hc_expand: new_j = post[j] · y + Σ_i comb[i][j] · old_i for (token KX_TID_Y, dim KX_TID_X)
 // (docs/model.md#mhc expand: the streams mix with combᵀ), in fp32 with FMAs in stream order,
-// rounded to T. y [.., D], residual [.., HC, D]; post and comb are read in place from the site's
-// mixes [.., (2+HC)·HC] = pre | post | comb. Template: T (residual and output dtype), HC.
+// rounded to T (hc.h: hc_expand_value). y [.., D], residual [.., HC, D]; post and comb are read in
+// place from the site's mixes [.., (2+HC)·HC] = pre | post | comb. Template: T (residual and output
+// dtype), HC.
 const u32 d = KX_TID_X, t = KX_TID_Y;
 const u32 D = y_shape[y_ndim - 1];
 if (d < D) {
-  float s[HC];
-  for (int i = 0; i < HC; i++) s[i] = KX_TO_F32(residual[((u64)t * HC + i) * D + d]);
+  HcVals<HC> s;
+  for (int i = 0; i < HC; i++) s.v[i] = KX_TO_F32(residual[((u64)t * HC + i) * D + d]);
   const float yv = KX_TO_F32(y[(u64)t * D + d]);
-  const u64 m0 = (u64)t * (2 + HC) * HC;
-  for (int j = 0; j < HC; j++) {
-    float acc = mixes[m0 + 2 * HC + j] * s[0];
-    for (int i = 1; i < HC; i++) acc = KX_FMA(mixes[m0 + 2 * HC + (u64)i * HC + j], s[i], acc);
-    out[((u64)t * HC + j) * D + d] = static_cast<T>(KX_FMA(mixes[m0 + HC + j], yv, acc));
-  }
+  const KX_DEVICE float* row = mixes + (u64)t * (2 + HC) * HC;
+  for (int j = 0; j < HC; j++) out[((u64)t * HC + j) * D + d] = hc_expand_value<T, HC>(s, yv, row, j);
 }

@@ -14,7 +14,7 @@ KX_SHARED(float, best_v, 8);
 KX_SHARED(int, best_i, 8);
 KX_SHARED(int, chosen, 16);
 const u32 E = w_shape[0];
-fp32_gemv_group<M, COLS, SPLIT, W>(x, w, logits, E, w_shape[1], sums, KX_TGID_X, KX_WARP, KX_LANE);
+fp32_gemv_group<M, COLS, SPLIT, W>(fp32_rows(x, w_shape[1]), w, logits, E, w_shape[1], sums, KX_TGID_X, KX_WARP, KX_LANE);
 if (grid_finish_arrival(counters, 0, fp32_gemv_groups<COLS, SPLIT>(E), last, KX_LID_X)) {
   for (u32 t = 0; t < M; t++) {
     KX_BARRIER();  // the previous token's threadgroup memory is read

@@ -39,7 +39,7 @@ from mlx_dsv41.model import compiled_step
 from mlx_dsv41.model.attention import Attention
 from mlx_dsv41.model.engram import Engram, RowSource
 from mlx_dsv41.model.engram_hash import CompressedTokenMap, EngramHashLayout
-from mlx_dsv41.model.hyper_connections import collapse_norm, expand, hc_site, initial_mixes
+from mlx_dsv41.model.hyper_connections import Expansion, collapse_norm, expand_site, formed, hc_site, initial_mixes
 from mlx_dsv41.model.moe import MoE
 from mlx_dsv41.model.norm import RMSNorm
 
@@ -67,22 +67,24 @@ class Block(nn.Module):
         if args.role(layer_id).engram:
             self.engram = Engram(args)
 
-    def _site(self, streams: mx.array, prev: mx.array, site: str):
-        """(the site's input: its norm of the streams collapsed with the pre of `prev`, the previous
-        site's mixes; this site's mixes)."""
-        return hc_site(
-            streams,
+    def _site(self, streams: mx.array | Expansion, prev: mx.array, site: str):
+        """(the streams, formed if they came as an Expansion; the site's input: its norm of the streams
+        collapsed with the pre of `prev`, the previous site's mixes; this site's mixes)."""
+        args = (
             prev,
             getattr(self, f"{site}_norm").weight,
             self.norm_eps,
             getattr(self, f"hc_{site}_fn"),
             getattr(self, f"hc_{site}_base"),
             getattr(self, f"hc_{site}_scale"),
-            iters=self.hc_iters,
-            hc_eps=self.hc_eps,
-            norm_eps=self.norm_eps,
-            counters=held_counters(self, 1, site),  # on CUDA the site is one launch (kernels/grid_finish.py)
         )
+        # On CUDA the site, with the expand before it, is one launch (kernels/grid_finish.py).
+        kwargs = dict(
+            iters=self.hc_iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps, counters=held_counters(self, 1, site)
+        )
+        if isinstance(streams, Expansion):
+            return expand_site(*streams, *args, **kwargs)
+        return (streams, *hc_site(streams, *args, **kwargs))
 
     def __call__(
         self,
@@ -93,18 +95,19 @@ class Block(nn.Module):
         engram_rows: mx.array | None = None,
         engram_live: mx.array | None = None,
     ) -> tuple[mx.array, mx.array]:
-        """streams [B, S, HC, D] bf16, prev [B, S, (2+HC)·HC] fp32 (the previous site's mixes, whose
-        pre this block's attention collapses with) -> (streams, the FFN site's mixes). Engram, if
-        any, runs first (docs/model.md#top-level)."""
+        """streams [B, S, HC, D] bf16 (or an Expansion forming them), prev [B, S, (2+HC)·HC] fp32 (the
+        previous site's mixes, whose pre this block's attention collapses with) -> (the streams as an
+        Expansion of the FFN's output: the next site forms them; `formed` for an array, the FFN
+        site's mixes). Engram, if any, runs first (docs/model.md#top-level)."""
         if engram_rows is not None:
-            streams = self.engram(streams, engram_rows, engram_live)
+            streams = self.engram(formed(streams), engram_rows, engram_live)
         # Single-pass mHC (docs/model.md#mhc, docs/model.md#mhc-schedule): each site collapses with
         # the previous site's pre; a site's mixes are one array (post and comb read by expand).
-        x, attn_mixes = self._site(streams, prev, "attn")
-        streams = expand(self.attn(x, cache, shared), streams, attn_mixes)
-        x, ffn_mixes = self._site(streams, attn_mixes, "ffn")
-        streams = expand(self.ffn(x), streams, ffn_mixes)
-        return streams, ffn_mixes
+        streams, x, attn_mixes = self._site(streams, prev, "attn")
+        streams, x, ffn_mixes = self._site(
+            Expansion(self.attn(x, cache, shared), streams, attn_mixes), attn_mixes, "ffn"
+        )
+        return Expansion(self.ffn(x), streams, ffn_mixes), ffn_mixes
 
 
 # Checkpoint tensors the text model never reads (docs/checkpoint.md#tensor-names;
@@ -300,10 +303,11 @@ class Model(nn.Module):
         captured = []
         for i, (layer, layer_cache) in enumerate(zip(self.layers, caches)):
             if capture and i in self._capture_layers:
+                streams = formed(streams)
                 captured.append(mx.mean(streams.astype(mx.float32), axis=2).astype(streams.dtype))
             streams, mixes = layer(streams, mixes, layer_cache, shared, rows.get(i), live)
         # The last FFN site's pre (docs/model.md#head): the first columns of its mixes.
-        x = collapse_norm(streams, mixes, self.norm.weight, self.args.rms_norm_eps)
+        x = collapse_norm(formed(streams), mixes, self.norm.weight, self.args.rms_norm_eps)
         logits = self.head(x.astype(mx.float32))
         # Evaluating the logits also materialises every cache array, so a long generation never
         # builds a lazy chain through state the logits do not read (e.g. pending groups).

@@ -39,7 +39,7 @@ from mlx_dsv41.kernels.sparse_attention import sparse_attention
 from mlx_dsv41.model import compiled_step
 from mlx_dsv41.model.attention import Attention
 from mlx_dsv41.model.deepseek_v41 import Block
-from mlx_dsv41.model.hyper_connections import collapse, initial_mixes
+from mlx_dsv41.model.hyper_connections import collapse, formed, initial_mixes
 from mlx_dsv41.model.norm import RMSNorm
 
 MAIN_X = "dspark.main_x"  # key of the shared dict: main_x rows of the positions the rings lack
@@ -194,7 +194,7 @@ def _draft_forward(model, rings: list[LayerCache], position: mx.array, rows: mx.
     mixes = initial_mixes(B, S, hc)
     for stage, ring in zip(stages, rings):
         streams, mixes = stage(streams, mixes, ring, shared)
-    z = collapse(streams, mixes)  # with the last stage's ffn pre; not normed (docs/dspark.md#output)
+    z = collapse(formed(streams), mixes)  # with the last stage's ffn pre; not normed (docs/dspark.md#output)
     base = model.head(last.norm(z).astype(mx.float32))  # [B, S, V] fp32
     return _markov_chain(last, z, base, token, choose)
 

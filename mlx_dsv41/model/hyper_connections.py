@@ -7,6 +7,9 @@ HC×HC stream mix, made by Sinkhorn). The lag is the V4.1 "single-pass" change: 
 with the `pre` computed at the site before it (docs/model.md#mhc-schedule); the Block does that
 bookkeeping: a site's input (its norm of the collapse) and its mixes come from one `hc_site` call,
 the mixes as one array m = pre | post | comb [B, S, (2+HC)·HC] that the next ops read in place.
+A site's output spread back over the streams (`expand`) travels as an `Expansion` to the next site,
+which forms the streams in its own launch where it can (`hc_expand_site`, docs/design.md#expand-site);
+whatever else reads the streams forms them first (`formed`).
 
 The math and its kernels are in mlx_dsv41.kernels.hyper_connections (plain MLX on the CPU, one
 launch per op on a GPU); this module is the model's view of them.
@@ -14,23 +17,42 @@ launch per op on a GPU); this module is the model's view of them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import mlx.core as mx
 import numpy as np
 
 from mlx_dsv41 import graph_constants
-from mlx_dsv41.kernels.hyper_connections import collapse, collapse_norm, expand, expand_reference, mixes
+from mlx_dsv41.kernels.hyper_connections import collapse, collapse_norm, expand, expand_reference, expand_site, mixes
 from mlx_dsv41.kernels.hyper_connections import site as hc_site
 
 __all__ = [
+    "Expansion",
     "collapse",
     "collapse_norm",
     "expand",
     "expand_reference",
+    "expand_site",
+    "formed",
     "hc_mixes",
     "hc_site",
     "initial_mixes",
     "initial_pre",
 ]
+
+
+class Expansion(NamedTuple):
+    """Streams not yet formed: expand(y, residual, m), a site's output y [B, S, D] spread over the
+    residual streams [B, S, HC, D] by that site's mixes m."""
+
+    y: mx.array
+    residual: mx.array
+    m: mx.array
+
+
+def formed(streams: mx.array | Expansion) -> mx.array:
+    """The streams as an array (an Expansion expanded)."""
+    return expand(*streams) if isinstance(streams, Expansion) else streams
 
 
 def hc_mixes(

@@ -1,11 +1,12 @@
 """Launches that finish themselves (docs/design.md#grid-finish) on the device: hc_site gives the bytes
-of fp32_gemv then hc_mix at Flash's site (HC 4, D 4096: fn 24 x 16384), moe_gate those of fp32_gemv
-then moe_route at Flash's router (384 experts, D 4096, top-6), for 1, 3 and 8 tokens, with the
-kernel contract: outputs poisoned (NaN) before launch, guard rows untouched; five repeats
-byte-identical (each launch leaves its counters at 0: a counter left over would finish the next
-launch early or never); nonfinite inputs where float64 puts them (through the two-launch bytes
-and, for the site, tests/gpu/test_hc_kernels.py's float64 checks of hc_mix); the launch limit
-declared; and the ops (hc.site, moe_route.gate) take the one launch on CUDA."""
+of fp32_gemv then hc_mix at Flash's site (HC 4, D 4096: fn 24 x 16384), hc_expand_site those of
+hc_expand then hc_site there, moe_gate those of fp32_gemv then moe_route at Flash's router (384
+experts, D 4096, top-6), for 1, 3 and 8 tokens, with the kernel contract: outputs poisoned (NaN)
+before launch, guard rows untouched; five repeats byte-identical (each launch leaves its counters at
+0: a counter left over would finish the next launch early or never); nonfinite inputs where float64
+puts them (through the two-launch bytes and, for the site, tests/gpu/test_hc_kernels.py's float64
+checks of hc_mix); the launch limit declared; and the ops (hc.site, moe_route.gate) take the one
+launch on CUDA."""
 
 import mlx.core as mx
 import numpy as np
@@ -88,6 +89,42 @@ def test_a_site_in_one_launch_gives_the_two_launch_bytes_and_keeps_the_contract(
 
 @pytest.mark.parametrize("T", [1, 3, 8])
 @pytest.mark.parametrize("nonfinite", [False, True])
+def test_an_expand_and_the_next_site_in_one_launch_give_the_three_launch_bytes(T, nonfinite):
+    """hc_expand_site (docs/design.md#expand-site) == hc_expand, then hc_site (whose bytes are the two
+    launches': the test above), at Flash's site; outputs poisoned, guard rows untouched, five repeats
+    byte-identical, a NaN / inf of y or of the old streams in the tokens that hold them only."""
+    residual, fn, base, scale, m, weight = _site_inputs(T, 100 + T)
+    rng = np.random.default_rng(200 + T)
+    raw = rng.standard_normal((T, D)).astype(np.float32)
+    if nonfinite:
+        raw[0, 7] = np.nan
+        bad = np.array(_np(residual))
+        bad[T - 1, 2, 4000] = np.inf
+        residual = mx.array(bad).astype(mx.bfloat16)
+    y = mx.array(raw).astype(mx.bfloat16)
+    counters = grid_finish.split_counters(1)
+    call = hc.expand_site_args(
+        y, residual, m, fn, base, scale, m, weight, counters, ITERS, HC_EPS, NORM_EPS, EPS, NAN, 2
+    )
+    runs = [_bytes(hc.EXPAND_SITE(**call)) for _ in range(5)]
+    assert all(r == runs[0] for r in runs)
+    mm, out, x, streams = (_np(a) for a in hc.EXPAND_SITE(**call))
+    for a in (mm, out, x, streams):
+        assert np.all(np.isnan(a[T:]))  # guard rows as poisoned
+    (streams2,) = hc.EXPAND(**hc.expand_args(y, residual, m))
+    assert streams[:T].tobytes() == _np(streams2).tobytes()
+    site = hc.site_args(streams2, fn, base, scale, m, weight, counters, ITERS, HC_EPS, NORM_EPS, EPS, NAN, 2)
+    mm2, out2, x2 = (_np(a) for a in hc.SITE(**site))
+    assert mm.tobytes() == mm2.tobytes() and out.tobytes() == out2.tobytes() and x.tobytes() == x2.tobytes()
+    if nonfinite:
+        assert np.isnan(out[0]).all() and np.isnan(out[T - 1]).all()
+        assert T < 3 or np.isfinite(out[1 : T - 1]).all()
+    else:
+        assert np.isfinite(out[:T]).all() and np.isfinite(x[:T]).all() and np.isfinite(streams[:T]).all()
+
+
+@pytest.mark.parametrize("T", [1, 3, 8])
+@pytest.mark.parametrize("nonfinite", [False, True])
 def test_the_router_in_one_launch_gives_the_two_launch_bytes_and_keeps_the_contract(T, nonfinite):
     rng = np.random.default_rng(40 + T)
     raw = rng.standard_normal((T, D)).astype(np.float32)
@@ -127,3 +164,23 @@ def test_launch_limits_are_declared_and_the_ops_take_one_launch():
     )
     _, out, xs = hc.SITE(**hc.site_args(streams, fn, base, scale, prev, weight, counters, ITERS, HC_EPS, NORM_EPS, EPS))
     assert _bytes([x, m]) == _bytes([xs, out])
+    assert hc.EXPAND_SITE.max_threads == 256
+    y = streams[:, 0]
+    new, x, m = hc.expand_site(
+        y,
+        streams,
+        prev,
+        prev,
+        weight,
+        EPS,
+        fn,
+        base,
+        scale,
+        iters=ITERS,
+        hc_eps=HC_EPS,
+        norm_eps=NORM_EPS,
+        counters=counters,
+    )
+    call = hc.expand_site_args(y, streams, prev, fn, base, scale, prev, weight, counters, ITERS, HC_EPS, NORM_EPS, EPS)
+    _, out, xs, streams1 = hc.EXPAND_SITE(**call)
+    assert _bytes([new, x, m]) == _bytes([streams1, xs, out])
