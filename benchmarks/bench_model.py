@@ -123,7 +123,7 @@ import flash_model  # noqa: E402 (benchmarks/ is not a package)
 from count_ops import VIEWS  # noqa: E402
 
 from mlx_dsv41 import kernels  # noqa: E402
-from mlx_dsv41.kernels import backend, grid_finish  # noqa: E402
+from mlx_dsv41.kernels import backend, grid_finish, sparse_attention  # noqa: E402
 from mlx_dsv41.model import compiled_step  # noqa: E402
 from mlx_dsv41.synthetic import hf_config  # noqa: E402
 
@@ -629,7 +629,8 @@ def measure_prefill(models: list[tuple], a):
 class PartTimer:
     """Exclusive wall ms per part. A wrapped call evaluates its array inputs before its clock starts
     (their work belongs to the caller) and its outputs before it stops; the time of a wrapped call
-    inside another is taken out of the outer one's, so nothing counts twice."""
+    inside another is taken out of the outer one's, so nothing counts twice. A call that returns
+    None (an op that declined: sparse_attention_unrotated off the GPU) is not counted as a call."""
 
     def __init__(self):
         self.ms, self.calls, self.stack = Counter(), Counter(), []
@@ -640,6 +641,7 @@ class PartTimer:
             _settle(args, kwargs)
             self.stack.append(0.0)  # time of the calls nested in this one
             t0 = time.perf_counter()
+            out = None
             try:
                 out = fn(*args, **kwargs)
                 _settle(out)
@@ -647,7 +649,7 @@ class PartTimer:
             finally:
                 spent = time.perf_counter() - t0
                 self.ms[part] += 1e3 * (spent - self.stack.pop())
-                self.calls[part] += 1
+                self.calls[part] += out is not None  # None: the op declined (its caller runs another)
                 if self.stack:
                     self.stack[-1] += spent
 
@@ -690,6 +692,7 @@ def part_targets() -> list[tuple[str, object, str]]:
     mhc, engram = "mHC: site (collapse + norm, mixes), expand", "Engram: host hash, row reads, gate"
     targets = [
         ("sparse attention kernel", attention, "sparse_attention"),
+        ("sparse attention kernel", attention, "sparse_attention_unrotated"),
         ("indexer: scores, top-k, keys (its GEMMs apart)", Indexer, "__call__"),
         ("indexer: scores, top-k, keys (its GEMMs apart)", Indexer, "keys"),
         ("compressor: pooling (its GEMMs apart)", Compressor, "__call__"),
@@ -698,7 +701,7 @@ def part_targets() -> list[tuple[str, object, str]]:
         ("MoE router", Gate, "__call__"),
         *[("MoE routed experts", cls, "__call__") for cls in (EXL3Experts, DenseExperts, MXExperts)],
         ("MoE, the rest: slot sum, shared-expert SwiGLU", MoE, "__call__"),
-        *[(mhc, deepseek_v41, name) for name in ("hc_site", "collapse_norm", "expand")],
+        *[(mhc, deepseek_v41, name) for name in ("hc_site", "expand_site", "formed", "collapse_norm")],
         (engram, Engram, "__call__"),
         (engram, deepseek_v41.Model, "_engram_inputs"),
     ]
@@ -868,8 +871,8 @@ def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
         (a.separate_ring_writes, "ring writes apart from the rope", [(rope_module, "WRITES_RING")]),
         (
             a.separate_launches,
-            "sites, router and ropes in two launches",
-            [(grid_finish, "MERGES"), (rope_module, "PAIRS")],
+            "sites, expands, router, ropes and attention output in separate launches",
+            [(grid_finish, "MERGES"), (rope_module, "PAIRS"), (sparse_attention, "UNROTATES")],
         ),
         (a.host_counters, "FINISH counters made on the host", [(grid_finish, "COUNTERS_ON_DEVICE")]),
         (a.host_position, "position made on the host", [(compiled_step.CompiledStep, "carries_position")]),
@@ -1018,7 +1021,8 @@ def main() -> int:
     ap.add_argument(
         "--separate-launches",
         action="store_true",
-        help="also time our decode with mHC sites, the router and the q / window-key ropes in two launches each (A/B)",
+        help="also time our decode with mHC sites (and the expands before them), the router, the q / window-key ropes "
+        "and the attention output's rope in separate launches (A/B)",
     )
     ap.add_argument(
         "--host-counters",

@@ -147,7 +147,7 @@ def spec_block(model, hidden: mx.array, token: int):
         top = mx.maximum(mx.max(scores, axis=-1, keepdims=True), sink)
         weights = mx.exp(scores - top)
         o = (weights @ keys) / (mx.sum(weights, axis=-1, keepdims=True) + mx.exp(sink - top))
-        streams = expand_reference(attn.output(o[None], p + 1, y.dtype), streams, a_post, a_comb)
+        streams = expand_reference(attn.output(attn.unrotated(o[None], p + 1, y.dtype)), streams, a_post, a_comb)
         f_pre, f_post, f_comb = mixes(stage, streams, "ffn")
         streams = expand_reference(stage.ffn(stage.ffn_norm(collapse(streams, a_pre))), streams, f_post, f_comb)
         pre = f_pre

@@ -91,7 +91,7 @@ def test_the_kernel_gives_the_cpu_path_within_one_rounding(monkeypatch, use, yar
 
 def test_an_fp32_input_is_rounded_first_and_guard_rows_keep_their_poison():
     x = _x((1, 3, 4, 128), mx.float32, seed=1)
-    periods = RoPE(64, 10000.0)._whole_width(128)
+    periods = RoPE(64, 10000.0).whole_width(128)
     offset = mx.array(17, mx.int32)
     specs = [
         (rope_kernel.ROPE, rope_kernel.args(x, offset, periods, mx.bfloat16, 1, True, None, guard=2)),
@@ -121,7 +121,7 @@ def test_the_norm_is_hc_collapse_norms_for_one_stream():
 
     x = _x((2, 3, 512), mx.bfloat16, seed=3)
     norm = random_norm(512)
-    periods, offset = RoPE(64, 10000.0)._whole_width(512), mx.array(40, mx.int32)
+    periods, offset = RoPE(64, 10000.0).whole_width(512), mx.array(40, mx.int32)
     one = mx.ones((2, 3, 1), mx.float32)
     specs = [
         (hc.COLLAPSE_NORM, hc.collapse_norm_args(x, one, norm.weight, 1e-20, hc=1)),
@@ -176,7 +176,7 @@ def test_the_ring_write_gives_the_bytes_of_the_rope_then_the_slice_update(monkey
 def test_the_ring_write_keeps_its_guard_rows_and_refuses_what_it_cannot_take():
     x = _x((1, 2, 64), mx.bfloat16, seed=2)
     ring = _x((1, 5, 64), mx.bfloat16, seed=3)
-    periods, offset = RoPE(64, 10000.0)._whole_width(64), mx.array(4, mx.int32)
+    periods, offset = RoPE(64, 10000.0).whole_width(64), mx.array(4, mx.int32)
     call = rope_kernel.args(x, offset, periods, mx.bfloat16, 1, False, None, ring=ring, guard=2)
     (out,) = exl3_sim.build([(rope_kernel.ROPE, call)], mma=False).run(0)
     assert out.shape == (7, 64) and np.all(_bits(out[-2:]) == 0xFFFF)
@@ -214,7 +214,7 @@ def test_the_pair_gives_each_rope_launch_s_bytes(monkeypatch, tokens, at):
     assert calls == ["rope_pair", "rope", "rope"]
     assert np.array_equal(_bits(_np(q_out)), _bits(_np(want_q)))
     assert np.array_equal(_bits(_np(written)), _bits(_np(want_ring)))
-    periods = rope._whole_width(128)
+    periods = rope.whole_width(128)
     call = rope_kernel.pair_args(
         q, x, offset, periods, mx.bfloat16, 1, False, (32, fq.WINDOW_KV.mode), (norm.weight, norm.eps), ring, guard=2
     )

@@ -19,6 +19,10 @@ within a stated bound instead (docs/model.md#attention-rows); it runs on CUDA wi
 ``ROWS_AUTO_MIN`` query rows where it runs (a rule of shape, so that no output's bytes depend
 on timing noise), and otherwise times serial and parallel once per shape class (see
 :func:`_auto_variant`) and keeps the faster.
+:func:`sparse_attention_unrotated` is the output as the model uses it: rounded to a dtype and
+turned back at its query position (RoPE's inverse), in the attention launch where serial or
+parallel runs (``sparse_attention_unrotated``: their bytes, then the rope kernel's;
+docs/numerics.md#unrotated-output), else None.
 Compile-time tuning constants of the kernels (:func:`set_tuning`, ``TUNABLE``) change speed,
 never bytes. On the CPU every variant runs :func:`sparse_attention_reference`.
 :func:`variant_counts` says which ran (for generation statistics). Under ``mx.compile`` the choice
@@ -37,7 +41,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dsv41 import graph_constants
-from mlx_dsv41.kernels import Kernel, backend, float_bits, register
+from mlx_dsv41.kernels import Kernel, backend, float_bits, register, rope
 
 VARIANTS = ("serial", "parallel", "rows", "auto")
 ENV_VAR = "MLX_DSV41_ATTENTION"
@@ -229,6 +233,19 @@ ROWS = register(
     )
 )
 _KERNELS = {"serial": SERIAL, "parallel": PARALLEL, "rows": ROWS}
+UNROTATED = register(
+    Kernel(
+        "sparse_attention_unrotated",
+        (*_INPUTS, "period", "offset"),
+        ("out",),
+        includes=("fake_quant.h", "hc.h", "rope.h", "sparse_attention.h", "sparse_attention_unrotated.h"),
+        max_threads=_GROUPS["parallel"] * _LANES,
+        examples=lambda: _unrotated_examples(),
+    )
+)
+# The output's inverse rope in the attention launch (sparse_attention_unrotated); False: the two
+# launches (benchmarks/bench_model.py --separate-launches: an A/B switch).
+UNROTATES = True
 
 
 def _rows_examples() -> list[dict]:
@@ -259,6 +276,29 @@ def rows_refusal(q, window, pool) -> str | None:
 
 def _run(variant: str, q, window, pool, indices, sinks, scale: float) -> mx.array:
     return _KERNELS[variant](**_launch_args(q, window, pool, indices, sinks, scale, variant))[0]
+
+
+def unrotated_args(q, window, pool, indices, sinks, scale: float, period, offset, dtype, variant: str) -> dict:
+    """sparse_attention_unrotated call kwargs: the `variant` kernel's (serial or parallel) with the
+    rope's inputs (period [D / 2] float32, offset a 0-d int32) and its output in dtype."""
+    args = _launch_args(q, window, pool, indices, sinks, scale, variant)
+    args["inputs"] += [period, offset]
+    args["output_dtypes"] = [dtype]
+    args["template"] += [("GROUPS", _GROUPS[variant]), ("T", dtype)]
+    return args
+
+
+def _unrotated_examples() -> list[dict]:
+    calls = []
+    for variant in ("serial", "parallel"):
+        for call in _examples(variant)[:2]:
+            q = call["inputs"][0]
+            period = mx.full((q.shape[-1] // 2,), 64.0)
+            window, pool, indices, sinks = call["inputs"][1:5]
+            calls.append(
+                unrotated_args(q, window, pool, indices, sinks, 0.0625, period, mx.array(3, mx.int32), q.dtype, variant)
+            )
+    return calls
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,12 +496,43 @@ def _auto_variant(q, window, pool, indices) -> str:
 def sparse_attention(q, window, pool, indices, sinks, scale: float, variant: str | None = None):
     """[B, S, H, D] float32. See the module docstring for the contract and variant selection."""
     _check(q, window, pool, indices, sinks, scale)
+    wanted = _variant(q, window, pool, indices, variant)
+    if wanted == "reference":
+        return sparse_attention_reference(q, window, pool, indices, sinks, scale)
+    return _run(wanted, q, window, pool, indices, sinks, float(scale))
+
+
+def sparse_attention_unrotated(q, window, pool, indices, sinks, scale: float, period, offset, dtype, variant=None):
+    """sparse_attention's output rounded to dtype and turned back by the angle of its query
+    position (row s at offset + s; period: RoPE's whole-width periods [D / 2], offset a 0-d int32),
+    as the rope kernel turns it (kernels/rope.py, inverse): one launch where the serial or the
+    parallel kernel runs the call, the bytes of the two. None elsewhere (the CPU, the rows kernel,
+    UNROTATES off): the caller runs the two."""
+    _check(q, window, pool, indices, sinks, scale)
+    if not UNROTATES or backend() == "cpu" or period.shape != (q.shape[-1] // 2,):
+        return None
+    if not isinstance(offset, mx.array) or offset.ndim or offset.dtype != mx.int32:
+        return None
+    if rope.refusal(q, None) is not None:  # where the rope kernel would not turn it either
+        return None
+    wanted = _variant(q, window, pool, indices, variant, count=False)
+    if wanted not in ("serial", "parallel"):
+        return None
+    _counts[wanted] += 1
+    call = unrotated_args(q, window, pool, indices, sinks, float(scale), period, offset, dtype, wanted)
+    return UNROTATED(**call)[0]
+
+
+def _variant(q, window, pool, indices, variant: str | None, count: bool = True) -> str:
+    """The kernel that runs the call ('serial', 'parallel', 'rows'), or 'reference'; counted (in
+    variant_counts) with `count`."""
     wanted = default_variant() if variant is None else parse_variant(variant)
     why_not = _kernel_unavailable(q)
     if why_not is not None:
-        _counts["reference"] += 1
-        _reference_reasons[why_not] += 1
-        return sparse_attention_reference(q, window, pool, indices, sinks, scale)
+        if count:
+            _counts["reference"] += 1
+            _reference_reasons[why_not] += 1
+        return "reference"
     rows_runs = wanted in ("rows", "auto") and rows_refusal(q, window, pool) is None
     if wanted == "auto":
         many_rows = q.shape[0] * q.shape[1] >= ROWS_AUTO_MIN
@@ -470,5 +541,6 @@ def sparse_attention(q, window, pool, indices, sinks, scale: float, variant: str
         wanted = "serial"
     if wanted == "rows" and not rows_runs:
         wanted = "serial"
-    _counts[wanted] += 1
-    return _run(wanted, q, window, pool, indices, sinks, float(scale))
+    if count:
+        _counts[wanted] += 1
+    return wanted

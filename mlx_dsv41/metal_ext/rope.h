@@ -1,6 +1,20 @@
 // rope's work for one output row (rope.metal: what it computes, in which order), shared by rope and
-// rope_pair so that a row has the same bytes from either (docs/numerics.md#rope-launch).
+// rope_pair so that a row has the same bytes from either (docs/numerics.md#rope-launch); its angle
+// and rotation also serve sparse_attention_unrotated's output (sparse_attention.h).
 #pragma once
+
+// The angle of position offset + s before a pair's period: ±STEP · (offset + s).
+template <int STEP, int INVERSE>
+KX_INLINE float rope_angle(i32 offset, u32 s) {
+  return (INVERSE ? -(float)STEP : (float)STEP) * (float)(offset + (i32)s);
+}
+
+// Element `odd` of interleaved pair (x1, x2) turned by L / period (MLX's rope: its expressions).
+KX_INLINE float rope_rotated(float x1, float x2, float L, float period, u32 odd) {
+  const float theta = L * KX_ROPE_INV(period);
+  const float c = KX_ROPE_COS(theta), sn = KX_ROPE_SIN(theta);
+  return odd ? x1 * sn + x2 * c : x1 * c - x2 * sn;
+}
 
 // Output row r by a threadgroup of 256 threads: row r of x [.., S, H, D] (H = 1 for [B, S, D]) at
 // position offset + s; with RING, slot r % R of ring r / R ([B, R, D]). partials: 8 floats of
@@ -31,16 +45,13 @@ KX_INLINE void rope_row(const KX_DEVICE TX* x, i32 offset, const KX_DEVICE TP* p
     }
     inv = 1.0f / KX_SQRT(hc_threadgroup_sum(acc, partials, lane, warp, 8) / (float)D + KX_BITS_F32(eps_bits));
   }
-  const float L = (INVERSE ? -(float)STEP : (float)STEP) * (float)(offset + (i32)s);
+  const float L = rope_angle<STEP, INVERSE>(offset, s);
   for (u32 d = lid; d < D; d += 256) {
     float v = KX_TO_F32(static_cast<T>(x[row + d]));
     if (NORM) v = KX_TO_F32(static_cast<T>(v * inv * KX_TO_F32(weight[d])));
     const float other = KX_SHUFFLE_XOR(v, 1);
     const float x1 = (d & 1u) ? other : v, x2 = (d & 1u) ? v : other;
-    const float theta = L * KX_ROPE_INV(period[d >> 1]);
-    const float c = KX_ROPE_COS(theta), sn = KX_ROPE_SIN(theta);
-    const float rotated = (d & 1u) ? x1 * sn + x2 * c : x1 * c - x2 * sn;
-    float q = KX_TO_F32(static_cast<T>(rotated));
+    float q = KX_TO_F32(static_cast<T>(rope_rotated(x1, x2, L, KX_TO_F32(period[d >> 1]), d & 1u)));
     if (QUANT) q = fq_quantize(q, BLOCK, MODE);
     out[dst + d] = static_cast<T>(q);
   }

@@ -240,6 +240,10 @@ struct sa_shared {
   float maxima[2][GROUPS];
 };
 
+// The store of four consecutive output values at element i: float32, as the serial and parallel
+// kernels write them (sparse_attention_unrotated.h overloads it for its own output).
+KX_INLINE void sa_store4(KX_DEVICE float* out, i64 i, float4 f) { *(KX_DEVICE float4*)(out + i) = f; }
+
 template <int DIM, int GROUPS, int PREFETCH, bool VEC, typename QP, typename KP, typename IP,
           typename SP, typename OP>
 KX_INLINE void sa_attend(QP q, KP window, KP pool, IP indices, SP sinks, sa_dims dims, OP out,
@@ -471,14 +475,13 @@ KX_INLINE void sa_attend(QP q, KP window, KP pool, IP indices, SP sinks, sa_dims
   }
   if (chain == 0) {
     SA_UNROLL for (int c = 0; c < VCHUNKS; ++c) {
-      KX_DEVICE float4* o = (KX_DEVICE float4*)(out + (q0 + value_at + c * VALUE_STRIDE));
       SA_UNROLL for (int v4 = 0; v4 < SA_VEC / 4; ++v4) {
         float4 f;
         f.x = SA_DIV(res[c * SA_VEC + 4 * v4], sum);
         f.y = SA_DIV(res[c * SA_VEC + 4 * v4 + 1], sum);
         f.z = SA_DIV(res[c * SA_VEC + 4 * v4 + 2], sum);
         f.w = SA_DIV(res[c * SA_VEC + 4 * v4 + 3], sum);
-        o[v4] = f;
+        sa_store4(out, q0 + value_at + c * VALUE_STRIDE + 4 * v4, f);
       }
     }
   }

@@ -24,7 +24,7 @@ import mlx.nn as nn
 
 from mlx_dsv41.cache import LayerCache
 from mlx_dsv41.config import ModelArgs
-from mlx_dsv41.kernels.sparse_attention import sparse_attention
+from mlx_dsv41.kernels.sparse_attention import sparse_attention, sparse_attention_unrotated
 from mlx_dsv41.model.compressor import Compressor
 from mlx_dsv41.model.fake_quant import COMPRESSED_KV, WINDOW_KV
 from mlx_dsv41.model.indexer import Indexer
@@ -93,9 +93,9 @@ class Attention(nn.Module):
                 picks = mx.where(topk >= 0, topk + window.shape[1], -1)
                 indices = mx.concatenate([indices, picks], axis=-1)
 
-        o = sparse_attention(q, window, pool, indices, self.attn_sink.astype(mx.float32), self.scale)
+        o = self.attend(q, window, pool, indices, position, x.dtype)
         cache.advance(S)
-        return self.output(o, position, x.dtype)
+        return self.output(o)
 
     def queries(self, x: mx.array, offset: mx.array | int) -> tuple[mx.array, mx.array]:
         """(q [B, S, H, head_dim] roped at offset.., qr [B, S, q_lora_rank]) of x [B, S, hidden]."""
@@ -141,11 +141,25 @@ class Attention(nn.Module):
             return cache.update_window(self.window_keys(x, position))
         return cache.written_window(self.window_keys(x, position, ring), S)
 
-    def output(self, o: mx.array, offset: mx.array | int, dtype) -> mx.array:
-        """Attention output o [B, S, H, head_dim] (fp32) at positions offset.. -> [B, S, hidden] in
-        dtype: o rounded to dtype, then the conjugate rotation at the query position."""
+    def attend(self, q, window, pool, indices, offset: mx.array, dtype) -> mx.array:
+        """The attention output [B, S, H, head_dim] as the output projection reads it (`unrotated`);
+        on a GPU one launch where the attention kernel turns it itself (the bytes of the two:
+        docs/numerics.md#unrotated-output)."""
+        sinks = self.attn_sink.astype(mx.float32)
+        period = self.rope.whole_width(q.shape[-1])
+        o = sparse_attention_unrotated(q, window, pool, indices, sinks, self.scale, period, offset, dtype)
+        if o is None:
+            o = self.unrotated(sparse_attention(q, window, pool, indices, sinks, self.scale), offset, dtype)
+        return o
+
+    def unrotated(self, o: mx.array, offset: mx.array | int, dtype) -> mx.array:
+        """Attention output o [B, S, H, head_dim] (fp32) at positions offset.. rounded to dtype, then
+        given the conjugate rotation at the query position."""
+        return self.rope(o, offset, inverse=True, dtype=dtype)
+
+    def output(self, o: mx.array) -> mx.array:
+        """The output projection of the unrotated attention output [B, S, H, head_dim] -> [B, S, hidden]."""
         B, S = o.shape[:2]
-        o = self.rope(o, offset, inverse=True, dtype=dtype)
         return self.wo_b(self.wo_a(o.reshape(B, S, self.o_groups, -1)).reshape(B, S, -1))
 
     def _compressed(self, x, qr, position: mx.array, cache: LayerCache, shared: dict):

@@ -35,7 +35,6 @@ import mlx.nn as nn
 from mlx_dsv41 import graph_constants, quant
 from mlx_dsv41.cache import DraftCache, LayerCache
 from mlx_dsv41.config import ModelArgs
-from mlx_dsv41.kernels.sparse_attention import sparse_attention
 from mlx_dsv41.model import compiled_step
 from mlx_dsv41.model.attention import Attention
 from mlx_dsv41.model.deepseek_v41 import Block
@@ -64,8 +63,7 @@ class StageAttention(Attention):
         # rows[-1]: where the window of position p sits in `window`; the block keys follow it.
         idx = mx.concatenate([rows[-1], graph_constants.arange(S, window.shape[1])])
         indices = mx.broadcast_to(idx, (B, S, idx.shape[0]))
-        o = sparse_attention(q, keys, keys[:, :0], indices, self.attn_sink.astype(mx.float32), self.scale)
-        return self.output(o, start, x.dtype)
+        return self.output(self.attend(q, keys, keys[:, :0], indices, start, x.dtype))
 
 
 class MarkovHead(nn.Module):

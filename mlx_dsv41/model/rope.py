@@ -69,8 +69,9 @@ class RoPE:
         self._periods = mx.array((1.0 / self.frequencies).astype(np.float32))
         self._wide: dict[int, mx.array] = {}
 
-    def _whole_width(self, width: int) -> mx.array:
-        """The periods of a rope over the whole `width`: inf for the leading (width - dims) / 2 pairs."""
+    def whole_width(self, width: int) -> mx.array:
+        """The periods of a rope over the whole `width` (what the GPU kernels read): inf for the
+        leading (width - dims) / 2 pairs."""
         if width not in self._wide:
             lead = np.full((width - self.dims) // 2, np.inf)
             self._wide[width] = mx.array(np.concatenate([lead, 1.0 / self.frequencies]).astype(np.float32))
@@ -104,7 +105,7 @@ class RoPE:
                 # fake_quant kernel and store_rows (docs/numerics.md#rope-launch).
                 offset = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
                 weights = None if norm is None else (norm.weight, norm.eps)
-                periods = self._whole_width(x.shape[-1])
+                periods = self.whole_width(x.shape[-1])
                 return rope_kernel.run(x, offset, periods, dtype, step, inverse, quant, weights, ring)
         if ring is not None:
             y = self(x, offset, step=step, inverse=inverse, dtype=dtype, norm=norm, then=then)
@@ -115,7 +116,7 @@ class RoPE:
             # MLX's GPU rope kernels compute in fp32 from any input dtype and round once, and the
             # leading pairs get an infinite period (angle 0: they pass unchanged) -- the bytes of the
             # fp32 tail below, without its slice, two casts and concatenation.
-            y = self._rope(x, x.shape[-1], scale, offset, self._whole_width(x.shape[-1]))
+            y = self._rope(x, x.shape[-1], scale, offset, self.whole_width(x.shape[-1]))
         else:
             d = self.dims
             tail = self._rope(x[..., -d:].astype(mx.float32), d, scale, offset, self._periods)
@@ -131,7 +132,7 @@ class RoPE:
         quant = (then.block, then.mode)
         if rope_kernel.pair_refusal(q, x, quant, ring) is not None:
             return None
-        periods = self._whole_width(x.shape[-1])
+        periods = self.whole_width(x.shape[-1])
         return rope_kernel.run_pair(q, x, offset, periods, x.dtype, 1, False, quant, (norm.weight, norm.eps), ring)
 
     @staticmethod

@@ -59,7 +59,7 @@ def _launches_before(x, rope, offset, step, inverse, then, norm=None):
     """What the model launched before the rope kernel: the cast, the RMSNorm (hc_collapse_norm), the
     whole-width mx.fast.rope (through a transpose for 4-D rows), the fake_quant kernel."""
     y = x.astype(mx.bfloat16) if norm is None else norm(x.astype(mx.bfloat16))
-    y = rope._rope(y, y.shape[-1], float(-step if inverse else step), offset, rope._whole_width(y.shape[-1]))
+    y = rope._rope(y, y.shape[-1], float(-step if inverse else step), offset, rope.whole_width(y.shape[-1]))
     return y if then is None else then(y)
 
 
@@ -86,7 +86,7 @@ def test_the_rope_kernel_contract_nonfinite_poison_guards_repeats_and_limit():
     raw[0, 0, 0, 3], raw[0, 1, 2, 100], raw[1, 2, 3, 127], raw[1, 0, 1, 64] = np.nan, np.inf, -np.inf, np.inf
     x = mx.array(raw).astype(mx.bfloat16)
     offset = mx.array(9, mx.int32)
-    periods = rope._whole_width(128)
+    periods = rope.whole_width(128)
     for then in (None, fq.INDEXER):
         quant = None if then is None else (then.block, then.mode)
         call = rk.args(x, offset, periods, mx.bfloat16, 1, False, quant, init_value=float("nan"), guard=2)
@@ -179,6 +179,6 @@ def _window_keys_call(make_args, rope, x, offset, norm, ring, *queries):
     """Launch kwargs for Flash's window keys (norm, rope, FP8, ring write; after `queries` for
     rope_pair) with NaN-poisoned outputs and 3 guard rows."""
     quant = (fq.WINDOW_KV.block, fq.WINDOW_KV.mode)
-    weights, periods = (norm.weight, norm.eps), rope._whole_width(x.shape[-1])
+    weights, periods = (norm.weight, norm.eps), rope.whole_width(x.shape[-1])
     nan = float("nan")
     return make_args(*queries, x, offset, periods, mx.bfloat16, 1, False, quant, weights, ring, init_value=nan, guard=3)
