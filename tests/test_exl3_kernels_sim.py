@@ -536,6 +536,36 @@ def test_grouped_linear_on_the_gpu_path_takes_the_model_s_shape(grouped_run, mon
     assert np.array_equal(flat, y)
 
 
+@pytest.mark.parametrize("out", [200, 256])
+def test_a_grouped_linear_of_the_attention_output_s_shape_gives_the_grouped_bytes(out, monkeypatch):
+    """quant.grouped_flat (Attention.output: wo_a of o [B, S, H, D], the output [B, S, G · out]) on
+    the GPU path, the last launch finishing itself as on CUDA, on the simulator: the bytes of the
+    layer on x [B, S, G, in], then reshaped. out = 256 fills whole tiles: x and the output go to the
+    launches in those shapes (no reshape node); 200 does not (the reshaped path)."""
+    from mlx_dsv41.exl3 import EXL3GroupedLinear, ops
+    from mlx_dsv41.exl3.stored import linear_tensors
+    from mlx_dsv41.quant import grouped_flat
+
+    slices = [
+        linear_tensors(
+            {k: mx.array(v) for k, v in random_linear_tensors(256, out, b, "mul1", seed=60 + g, prefix="s").items()},
+            "s",
+        )
+        for g, b in enumerate((3, 2))
+    ]
+    layer = EXL3GroupedLinear.from_slices(slices, 256, out)
+    for mod in (ops, launch):
+        monkeypatch.setattr(mod, "backend", lambda: "cuda")
+    monkeypatch.setattr(launch, "expert_finish", lambda: True)
+    for name in ("EXPERT_DOWN", "EXPERT_DOWN_FINISH"):
+        monkeypatch.setattr(launch, name, exl3_sim.launcher(getattr(launch, name)))
+    o = mx.array(np.random.default_rng(9).normal(0, 2, (1, 2, 4, 128)).astype(np.float32)).astype(mx.bfloat16)
+    got = grouped_flat(layer, o, 2)
+    want = layer(o.reshape(1, 2, 2, 256)).reshape(1, 2, 2 * out)
+    assert got.shape == (1, 2, 2 * out) and got.dtype == mx.bfloat16
+    assert np.array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
+
+
 def test_grouped_linear_matches_each_group_alone(grouped_run):
     """Every group's output is its own linear's (the reference, bf16): only summation order differs."""
     layer, x, y, n_groups = grouped_run
@@ -694,3 +724,28 @@ def test_where_the_shared_expert_rides_in_the_routed_launches(monkeypatch):
     assert not ops.shared_fits(ex, *fits, 7.0, 2, mx.float16)
     monkeypatch.setattr(launch, "TUNING", launch.Tuning(shared_in_routed=0))
     assert not ops.shared_fits(ex, *fits, 7.0, 2, x.dtype)
+
+
+@pytest.mark.parametrize("k", [256, 4096])
+def test_a_linear_writes_its_output_in_the_shape_asked_for(k, monkeypatch):
+    """EXL3Linear.into (quant.linear_into: the queries' heads [B, S, H, D]) on the GPU path on the
+    simulator (k 256: one fused launch; 4096: k split, the launch finishing itself): the output in
+    that shape, the bytes of the plain call, and no reshape where the kernel writes it so."""
+    from mlx_dsv41.exl3 import ops
+    from mlx_dsv41.exl3.stored import linear_tensors
+    from mlx_dsv41.quant import linear_into
+
+    t = random_linear_tensors(k, 384, 3, "mul1", seed=k, prefix="w")
+    layer = EXL3Linear.from_stored({key: mx.array(v) for key, v in t.items()}, "w")
+    assert linear_tensors({key: mx.array(v) for key, v in t.items()}, "w")["codebook"] == "mul1"
+    for mod in (ops, launch):
+        monkeypatch.setattr(mod, "backend", lambda: "cuda")
+    for name in ("GEMV", "GEMV_OUT"):
+        monkeypatch.setattr(launch, name, exl3_sim.launcher(getattr(launch, name)))
+    x = mx.array(np.random.default_rng(k).normal(0, 1, (1, 2, k)).astype(np.float32)).astype(mx.bfloat16)
+    heads = linear_into(layer, x, (1, 2, 4, 96))
+    plain = layer(x)
+    assert heads.shape == (1, 2, 4, 96) and plain.shape == (1, 2, 384)
+    assert np.array_equal(np.array(heads.view(mx.uint16)).reshape(1, 2, 384), np.array(plain.view(mx.uint16)))
+    calls = launch.gemv_args(x, layer.trellis, layer.suh, layer.svh, "mul1", out_shape=(1, 2, 4, 96))
+    assert (1, 2, 4, 96) in [shape for call in calls for shape in call["output_shapes"]]

@@ -50,6 +50,13 @@ def test_items_split_at_top_level_declarations():
     assert items(HEADER)[2].text.count("\n") == 1  # the continuation stays with its #define
 
 
+def test_an_aligned_struct_is_named_by_its_tag():
+    header = "template <typename T>\nstruct alignas(16) Eight {\nT v[8];\n};\nstruct alignas(16) Unread {\nint a;\n};\n"
+    assert [i.name for i in items(header)] == ["Eight", "Unread"]
+    text = pruned(header, "Eight<float> e;")
+    assert "struct alignas(16) Eight" in text and "Unread" not in text
+
+
 def test_pruned_keeps_what_the_body_reaches_and_nothing_else():
     body = "Table<1> t; out[0] = USED_MACRO(2u) + fast_or_slow(3u) + COEFFS[0];"
     text = pruned(resolved(HEADER), body)

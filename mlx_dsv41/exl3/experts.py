@@ -204,3 +204,8 @@ class EXL3GroupedLinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         """x [..., G, in] -> [..., G, out] (ops.grouped)."""
         return ops.grouped(x, self.proj)
+
+    def flat(self, x: mx.array, lead: int) -> mx.array:
+        """x [*L, ...] holding each token's G inputs in order -> [*L, G · out] (quant.grouped_flat;
+        ops.grouped_flat: no reshape on a GPU)."""
+        return ops.grouped_flat(x, self.proj, lead)

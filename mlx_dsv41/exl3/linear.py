@@ -43,6 +43,11 @@ class EXL3Linear(nn.Module):
         return cls(t["trellis"], t["suh"], t["svh"], t["codebook"], t["bias"], in_features, out_features)
 
     def __call__(self, x: mx.array) -> mx.array:
+        return self.into(x, None)
+
+    def into(self, x: mx.array, shape: tuple | None) -> mx.array:
+        """self(x) in `shape` (as many values; None: [..., out]): on a GPU the kernel writes it so
+        (quant.linear_into: no reshape node)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"EXL3Linear expects [..., {self.in_features}], got {x.shape}")
         return ops.linear(
@@ -54,6 +59,7 @@ class EXL3Linear(nn.Module):
             bias=self.get("bias"),
             out_features=self.out_features,
             owner=self,
+            out_shape=shape,
         )
 
     def as_single_expert(self) -> EXL3ExpertProjection:

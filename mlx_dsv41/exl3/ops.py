@@ -67,10 +67,19 @@ def reconstruct(trellis: mx.array, codebook: str) -> mx.array:
     return launch.RECONSTRUCT(**launch.reconstruct_args(trellis, codebook))[0]
 
 
-def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, out_dtype=None, owner=None):
+def linear(
+    x, trellis, suh, svh, codebook: str, bias=None, out_features=None, out_dtype=None, owner=None, out_shape=None
+):
     """y [..., out_features] = x [..., in] · W (+ bias) in ``out_dtype`` (default x.dtype), rows in
-    order. ``owner`` (the module holding the trellis) keeps the CPU path's decoded W̃ for the next
-    call. A GPU decode step's rows go to the kernels as they are (a reshape is a graph node)."""
+    order; in ``out_shape`` where given (as many values: e.g. the heads [..., H, out / H]). ``owner``
+    (the module holding the trellis) keeps the CPU path's decoded W̃ for the next call. A GPU decode
+    step's rows go to the kernels as they are and the kernel writes y in its shape (a reshape is a
+    graph node)."""
+    y = _linear(x, trellis, suh, svh, codebook, bias, out_features, out_dtype, owner, out_shape)
+    return y if out_shape is None or y.shape == tuple(out_shape) else y.reshape(out_shape)
+
+
+def _linear(x, trellis, suh, svh, codebook: str, bias, out_features, out_dtype, owner, out_shape):
     n = _check_linear_args(x, trellis, suh, svh, codebook, bias)
     out_features = n if out_features is None else out_features
     if out_dtype is not None and out_dtype not in _X_DTYPES:
@@ -89,7 +98,9 @@ def linear(x, trellis, suh, svh, codebook: str, bias=None, out_features=None, ou
     if bias is not None and bias.shape[0] != n:  # the kernels read a bias as long as the padded outputs
         bias = reference.pad_features(bias[None], n)[0]
     if m <= GEMV_MAX_ROWS:
-        y = launch.run_gemv(x, trellis, suh, svh, codebook, bias, out_dtype, _split_counters(owner, n))
+        if out_features != n:
+            out_shape = None  # the padded outputs are sliced off first
+        y = launch.run_gemv(x, trellis, suh, svh, codebook, bias, out_dtype, _split_counters(owner, n), out_shape)
         return y if out_features == n else y[..., :out_features]
     # Prefill: W̃ once per call, then the exact product with fp32 sums between the two transforms
     # (docs/exl3.md#many-row-gemm): an fp16 GEMM would round its sums to fp16 before the output
@@ -332,6 +343,19 @@ def grouped(x, proj) -> mx.array:
     if backend() != "cpu" and 0 < T <= FUSED_MAX_TOKENS:
         return launch.run_grouped(x, proj)
     return _grouped_tokens(x.reshape(T, G, width), proj).reshape(*lead, G, proj.out_features)
+
+
+def grouped_flat(x, proj, lead: int) -> mx.array:
+    """`grouped` for x [*L, ...] whose dims after the first `lead` hold each token's G rows of `in`
+    in order (the attention output [B, S, H, D]): [*L, G · out]. On a GPU, up to FUSED_MAX_TOKENS
+    tokens, the launches read x and write the output in those shapes (no reshape either way);
+    otherwise `grouped` of the rows reshaped."""
+    dims, G, width = x.shape[:lead], proj.n_local, proj.in_features
+    if math.prod(x.shape[lead:]) != G * width:
+        raise ValueError(f"exl3 grouped: x must hold [..., {G}, {width}] after its first {lead} dims, got {x.shape}")
+    if backend() != "cpu" and 0 < math.prod(dims) <= FUSED_MAX_TOKENS:
+        return launch.run_grouped(x, proj, lead=tuple(dims))
+    return grouped(x.reshape(*dims, G, width), proj).reshape(*dims, G * proj.out_features)
 
 
 def _grouped_tokens(x, proj) -> mx.array:

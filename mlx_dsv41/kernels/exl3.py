@@ -331,9 +331,17 @@ def _check_counters(counters, slots: int, n: int, what: str) -> None:
         )
 
 
-def _rows_out(x, n: int, guard_rows: int) -> tuple:
-    """The output of x [..., in]'s rows: [..., n], or [m + guard_rows, n] with guard rows (tests)."""
-    return (*x.shape[:-1], n) if not guard_rows else (math.prod(x.shape[:-1]) + guard_rows, n)
+def _rows_out(x, n: int, guard_rows: int, out_shape=None) -> tuple:
+    """The output of x [..., in]'s rows: [..., n] (or out_shape, holding as many values), or
+    [m + guard_rows, n] with guard rows (tests)."""
+    m = math.prod(x.shape[:-1])
+    if guard_rows:
+        return (m + guard_rows, n)
+    if out_shape is None:
+        return (*x.shape[:-1], n)
+    if math.prod(out_shape) != m * n:
+        raise ValueError(f"exl3 gemv: out_shape {tuple(out_shape)} must hold {m} x {n} values")
+    return tuple(out_shape)
 
 
 def gemv_args(
@@ -349,9 +357,11 @@ def gemv_args(
     guard_rows: int = 0,
     init_value=None,
     counters=None,
+    out_shape=None,
 ) -> list[dict]:
     """Call kwargs of exl3_gemv (and exl3_gemv_out when k is split) for x [..., in] (rows in order,
-    not reshaped: y is [..., n]); the second call's partial input is filled in by the caller.
+    not reshaped: y is [..., n], or out_shape holding the same m · n values, e.g. a linear's heads
+    [..., H, n / H]); the second call's partial input is filled in by the caller.
     Tests: ``splits`` / ``tuning`` override the plan; ``guard_rows`` adds never-written rows to y
     ([m + guard_rows, n]; splits to the partial sums). With ``counters`` (uint32 [n / 128], zeros:
     `split_counters`) a k-split launch finishes itself where the backend can (FINISH: one call,
@@ -370,12 +380,10 @@ def gemv_args(
         _check_counters(counters, 1, n, "gemv")
     has_bias = bias is not None
     bias_in = bias if has_bias else svh
+    y_shape = _rows_out(x, n, guard_rows, out_shape)
     gemv = dict(
         inputs=[x, suh, trellis, svh, bias_in, counters if finish_here else no_counters()],
-        output_shapes=[
-            _rows_out(x, n, guard_rows) if fused else (splits + guard_rows, m, n),
-            _rows_out(x, n, guard_rows) if finish_here else (1,),
-        ],
+        output_shapes=[y_shape if fused else (splits + guard_rows, m, n), y_shape if finish_here else (1,)],
         output_dtypes=[out_dtype if fused else mx.float32, out_dtype if finish_here else mx.float32],
         grid=(n_blocks * _LANES * t.warps, splits, 1),
         threadgroup=(_LANES * t.warps, 1, 1),
@@ -394,14 +402,14 @@ def gemv_args(
     )
     if fused or finish_here:
         return [gemv]
-    return [gemv, _gemv_out_args(x, svh, bias, out_dtype, n_blocks, guard_rows, init_value)]
+    return [gemv, _gemv_out_args(x, svh, bias, out_dtype, n_blocks, y_shape, init_value)]
 
 
-def _gemv_out_args(x, svh, bias, out_dtype, n_blocks: int, guard_rows: int, init_value) -> dict:
+def _gemv_out_args(x, svh, bias, out_dtype, n_blocks: int, y_shape: tuple, init_value) -> dict:
     """exl3_gemv_out call kwargs (its partial input filled in by the caller)."""
     return dict(
         inputs=[None, svh, svh if bias is None else bias],
-        output_shapes=[_rows_out(x, n_blocks * BLOCK, guard_rows)],
+        output_shapes=[y_shape],
         output_dtypes=[out_dtype],
         grid=(n_blocks * 8 * _LANES, math.prod(x.shape[:-1]), 1),
         threadgroup=(8 * _LANES, 1, 1),
@@ -541,18 +549,33 @@ def swiglu_args(gu, weights, indices, w1, w3, w2, lo: int, limit: float, guard: 
 
 
 def down_args(
-    xh, indices, w2, group, lo: int, prev=None, tuning=None, guard: int = 0, init_value=None, finish=None, shared=None
+    xh,
+    indices,
+    w2,
+    group,
+    lo: int,
+    prev=None,
+    tuning=None,
+    guard: int = 0,
+    init_value=None,
+    finish=None,
+    shared=None,
+    y_shape=None,
 ) -> dict:
     """exl3_expert_down call kwargs (k-split partials) for one (k2, codebook) group of w2 (tests: as
     gate_up_args). ``xh``: w2's input xh [slots, k / 2] (uint32 fp16 pairs, formed earlier), or the
-    slots' rows x [slots, in] (float), which the launch transforms itself (STAGE_X). ``finish`` =
-    (out_dtype, add, counters) for the last group's launch where `expert_finish`: it also does
-    exl3_expert_down_finish's work (see down_finish_args), y its second output. ``shared`` = (the
-    shared expert's w2 as a single expert, moe_dtype, counters2), with ``finish`` (float32, no
-    add): its slots (one per token, xh rows after the routed ones) in the same launch (SHARED), y
-    [slots + T, n] float32 and the MoE's output [T, n] in moe_dtype the third output."""
+    slots' rows x [slots, in] (float; or any shape holding them in order), which the launch
+    transforms itself (STAGE_X). ``finish`` = (out_dtype, add, counters) for the last group's launch
+    where `expert_finish`: it also does exl3_expert_down_finish's work (see down_finish_args), y its
+    second output. ``shared`` = (the shared expert's w2 as a single expert, moe_dtype, counters2),
+    with ``finish`` (float32, no add): its slots (one per token, xh rows after the routed ones) in
+    the same launch (SHARED), y [slots + T, n] float32 and the MoE's output [T, n] in moe_dtype the
+    third output. ``y_shape``: y in that shape (slots · n elements, e.g. a grouped linear's
+    [..., G · n]) instead of [slots, n]."""
     t = tuning or TUNING
     slots = indices.size + (0 if shared is None else indices.shape[0])
+    if xh.dtype != mx.uint32 and xh.size < indices.size * w2.in_features:
+        raise ValueError(f"exl3 expert down: x {xh.shape} holds fewer than {indices.size} rows of {w2.in_features}")
     splits, per_split = down_plan(w2, t)
     if finish is None:  # stand-ins, never read
         out_dtype, add, counters, y_shape = mx.float32, None, no_counters(), (1,)
@@ -561,7 +584,10 @@ def down_args(
     else:
         out_dtype, add, counters = finish
         _check_counters(counters, slots, w2.n, "expert down")
-        y_shape = (slots + guard, w2.n)
+        if y_shape is None or guard:
+            y_shape = (slots + guard, w2.n)
+        elif math.prod(y_shape) != slots * w2.n:
+            raise ValueError(f"exl3 expert down: y_shape {tuple(y_shape)} must hold {slots} x {w2.n} values")
     if shared is None:  # stand-ins, never read
         stack, moe_dtype, moe_shape = (group.trellis, w2.svh, indices, counters), mx.float32, (1,)
     else:
@@ -596,6 +622,7 @@ def down_args(
             ("TM", moe_dtype),
             ("ADD", add is not None),
             ("STAGE_X", xh.dtype != mx.uint32),
+            ("X_WIDTH", w2.in_features if xh.dtype != mx.uint32 else 0),
         ],
         init_value=init_value,
     )
@@ -659,10 +686,11 @@ def _group(proj, key):
 # ------------------------------------------------------------------------------------ launches
 
 
-def run_gemv(x, trellis, suh, svh, codebook: str, bias, out_dtype, counters=None) -> mx.array:
+def run_gemv(x, trellis, suh, svh, codebook: str, bias, out_dtype, counters=None, out_shape=None) -> mx.array:
     """exl3_gemv, and exl3_gemv_out when k is split and the launch does not finish itself (see
-    gemv_args): y [..., n] for x [..., in] of at most GEMV_MAX_ROWS rows (bias, if any, padded to n)."""
-    calls = gemv_args(x, trellis, suh, svh, codebook, bias, out_dtype, counters=counters)
+    gemv_args): y [..., n] (or out_shape) for x [..., in] of at most GEMV_MAX_ROWS rows (bias, if
+    any, padded to n)."""
+    calls = gemv_args(x, trellis, suh, svh, codebook, bias, out_dtype, counters=counters, out_shape=out_shape)
     out, y = GEMV(**calls[0])
     if dict(calls[0]["template"])["FINISH"]:
         return y
@@ -717,11 +745,12 @@ def _gate_up(x, indices, weights, w1, w3, w2, lo: int, limit: float, finish: boo
     return xh
 
 
-def _down(xh, indices, w2, lo: int, out_dtype, add, finish: bool, shared=None) -> mx.array:
+def _down(xh, indices, w2, lo: int, out_dtype, add, finish: bool, shared=None, y_shape=None) -> mx.array:
     """exl3_expert_down per (K, codebook) group of w2 (xh: as down_args takes it), the last finishing
     itself where ``finish``, else exl3_expert_down_finish after them: y [slots, w2.n] in out_dtype
     (see down_finish_args). With ``shared`` = (the shared expert's w2 as a single expert, the MoE's
-    dtype), the last launch also serves its slots and returns the MoE's output instead."""
+    dtype), the last launch also serves its slots and returns the MoE's output instead. ``y_shape``:
+    the finishing launch's y in that shape (down_args)."""
     T = indices.shape[0]
     slots = indices.size + (0 if shared is None else T)
     partial = y = moe = None
@@ -730,7 +759,7 @@ def _down(xh, indices, w2, lo: int, out_dtype, add, finish: bool, shared=None) -
         fin = (out_dtype, add, finish_counters(w2, slots)) if last else None
         per_token = (*shared, held_counters(shared[0], T * (w2.n // BLOCK))) if last and shared else None
         partial, y, moe = EXPERT_DOWN(
-            **down_args(xh, indices, w2, group, lo, prev=partial, finish=fin, shared=per_token)
+            **down_args(xh, indices, w2, group, lo, prev=partial, finish=fin, shared=per_token, y_shape=y_shape)
         )
     if shared is not None:
         return moe
@@ -745,17 +774,26 @@ def _group_indices(T: int, G: int) -> np.ndarray:
     return np.tile(np.arange(G, dtype=np.int32), (T, 1))
 
 
-def run_grouped(x, proj) -> mx.array:
+def run_grouped(x, proj, lead: tuple | None = None) -> mx.array:
     """exl3_expert_down (one launch per (K, codebook) group, each transforming its slots' inputs)
     and exl3_expert_down_finish (or the last launch finishing itself) for x [..., G, in] (T tokens)
-    with group g as expert g of ``proj``: [..., G, out] in x.dtype."""
-    *lead, G, width = x.shape
+    with group g as expert g of ``proj``: [..., G, out] in x.dtype. With ``lead`` (the tokens' dims):
+    x is any [*lead, ...] holding each token's G rows of `in` in order (e.g. the attention output
+    [B, S, H, D]) and the output is [*lead, G · out]: where the last launch finishes itself and out
+    is whole tiles, neither way takes a reshape (each a graph node of a decode step)."""
+    flat = lead is not None
+    G, width = proj.n_local, proj.in_features
+    if not flat:
+        *lead, G, width = x.shape
     T = math.prod(lead)
     indices = _group_indices(T, G)
     # bf16 values: stored in x's dtype by the kernel when that is bf16 (no cast launch after it)
     out_dtype = x.dtype if x.dtype in (mx.bfloat16, mx.float32) else mx.float32
+    if flat and expert_finish() and proj.n == proj.out_features and out_dtype == x.dtype:
+        return _down(x, indices, proj, 0, out_dtype, None, True, y_shape=(*lead, G * proj.n))
     y = _down(x.reshape(T * G, width), indices, proj, 0, out_dtype, None, expert_finish())
-    return y[:, : proj.out_features].reshape(*lead, G, proj.out_features).astype(x.dtype)
+    y = y[:, : proj.out_features].astype(x.dtype)
+    return y.reshape(*lead, -1) if flat else y.reshape(*lead, G, proj.out_features)
 
 
 # ------------------------------------------------------------------------------ CI examples

@@ -18,7 +18,8 @@ _STRING = re.compile(r'"(?:\\.|[^"\\])*"')
 _IDENT = re.compile(r"[A-Za-z_]\w*")
 _DEFINE = re.compile(r"#\s*define\s+([A-Za-z_]\w*)")
 _TEMPLATE = re.compile(r"^template\s*<")
-_TAGGED = re.compile(r"^(?:struct|class|union|enum(?:\s+class)?)\s+([A-Za-z_]\w*)")
+# a tag's name, after any alignas(...) (a 16-byte aligned struct: hc.h's HcEight)
+_TAGGED = re.compile(r"^(?:struct|class|union|enum(?:\s+class)?)\s+(?:alignas\s*\([^)]*\)\s*)?([A-Za-z_]\w*)")
 _USING = re.compile(r"^using\s+([A-Za-z_]\w*)\s*=")
 
 

@@ -15,7 +15,8 @@
 // (ADD: [T, k, n] fp32, see exl3_expert_down_finish), counters [>= slots * n / 128] uint32, suh2
 // [E, I] (read with STAGE_X only). Outputs: out [slots, SPLITS, n] float32, y [slots, n] in T.
 // Template: K2, CB, NC, NW, STAGES, XSW, HAS_PREV, LO (first held expert), PER_SPLIT (128-blocks
-// of k per split), SPLITS, FINISH, SHARED, T, TM, ADD, STAGE_X, K2S, CBS, STAGES_S (below).
+// of k per split), SPLITS, FINISH, SHARED, T, TM, ADD, STAGE_X, X_WIDTH (STAGE_X: x's row width),
+// K2S, CBS, STAGES_S (below).
 // With SHARED (FINISH, T = float, no ADD, no STAGE_X: the MoE's last launch,
 // docs/design.md#shared-in-routed) the grid also holds the shared expert, one slot per token after
 // the routed slots (slot routed + t, xh row routed + t), from its own stack of one expert (K2S,
@@ -54,7 +55,7 @@ if (pos < 0) {
         (const KX_DEVICE u32*)s2 + (u64)kb_begin * 8 * words + col_block * 32 * K2S, words, nb,
         exl3_copy_stager((const KX_DEVICE u32*)xh + (u64)slot * tiles_k * 8, kb_begin), ring, xs, warp, lane);
   } else if (STAGE_X) {
-    const u32 width = xh_shape[1];
+    const u32 width = X_WIDTH;  // the rows' width (x may arrive in any shape holding them)
     acc = exl3_product<K2, CB, 1, NC, NW, STAGES, XSW, PER_SPLIT>(
         src, row_words, nb, exl3_input_stager<1, XSW>(xh + (u64)slot * width, suh2 + (u64)e * tiles_k * 16, 1u, width, kb_begin),
         ring, xs, warp, lane);

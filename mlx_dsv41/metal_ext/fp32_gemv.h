@@ -11,17 +11,21 @@ struct Fp32Eight {
   float v[8];
 };
 
-// x [M, K] as stored: the rows fp32_gemv reads. A launch that forms x as it reads it passes its own
-// source with the same fetch8 (hc.h: HcExpandRows, the streams an expand makes).
+// x [M, K] as stored: the rows fp32_gemv reads, through the row-source contract: load8(m, k) issues
+// the loads of row m's columns k .. k + 7 (a Raw), values8(raw, m, k) makes their fp32 values
+// (.v[0 .. 7]). A launch that forms x as it reads it passes its own source (hc.h: HcExpandRows, the
+// streams an expand makes); fp32_gemv_group issues every load of a pass before any values8.
 template <typename TX>
 struct Fp32Rows {
+  typedef Fp32Eight Raw;
   const KX_DEVICE TX* x;
   u32 K;
-  KX_INLINE Fp32Eight fetch8(u32 m, u32 k) const {  // row m, columns k .. k + 7
+  KX_INLINE Fp32Eight load8(u32 m, u32 k) const {
     Fp32Eight r;
     for (int e = 0; e < 8; e++) r.v[e] = KX_TO_F32(x[(u64)m * K + k + e]);
     return r;
   }
+  KX_INLINE Fp32Eight values8(Fp32Eight raw, u32, u32) const { return raw; }
 };
 
 template <typename TX>
@@ -30,7 +34,7 @@ KX_INLINE Fp32Rows<TX> fp32_rows(const KX_DEVICE TX* x, u32 K) {
   return rows;
 }
 
-template <int M, int COLS, int SPLIT, int W, typename XS, typename TW>
+template <int M, int COLS, int SPLIT, int W, int UMAX = 8, typename XS, typename TW>
 KX_INLINE void fp32_gemv_group(XS x, const KX_DEVICE TW* w, KX_DEVICE float* y, u32 N, u32 K,
                                KX_THREADGROUP float* sums, u32 group, u32 warp, u32 lane) {
   const u32 C = K / 8;
@@ -43,19 +47,19 @@ KX_INLINE void fp32_gemv_group(XS x, const KX_DEVICE TW* w, KX_DEVICE float* y, 
   const KX_DEVICE u32* words = (const KX_DEVICE u32*)w;
   const u32 c_end = live ? (part + 1) * C / SPLIT : 0;
   // U chunks per lane per pass, every load of a pass issued before its FMAs (one memory round trip
-  // per pass: a one-output SIMD group of the mHC mixes' fn walks 10 chunks a lane); the FMAs keep
-  // the chunk order, so the sums are the same operations in the same order whatever U.
-  constexpr int U = (M * 8 + COLS * 8) <= 16 ? 8 : (M * 8 + COLS * 8) <= 40 ? 2 : 1;
+  // per pass: a one-output SIMD group of the mHC mixes' fn walks 10 chunks a lane; UMAX: a source
+  // whose loads take many registers); the FMAs keep the chunk order, so the sums are the same
+  // operations in the same order whatever U.
+  constexpr int U0 = (M * 8 + COLS * 8) <= 16 ? 8 : (M * 8 + COLS * 8) <= 40 ? 2 : 1;
+  constexpr int U = U0 < UMAX ? U0 : UMAX;
   for (u32 c0 = part * C / SPLIT + lane; c0 < c_end; c0 += U * KX_SIMD_WIDTH) {
+    typename XS::Raw raw[U][M];
     float xv[U][M][8];
     float wf[U][COLS][8];
     KX_UNROLL for (int u = 0; u < U; u++) {
       const u32 c = c0 + u * KX_SIMD_WIDTH;
       if (c >= c_end) break;
-      for (int m = 0; m < M; m++) {
-        const auto e8 = x.fetch8(m, c * 8);  // .v[0 .. 7]: Fp32Eight, or the source's own
-        for (int e = 0; e < 8; e++) xv[u][m][e] = e8.v[e];
-      }
+      for (int m = 0; m < M; m++) raw[u][m] = x.load8(m, c * 8);
       for (int j = 0; j < COLS; j++) {
         const u32 n = n0 + j < N ? n0 + j : N - 1;  // past the end: read the last row, write nothing
         if (W == 0) {
@@ -69,6 +73,14 @@ KX_INLINE void fp32_gemv_group(XS x, const KX_DEVICE TW* w, KX_DEVICE float* y, 
             wf[u][j][e] = W == 2 ? KX_BITS_F32(bits << 16) : KX_F16_BITS_TO_F32(bits);
           }
         }
+      }
+    }
+    KX_UNROLL for (int u = 0; u < U; u++) {
+      const u32 c = c0 + u * KX_SIMD_WIDTH;
+      if (c >= c_end) break;
+      for (int m = 0; m < M; m++) {
+        const auto e8 = x.values8(raw[u][m], m, c * 8);
+        for (int e = 0; e < 8; e++) xv[u][m][e] = e8.v[e];
       }
     }
     KX_UNROLL for (int u = 0; u < U; u++) {

@@ -50,38 +50,87 @@ KX_INLINE float hc_collapse_value(HcVals<HC> p, HcVals<HC> s) {
 
 // hc_expand's value of new stream j at one dim (docs/model.md#mhc expand): post[j] · y + Σ_i
 // comb[i][j] · s[i] in fp32 with FMAs in stream order, rounded to T; s: the old streams' values at
-// the dim, mixes: the token's row of the site's mixes (pre | post | comb). Shared by hc_expand and
+// the dim, comb: column j of comb (hc_comb_column), post: post[j]. Shared by hc_expand and
 // hc_expand_site.
 template <typename T, int HC>
-KX_INLINE T hc_expand_value(HcVals<HC> s, float y, const KX_DEVICE float* mixes, u32 j) {
-  float acc = mixes[2 * HC + j] * s.v[0];
-  for (int i = 1; i < HC; i++) acc = KX_FMA(mixes[2 * HC + (u32)i * HC + j], s.v[i], acc);
-  return static_cast<T>(KX_FMA(mixes[HC + j], y, acc));
+KX_INLINE T hc_expand_value(HcVals<HC> s, float y, HcVals<HC> comb, float post) {
+  float acc = comb.v[0] * s.v[0];
+  for (int i = 1; i < HC; i++) acc = KX_FMA(comb.v[i], s.v[i], acc);
+  return static_cast<T>(KX_FMA(post, y, acc));
 }
+
+// Column j of comb (comb[i][j], i = 0 .. HC - 1) in a token's mixes row (pre | post | comb).
+template <int HC>
+KX_INLINE HcVals<HC> hc_comb_column(const KX_DEVICE float* mixes, u32 j) {
+  HcVals<HC> c;
+  for (int i = 0; i < HC; i++) c.v[i] = mixes[2 * HC + (u32)i * HC + j];
+  return c;
+}
+
+// Eight consecutive values of a row, 16-byte aligned: one or two vector loads.
+template <typename T>
+struct alignas(16) HcEight {
+  T v[8];
+};
+
+// Eight values at p (8-element aligned in its row): vector loads where `aligned`.
+template <typename T>
+KX_INLINE HcEight<T> hc_load_eight(const KX_DEVICE T* p, bool aligned) {
+  if (aligned) return *(const KX_DEVICE HcEight<T>*)p;
+  HcEight<T> r;
+  for (int e = 0; e < 8; e++) r.v[e] = p[e];
+  return r;
+}
+
+// What HcExpandRows loads for eight columns of one token: the HC old streams' and y's values.
+template <typename T, int HC, typename TY>
+struct HcExpandRaw {
+  HcEight<T> s[HC];
+  HcEight<TY> y;
+};
 
 // The rows [M, HC·D] an mHC site's fp32_gemv reads (fp32_gemv.h's row-source contract) when the
 // expand before the site is in the site's launch (hc_expand_site): the new streams, each value made
 // by hc_expand_value from y [M, D], the old streams [M, HC, D] and the expanding site's mixes
 // [M, (2+HC)·HC]; where `write`, stored to `out` [M, HC, D] as well (one threadgroup's SIMD
-// groups that read every value once). 8 divides D: eight columns are one stream's.
+// groups that read every value once). 8 divides D: eight columns are one stream's. `aligned`:
+// y, the old streams and out allow 16-byte vector loads and stores.
 template <typename T, int HC, typename TY>
 struct HcExpandRows {
+  typedef HcExpandRaw<T, HC, TY> Raw;
   const KX_DEVICE TY* y;
   const KX_DEVICE T* residual;
   const KX_DEVICE float* mixes;
   KX_DEVICE T* out;
   u32 D;
-  bool write;
-  KX_INLINE HcVals<8> fetch8(u32 m, u32 k) const {
+  bool write, aligned;
+  KX_INLINE Raw load8(u32 m, u32 k) const {
+    const u32 d = k % D;
+    Raw r;
+    KX_UNROLL for (int i = 0; i < HC; i++) r.s[i] = hc_load_eight(residual + ((u64)m * HC + i) * D + d, aligned);
+    r.y = hc_load_eight(y + (u64)m * D + d, aligned);
+    return r;
+  }
+  KX_INLINE HcVals<8> values8(Raw raw, u32 m, u32 k) const {
     const u32 j = k / D, d = k - j * D;
     const KX_DEVICE float* row = mixes + (u64)m * (2 + HC) * HC;
+    const HcVals<HC> comb = hc_comb_column<HC>(row, j);
+    const float post = row[HC + j];
+    HcEight<T> made;
     HcVals<8> r;
     for (int e = 0; e < 8; e++) {
       HcVals<HC> s;
-      KX_UNROLL for (int i = 0; i < HC; i++) s.v[i] = KX_TO_F32(residual[((u64)m * HC + i) * D + d + e]);
-      const T v = hc_expand_value<T, HC>(s, KX_TO_F32(y[(u64)m * D + d + e]), row, j);
-      if (write) out[((u64)m * HC + j) * D + d + e] = v;
-      r.v[e] = KX_TO_F32(v);
+      KX_UNROLL for (int i = 0; i < HC; i++) s.v[i] = KX_TO_F32(raw.s[i].v[e]);
+      made.v[e] = hc_expand_value<T, HC>(s, KX_TO_F32(raw.y.v[e]), comb, post);
+      r.v[e] = KX_TO_F32(made.v[e]);
+    }
+    if (write) {
+      KX_DEVICE T* dst = out + ((u64)m * HC + j) * D + d;
+      if (aligned) {
+        *(KX_DEVICE HcEight<T>*)dst = made;
+      } else {
+        for (int e = 0; e < 8; e++) dst[e] = made.v[e];
+      }
     }
     return r;
   }
@@ -89,8 +138,9 @@ struct HcExpandRows {
 
 template <typename T, int HC, typename TY>
 KX_INLINE HcExpandRows<T, HC, TY> hc_expand_rows(const KX_DEVICE TY* y, const KX_DEVICE T* residual,
-                                                 const KX_DEVICE float* mixes, KX_DEVICE T* out, u32 D, bool write) {
-  const HcExpandRows<T, HC, TY> rows = {y, residual, mixes, out, D, write};
+                                                 const KX_DEVICE float* mixes, KX_DEVICE T* out, u32 D, bool write,
+                                                 bool aligned) {
+  const HcExpandRows<T, HC, TY> rows = {y, residual, mixes, out, D, write, aligned};
   return rows;
 }
 

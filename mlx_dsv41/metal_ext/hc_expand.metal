@@ -10,5 +10,6 @@ if (d < D) {
   for (int i = 0; i < HC; i++) s.v[i] = KX_TO_F32(residual[((u64)t * HC + i) * D + d]);
   const float yv = KX_TO_F32(y[(u64)t * D + d]);
   const KX_DEVICE float* row = mixes + (u64)t * (2 + HC) * HC;
-  for (int j = 0; j < HC; j++) out[((u64)t * HC + j) * D + d] = hc_expand_value<T, HC>(s, yv, row, j);
+  for (int j = 0; j < HC; j++)
+    out[((u64)t * HC + j) * D + d] = hc_expand_value<T, HC>(s, yv, hc_comb_column<HC>(row, j), row[HC + j]);
 }

@@ -12,8 +12,10 @@ KX_SHARED(float, partials, 32);
 KX_SHARED(u32, last, 1);
 const u32 N = fn_shape[0], K = fn_shape[1], D = K / HC;
 const bool writes = KX_TGID_X == 0 && KX_WARP < SPLIT;  // one output's SIMD groups: each value once
-fp32_gemv_group<M, COLS, SPLIT, W>(hc_expand_rows<T, HC>(y, residual, mixes, streams, D, writes), fn, mm, N, K, sums,
-                                   KX_TGID_X, KX_WARP, KX_LANE);
+const bool aligned = KX_ALIGNED16(y) && KX_ALIGNED16(residual) && KX_ALIGNED16(streams);
+// four chunks a pass: a chunk's loads are HC + 1 vectors (8 of them would hold ~160 registers)
+fp32_gemv_group<M, COLS, SPLIT, W, 4>(hc_expand_rows<T, HC>(y, residual, mixes, streams, D, writes, aligned), fn, mm,
+                                      N, K, sums, KX_TGID_X, KX_WARP, KX_LANE);
 if (grid_finish_arrival(counters, 0, fp32_gemv_groups<COLS, SPLIT>(N), last, KX_LID_X)) {
   for (u32 t = 0; t < M; t++) {
     KX_BARRIER();  // the previous token's threadgroup memory is read

@@ -30,7 +30,7 @@ from mlx_dsv41.model.fake_quant import COMPRESSED_KV, WINDOW_KV
 from mlx_dsv41.model.indexer import Indexer
 from mlx_dsv41.model.norm import RMSNorm
 from mlx_dsv41.model.rope import make_rope
-from mlx_dsv41.quant import GroupedLinear
+from mlx_dsv41.quant import GroupedLinear, grouped_flat, linear_into
 
 
 def _read(shared: dict, kind: str, source: int, reader: int):
@@ -106,7 +106,7 @@ class Attention(nn.Module):
         """(q [B, S, H, head_dim] before its rope, qr)."""
         B, S, _ = x.shape
         qr = self.q_norm(self.wq_a(x))
-        return self.wq_b(qr).reshape(B, S, self.n_heads, self.head_dim), qr
+        return linear_into(self.wq_b, qr, (B, S, self.n_heads, self.head_dim)), qr
 
     def queries_and_window(self, x: mx.array, position: mx.array, cache: LayerCache):
         """(q, qr) as `queries` gives them and the window as `store_window` stores it; on a GPU the
@@ -159,8 +159,7 @@ class Attention(nn.Module):
 
     def output(self, o: mx.array) -> mx.array:
         """The output projection of the unrotated attention output [B, S, H, head_dim] -> [B, S, hidden]."""
-        B, S = o.shape[:2]
-        return self.wo_b(self.wo_a(o.reshape(B, S, self.o_groups, -1)).reshape(B, S, -1))
+        return self.wo_b(grouped_flat(self.wo_a, o, 2))
 
     def _compressed(self, x, qr, position: mx.array, cache: LayerCache, shared: dict):
         """Update / publish the shared state this layer owns; return (the compressed-KV buffer of

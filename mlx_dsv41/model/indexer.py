@@ -31,6 +31,7 @@ from mlx_dsv41.config import ModelArgs
 from mlx_dsv41.model.fake_quant import INDEXER
 from mlx_dsv41.model.norm import RMSNorm
 from mlx_dsv41.model.rope import RoPE, make_rope
+from mlx_dsv41.quant import linear_into
 
 # Bound on the [B, rows, heads, T] score temporary: prefill scores queries in row chunks.
 _SCORE_CHUNK_ELEMENTS = 1 << 26
@@ -136,7 +137,7 @@ class Indexer(nn.Module):
         if keys is None:
             return mx.zeros((B, S, 0), mx.int32), None
         T = keys.shape[1]
-        q = self.wq_b(qr).reshape(B, S, self.n_heads, self.head_dim)
+        q = linear_into(self.wq_b, qr, (B, S, self.n_heads, self.head_dim))
         q = self.rope(q, position, then=INDEXER)
         # Flash: 128^-0.5 · 32^-0.5 = 1/64, a power of two, so the fp32 product equals a bf16 one.
         weights = self.weights_proj(x).astype(mx.float32) * (self.head_dim**-0.5 * self.n_heads**-0.5)

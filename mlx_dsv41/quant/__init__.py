@@ -77,6 +77,27 @@ class GroupedLinear(nn.Module):
         return mx.einsum("...gi,goi->...go", x, w).astype(x.dtype)
 
 
+def linear_into(linear: nn.Module, x: mx.array, shape: tuple) -> mx.array:
+    """linear(x) in `shape` (as many values: e.g. the queries' heads [B, S, H, D]); a format whose
+    kernel writes its output in any shape (EXL3 on a GPU: its `into`) takes no reshape (a graph node
+    of a decode step)."""
+    into = getattr(linear, "into", None)
+    return into(x, shape) if into is not None else linear(x).reshape(shape)
+
+
+def grouped_flat(linear: nn.Module, x: mx.array, lead: int) -> mx.array:
+    """A grouped linear (GroupedLinear, GroupSlices, EXL3GroupedLinear) of x [*L, ...] whose dims
+    after the first `lead` hold each token's G inputs in order (the attention output [B, S, H, D]):
+    [*L, G · out], what linear(x.reshape(*L, G, in)).reshape(*L, -1) gives. A format that reads the
+    rows as they are (EXL3 on a GPU: its `flat`) takes no reshape (each a graph node of a decode step)."""
+    flat = getattr(linear, "flat", None)
+    if flat is not None:
+        return flat(x, lead)
+    dims = x.shape[:lead]
+    groups = linear.groups if isinstance(linear, GroupedLinear) else len(linear.slice)
+    return linear(x.reshape(*dims, groups, -1)).reshape(*dims, -1)
+
+
 class DenseLinear(nn.Linear):
     """`nn.Linear` (no bias) that returns x.dtype, like every other format: a stored fp16 weight
     (exllamav3 keeps unquantized linears in fp16) would otherwise promote bf16 inputs to fp32.
