@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel 
 
 HC, D, ITERS, HC_EPS, NORM_EPS, EPS = 4, 160, 20, 1e-6, 1e-20, 1e-6
 GUARD = 2
+SITE_KWARGS = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
 
 
 def _site(T, dtype, seed):
@@ -176,36 +177,10 @@ def test_the_ops_take_one_launch_only_where_a_launch_can_finish_itself(monkeypat
             monkeypatch.setattr(mod, "backend", lambda name=name: name)
         for counters in (grid_finish.split_counters(1), None):
             seen.clear()
-            hc.site(
-                streams,
-                prev,
-                weight,
-                EPS,
-                fn,
-                base,
-                scale,
-                iters=ITERS,
-                hc_eps=HC_EPS,
-                norm_eps=NORM_EPS,
-                counters=counters,
-            )
+            site, kwargs = (prev, weight, EPS, fn, base, scale), dict(SITE_KWARGS, counters=counters)
+            hc.site(streams, *site, **kwargs)
             mr.gate(x, w, bias, 2, 1.0, 1.0, counters=counters)
-            y, m = streams[:, 0], prev
-            hc.expand_site(
-                y,
-                streams,
-                m,
-                prev,
-                weight,
-                EPS,
-                fn,
-                base,
-                scale,
-                iters=ITERS,
-                hc_eps=HC_EPS,
-                norm_eps=NORM_EPS,
-                counters=counters,
-            )
+            hc.expand_site(streams[:, 0], streams, prev, *site, **kwargs)  # y, residual, the expanding mixes
             one = name == "cuda" and counters is not None
             two = ["fp32_gemv", "hc_mix", "fp32_gemv", "moe_route", "hc_expand", "fp32_gemv", "hc_mix"]
             assert seen == (["hc_site", "moe_gate", "hc_expand_site"] if one else two)

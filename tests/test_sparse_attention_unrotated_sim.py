@@ -28,7 +28,9 @@ CASES = [
 ]
 
 
-def _inputs(seed, B, S, H, D, W, T, N, nonfinite):
+def make_inputs(seed, B, S, H, D, W, T, N, nonfinite):
+    """(q, window, pool, indices, sinks) bf16 / int32 / fp32; nonfinite: a NaN in q[0, 0, head 1] and an
+    inf in q[0, S - 1, head 2] (shared with the GPU test)."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, S, H, D)).astype(np.float32)
     window = rng.standard_normal((B, W, D)).astype(np.float32)
@@ -46,7 +48,7 @@ def _inputs(seed, B, S, H, D, W, T, N, nonfinite):
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_the_unrotated_output_gives_the_attention_then_rope_bytes(variant, case):
     seed, B, S, H, D, W, T, N, position, dtype, nonfinite = CASES[case]
-    q, window, pool, indices, sinks = _inputs(seed, B, S, H, D, W, T, N, nonfinite)
+    q, window, pool, indices, sinks = make_inputs(seed, B, S, H, D, W, T, N, nonfinite)
     period, offset = RoPE(64, 10000.0).whole_width(D), mx.array(position, mx.int32)
     one = sa.unrotated_args(q, window, pool, indices, sinks, 0.0625, period, offset, dtype, variant)
     attention = sa._launch_args(q, window, pool, indices, sinks, 0.0625, variant)
@@ -78,7 +80,7 @@ def dtype_np(dtype):
 def test_the_op_takes_one_launch_only_on_a_gpu_for_serial_or_parallel(monkeypatch):
     import mlx_dsv41.kernels as kernels
 
-    q, window, pool, indices, sinks = _inputs(5, 1, 1, 2, 256, 4, 4, 8, False)
+    q, window, pool, indices, sinks = make_inputs(5, 1, 1, 2, 256, 4, 4, 8, False)
     period, offset = RoPE(64, 10000.0).whole_width(256), mx.array(3, mx.int32)
     seen = []
 

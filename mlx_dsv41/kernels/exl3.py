@@ -577,26 +577,8 @@ def down_args(
     if xh.dtype != mx.uint32 and xh.size < indices.size * w2.in_features:
         raise ValueError(f"exl3 expert down: x {xh.shape} holds fewer than {indices.size} rows of {w2.in_features}")
     splits, per_split = down_plan(w2, t)
-    if finish is None:  # stand-ins, never read
-        out_dtype, add, counters, y_shape = mx.float32, None, no_counters(), (1,)
-        if shared is not None:
-            raise ValueError("exl3 expert down: the shared expert's slots need the finishing launch")
-    else:
-        out_dtype, add, counters = finish
-        _check_counters(counters, slots, w2.n, "expert down")
-        if y_shape is None or guard:
-            y_shape = (slots + guard, w2.n)
-        elif math.prod(y_shape) != slots * w2.n:
-            raise ValueError(f"exl3 expert down: y_shape {tuple(y_shape)} must hold {slots} x {w2.n} values")
-    if shared is None:  # stand-ins, never read
-        stack, moe_dtype, moe_shape = (group.trellis, w2.svh, indices, counters), mx.float32, (1,)
-    else:
-        s2, moe_dtype, counters2 = shared
-        if out_dtype != mx.float32 or add is not None or xh.dtype != mx.uint32:
-            raise ValueError("exl3 expert down: the shared expert's slots take fp32 rows of a formed xh, no add")
-        _check_counters(counters2, indices.shape[0], w2.n, "expert down (per token)")
-        stack = (s2.groups[0].trellis, s2.svh, shared_routing(indices.shape[0])[0], counters2)
-        moe_shape = (indices.shape[0] + guard, w2.n)
+    out_dtype, add, counters, y_shape = _down_finish(finish, shared, slots, w2.n, guard, y_shape)
+    stack, moe_dtype, moe_shape = _down_shared(shared, xh, indices, w2, group, out_dtype, add, counters, guard)
     return dict(
         inputs=[
             *(xh, indices, group.trellis, group.position, indices if prev is None else prev),
@@ -743,6 +725,34 @@ def _gate_up(x, indices, weights, w1, w3, w2, lo: int, limit: float, finish: boo
     if not finish:
         xh = EXPERT_SWIGLU(**swiglu_args(gu, weights, indices, w1, w3, w2, lo, limit))[0]
     return xh
+
+
+def _down_shared(shared, xh, indices, w2, group, out_dtype, add, counters, guard: int) -> tuple:
+    """down_args' (the shared expert's stack inputs, the MoE output's dtype and shape; stand-ins
+    without ``shared``)."""
+    if shared is None:  # stand-ins, never read
+        return (group.trellis, w2.svh, indices, counters), mx.float32, (1,)
+    s2, moe_dtype, counters2 = shared
+    if out_dtype != mx.float32 or add is not None or xh.dtype != mx.uint32:
+        raise ValueError("exl3 expert down: the shared expert's slots take fp32 rows of a formed xh, no add")
+    _check_counters(counters2, indices.shape[0], w2.n, "expert down (per token)")
+    stack = (s2.groups[0].trellis, s2.svh, shared_routing(indices.shape[0])[0], counters2)
+    return stack, moe_dtype, (indices.shape[0] + guard, w2.n)
+
+
+def _down_finish(finish, shared, slots: int, n: int, guard: int, y_shape) -> tuple:
+    """down_args' (out_dtype, add, counters, y's shape) of the finishing part (stand-ins without)."""
+    if finish is None:  # stand-ins, never read
+        if shared is not None:
+            raise ValueError("exl3 expert down: the shared expert's slots need the finishing launch")
+        return mx.float32, None, no_counters(), (1,)
+    out_dtype, add, counters = finish
+    _check_counters(counters, slots, n, "expert down")
+    if y_shape is None or guard:
+        y_shape = (slots + guard, n)
+    elif math.prod(y_shape) != slots * n:
+        raise ValueError(f"exl3 expert down: y_shape {tuple(y_shape)} must hold {slots} x {n} values")
+    return out_dtype, add, counters, tuple(y_shape)
 
 
 def _down(xh, indices, w2, lo: int, out_dtype, add, finish: bool, shared=None, y_shape=None) -> mx.array:

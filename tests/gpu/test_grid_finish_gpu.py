@@ -166,21 +166,8 @@ def test_launch_limits_are_declared_and_the_ops_take_one_launch():
     assert _bytes([x, m]) == _bytes([xs, out])
     assert hc.EXPAND_SITE.max_threads == 256
     y = streams[:, 0]
-    new, x, m = hc.expand_site(
-        y,
-        streams,
-        prev,
-        prev,
-        weight,
-        EPS,
-        fn,
-        base,
-        scale,
-        iters=ITERS,
-        hc_eps=HC_EPS,
-        norm_eps=NORM_EPS,
-        counters=counters,
-    )
+    kwargs = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS, counters=counters)
+    new, x, m = hc.expand_site(y, streams, prev, prev, weight, EPS, fn, base, scale, **kwargs)
     call = hc.expand_site_args(y, streams, prev, fn, base, scale, prev, weight, counters, ITERS, HC_EPS, NORM_EPS, EPS)
     _, out, xs, streams1 = hc.EXPAND_SITE(**call)
     assert _bytes([new, x, m]) == _bytes([streams1, xs, out])

@@ -9,6 +9,7 @@ the model's attention takes the one launch."""
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_sparse_attention_unrotated_sim import make_inputs
 
 from mlx_dsv41.kernels import rope as rope_kernel
 from mlx_dsv41.kernels import sparse_attention as sa
@@ -19,17 +20,7 @@ H, D, W, T, N = 64, 512, 128, 300, 640
 
 
 def _inputs(B, S, seed, nonfinite=False):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, S, H, D)).astype(np.float32)
-    window = rng.standard_normal((B, W, D)).astype(np.float32)
-    pool = rng.standard_normal((B, T, D)).astype(np.float32)
-    indices = rng.integers(-1, W + T, (B, S, N)).astype(np.int32)
-    sinks = rng.standard_normal(H).astype(np.float32)
-    if nonfinite:
-        q[0, 0, 3, 9] = np.nan
-        q[B - 1, S - 1, 7, 500] = np.inf
-    bf = lambda a: mx.array(a).astype(mx.bfloat16)  # noqa: E731
-    return bf(q), bf(window), bf(pool), mx.array(indices), mx.array(sinks)
+    return make_inputs(seed, B, S, H, D, W, T, N, nonfinite)
 
 
 def _bytes(a):
@@ -50,9 +41,9 @@ def test_the_unrotated_output_gives_the_attention_then_rope_bytes(variant, B, S,
     want = rope_kernel.run(o, offset, period, mx.bfloat16, 1, True, None)
     assert _bytes(got) == _bytes(want)
     values = np.array(got.astype(mx.float32))
-    if nonfinite:
-        assert np.isnan(values[0, 0, 3]).all() and not np.isfinite(values[B - 1, S - 1, 7]).all()
-        values[0, 0, 3] = values[B - 1, S - 1, 7] = 0.0
+    if nonfinite:  # make_inputs: a NaN in q[0, 0, head 1], an inf in q[0, S - 1, head 2]
+        assert np.isnan(values[0, 0, 1]).all() and not np.isfinite(values[0, S - 1, 2]).all()
+        values[0, 0, 1] = values[0, S - 1, 2] = 0.0
     assert np.isfinite(values).all()  # every element written (the poison is NaN), finite
 
 
