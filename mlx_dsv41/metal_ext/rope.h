@@ -9,11 +9,21 @@ KX_INLINE float rope_angle(i32 offset, u32 s) {
   return (INVERSE ? -(float)STEP : (float)STEP) * (float)(offset + (i32)s);
 }
 
-// Element `odd` of interleaved pair (x1, x2) turned by L / period (MLX's rope: its expressions).
-KX_INLINE float rope_rotated(float x1, float x2, float L, float period, u32 odd) {
+// The cosine and sine of a pair's angle L / period (MLX's rope: its expressions).
+struct RopeTurn {
+  float c, sn;
+};
+KX_INLINE RopeTurn rope_turn(float L, float period) {
   const float theta = L * KX_ROPE_INV(period);
-  const float c = KX_ROPE_COS(theta), sn = KX_ROPE_SIN(theta);
-  return odd ? x1 * sn + x2 * c : x1 * c - x2 * sn;
+  RopeTurn t;
+  t.c = KX_ROPE_COS(theta);
+  t.sn = KX_ROPE_SIN(theta);
+  return t;
+}
+
+// Element `odd` of interleaved pair (x1, x2) turned by t (MLX's rope: its expressions).
+KX_INLINE float rope_turned(float x1, float x2, RopeTurn t, u32 odd) {
+  return odd ? x1 * t.sn + x2 * t.c : x1 * t.c - x2 * t.sn;
 }
 
 // Output row r by a threadgroup of 256 threads: row r of x [.., S, H, D] (H = 1 for [B, S, D]) at
@@ -51,7 +61,7 @@ KX_INLINE void rope_row(const KX_DEVICE TX* x, i32 offset, const KX_DEVICE TP* p
     if (NORM) v = KX_TO_F32(static_cast<T>(v * inv * KX_TO_F32(weight[d])));
     const float other = KX_SHUFFLE_XOR(v, 1);
     const float x1 = (d & 1u) ? other : v, x2 = (d & 1u) ? v : other;
-    float q = KX_TO_F32(static_cast<T>(rope_rotated(x1, x2, L, KX_TO_F32(period[d >> 1]), d & 1u)));
+    float q = KX_TO_F32(static_cast<T>(rope_turned(x1, x2, rope_turn(L, KX_TO_F32(period[d >> 1])), d & 1u)));
     if (QUANT) q = fq_quantize(q, BLOCK, MODE);
     out[dst + d] = static_cast<T>(q);
   }

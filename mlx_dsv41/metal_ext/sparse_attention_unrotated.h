@@ -1,6 +1,6 @@
 // sparse_attention_unrotated's output (sparse_attention_unrotated.metal): the attention kernels'
 // values turned back at their query position as the rope kernel turns their float32 output
-// (rope.h: rope_angle, rope_rotated; INVERSE, STEP 1), in the same launch.
+// (rope.h: rope_angle, rope_turn, rope_turned; INVERSE, STEP 1), in the same launch.
 #pragma once
 
 // Output [B, S, H, D] in T; period [D / 2] (rope's whole-width periods); offset: the position of
@@ -21,7 +21,8 @@ KX_INLINE SaUnrotated<T, TP> sa_unrotated(KX_DEVICE T* out, const KX_DEVICE TP* 
 }
 
 // Four consecutive values from element i (i % 4 == 0: two whole pairs of one row (b, s, h)): each
-// rounded to T as the rope kernel reads its input, the pair turned by its angle, rounded to T.
+// rounded to T as the rope kernel reads its input, the pair turned by its angle (its cosine and
+// sine computed once for both elements), rounded to T.
 template <typename T, typename TP>
 KX_INLINE void sa_store4(SaUnrotated<T, TP> o, i64 i, float4 f) {
   const u64 row = (u64)i / o.D;
@@ -32,6 +33,9 @@ KX_INLINE void sa_store4(SaUnrotated<T, TP> o, i64 i, float4 f) {
   v[1] = KX_TO_F32(static_cast<T>(f.y));
   v[2] = KX_TO_F32(static_cast<T>(f.z));
   v[3] = KX_TO_F32(static_cast<T>(f.w));
-  for (u32 k = 0; k < 4; k++)
-    o.out[i + k] = static_cast<T>(rope_rotated(v[k & ~1u], v[k | 1u], L, KX_TO_F32(o.period[(d + k) >> 1]), k & 1u));
+  for (u32 p = 0; p < 2; p++) {
+    const RopeTurn t = rope_turn(L, KX_TO_F32(o.period[(d >> 1) + p]));
+    o.out[i + 2 * p] = static_cast<T>(rope_turned(v[2 * p], v[2 * p + 1], t, 0u));
+    o.out[i + 2 * p + 1] = static_cast<T>(rope_turned(v[2 * p], v[2 * p + 1], t, 1u));
+  }
 }

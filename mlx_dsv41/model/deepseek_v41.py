@@ -94,7 +94,7 @@ class Block(nn.Module):
         shared: dict,
         engram_rows: mx.array | None = None,
         engram_live: mx.array | None = None,
-    ) -> tuple[mx.array, mx.array]:
+    ) -> tuple[Expansion, mx.array]:
         """streams [B, S, HC, D] bf16 (or an Expansion forming them), prev [B, S, (2+HC)·HC] fp32 (the
         previous site's mixes, whose pre this block's attention collapses with) -> (the streams as an
         Expansion of the FFN's output: the next site forms them; `formed` for an array, the FFN
