@@ -83,39 +83,13 @@ def test_an_expand_and_the_next_site_in_one_launch_give_the_three_launch_bytes(c
     base = mx.array(rng.standard_normal(mix).astype(np.float32))
     scale = mx.array(rng.uniform(0.5, 1.5, 3).astype(np.float32))
     weight = mx.array(rng.uniform(0.5, 1.5, dim).astype(np.float32)).astype(dtype)
-    one = hc.expand_site_args(
-        y,
-        residual,
-        m,
-        fn,
-        base,
-        scale,
-        m,
-        weight,
-        grid_finish.split_counters(1),
-        ITERS,
-        HC_EPS,
-        NORM_EPS,
-        EPS,
-        guard=GUARD,
-    )
+    # the site's own arguments after its streams: fn, base, scale, pre (the expanding mixes), ...
+    rest = (fn, base, scale, m, weight, grid_finish.split_counters(1), ITERS, HC_EPS, NORM_EPS, EPS)
+    one = hc.expand_site_args(y, residual, m, *rest, guard=GUARD)
     mm, out, x, streams = exl3_sim.build([(hc.EXPAND_SITE, one)], mma=True).run(0)
     (streams2,) = exl3_sim.build([(hc.EXPAND, hc.expand_args(y, residual, m, guard=GUARD))], mma=True).run(0)
     assert streams.tobytes() == streams2.tobytes()
-    site = hc.site_args(
-        mx.array(streams2[:T]),
-        fn,
-        base,
-        scale,
-        m,
-        weight,
-        grid_finish.split_counters(1),
-        ITERS,
-        HC_EPS,
-        NORM_EPS,
-        EPS,
-        guard=GUARD,
-    )
+    site = hc.site_args(mx.array(streams2[:T]), *rest, guard=GUARD)
     mm2, out2, x2 = exl3_sim.build([(hc.SITE, site)], mma=True).run(0)
     for a, b in ((mm, mm2), (out, out2), (x, x2)):
         assert a.tobytes() == b.tobytes()

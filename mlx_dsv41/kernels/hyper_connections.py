@@ -368,55 +368,41 @@ def site_args(
     """hc_site call kwargs: fp32_gemv's launch over the tokens of streams [..., HC, D] (read in place
     as [T, HC·D]) against fn, finished by hc_mix's work for each token; outputs mm (fp32_gemv's), then
     hc_mix's two. counters: uint32 [>= 1] zeros (held_counters)."""
-    args = _finished_site_args(streams, fn, base, scale, pre, weight, counters, iters, hc_eps, norm_eps, eps, guard)
-    args["inputs"].insert(0, streams)
-    return dict(args, init_value=init_value)
-
-
-def expand_site_args(
-    y,
-    residual,
-    m,
-    fn,
-    base,
-    scale,
-    pre,
-    weight,
-    counters,
-    iters: int,
-    hc_eps: float,
-    norm_eps: float,
-    eps: float,
-    init_value=None,
-    guard: int = 0,
-) -> dict:
-    """hc_expand_site call kwargs: hc_site's launch whose streams are expand(y, residual, m) (y [..., D],
-    residual [..., HC, D], m the expanding site's mixes [..., (2+HC)·HC]); outputs hc_site's three,
-    then the streams [..., HC, D] (or [rows + guard, HC, D])."""
-    args = _finished_site_args(residual, fn, base, scale, pre, weight, counters, iters, hc_eps, norm_eps, eps, guard)
-    args["inputs"][:0] = [y, residual, m.astype(mx.float32)]
-    *lead, hc, dim = residual.shape
-    args["output_shapes"].append(tuple(residual.shape) if not guard else (_rows(lead) + guard, hc, dim))
-    args["output_dtypes"].append(residual.dtype)
-    return dict(args, init_value=init_value)
-
-
-def _finished_site_args(streams, fn, base, scale, pre, weight, counters, iters, hc_eps, norm_eps, eps, guard) -> dict:
-    """What hc_site and hc_expand_site share: fp32_gemv's launch over the tokens of streams
-    [..., HC, D] finished by hc_mix's work; the inputs after the streams, mm's and hc_mix's outputs."""
     *lead, hc, dim = streams.shape
     mix = (2 + hc) * hc
     if counters.dtype != mx.uint32 or counters.size < 1:
         raise ValueError(f"hc site: counters must be uint32 [>= 1], got {counters.dtype} {counters.shape}")
     launch = fp32_linear.gemv_launch(_rows(lead), fn)
     return dict(
-        inputs=[fn, base.astype(mx.float32), scale.astype(mx.float32), pre.astype(mx.float32), weight, counters],
+        inputs=[
+            streams,
+            fn,
+            base.astype(mx.float32),
+            scale.astype(mx.float32),
+            pre.astype(mx.float32),
+            weight,
+            counters,
+        ],
         output_shapes=[_out_shape(lead, mix, guard), _out_shape(lead, mix, guard), _out_shape(lead, dim, guard)],
         output_dtypes=[mx.float32, mx.float32, streams.dtype],
         grid=launch["grid"],
         threadgroup=launch["threadgroup"],
         template=launch["template"] + _mix_template(streams, iters, hc_eps, norm_eps, eps, fp32_linear.THREADS),
+        init_value=init_value,
     )
+
+
+def expand_site_args(y, residual, m, *site, init_value=None, guard: int = 0) -> dict:
+    """hc_expand_site call kwargs: hc_site's launch whose streams are expand(y, residual, m) (y [..., D],
+    residual [..., HC, D], m the expanding site's mixes [..., (2+HC)·HC]; `site`: site_args'
+    arguments after the streams, fn .. eps); outputs hc_site's three, then the streams [..., HC, D]
+    (or [rows + guard, HC, D])."""
+    args = site_args(residual, *site, init_value=init_value, guard=guard)
+    args["inputs"][:1] = [y, residual, m.astype(mx.float32)]
+    *lead, hc, dim = residual.shape
+    args["output_shapes"].append(tuple(residual.shape) if not guard else (_rows(lead) + guard, hc, dim))
+    args["output_dtypes"].append(residual.dtype)
+    return args
 
 
 def _mix_template(streams, iters: int, hc_eps: float, norm_eps: float, eps: float, threads: int) -> list:

@@ -103,9 +103,8 @@ def test_an_expand_and_the_next_site_in_one_launch_give_the_three_launch_bytes(T
         residual = mx.array(bad).astype(mx.bfloat16)
     y = mx.array(raw).astype(mx.bfloat16)
     counters = grid_finish.split_counters(1)
-    call = hc.expand_site_args(
-        y, residual, m, fn, base, scale, m, weight, counters, ITERS, HC_EPS, NORM_EPS, EPS, NAN, 2
-    )
+    rest = (fn, base, scale, m, weight, counters, ITERS, HC_EPS, NORM_EPS, EPS)  # site_args' after the streams
+    call = hc.expand_site_args(y, residual, m, *rest, init_value=NAN, guard=2)
     runs = [_bytes(hc.EXPAND_SITE(**call)) for _ in range(5)]
     assert all(r == runs[0] for r in runs)
     mm, out, x, streams = (_np(a) for a in hc.EXPAND_SITE(**call))
@@ -113,8 +112,7 @@ def test_an_expand_and_the_next_site_in_one_launch_give_the_three_launch_bytes(T
         assert np.all(np.isnan(a[T:]))  # guard rows as poisoned
     (streams2,) = hc.EXPAND(**hc.expand_args(y, residual, m))
     assert streams[:T].tobytes() == _np(streams2).tobytes()
-    site = hc.site_args(streams2, fn, base, scale, m, weight, counters, ITERS, HC_EPS, NORM_EPS, EPS, NAN, 2)
-    mm2, out2, x2 = (_np(a) for a in hc.SITE(**site))
+    mm2, out2, x2 = (_np(a) for a in hc.SITE(**hc.site_args(streams2, *rest, init_value=NAN, guard=2)))
     assert mm.tobytes() == mm2.tobytes() and out.tobytes() == out2.tobytes() and x.tobytes() == x2.tobytes()
     if nonfinite:
         assert np.isnan(out[0]).all() and np.isnan(out[T - 1]).all()
