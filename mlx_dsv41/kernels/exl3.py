@@ -325,10 +325,7 @@ def finish_counters(proj, slots: int) -> mx.array:
 
 
 def _check_counters(counters, slots: int, n: int, what: str) -> None:
-    if counters.dtype != mx.uint32 or counters.size < slots * (n // BLOCK):
-        raise ValueError(
-            f"exl3 {what}: FINISH counters must be uint32 [>= {slots * (n // BLOCK)}], got {counters.shape}"
-        )
+    grid_finish.check_counters(counters, slots * (n // BLOCK), f"exl3 {what}: FINISH")
 
 
 def _rows_out(x, n: int, guard_rows: int, out_shape=None) -> tuple:

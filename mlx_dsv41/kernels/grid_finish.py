@@ -20,8 +20,9 @@ from mlx_dsv41 import graph_constants
 GRID_FINISH = {"cuda": True, "metal": False}
 
 
-# Whether an mHC site and the router run as one launch each where they can (hc_site, moe_gate);
-# False: two each, as before (benchmarks/bench_model.py --separate-launches: the A/B).
+# Whether an mHC site (with the expand before it) and the router run as one launch each where they
+# can (hc_site, hc_expand_site, moe_gate); False: apart, as before (benchmarks/bench_model.py
+# --separate-launches: the A/B).
 MERGES = True
 
 
@@ -31,7 +32,8 @@ def available(backend_name: str) -> bool:
 
 
 def merges(backend_name: str) -> bool:
-    """Whether the launches hc_site and moe_gate finish in (`MERGES`) run on `backend_name`."""
+    """Whether the launches that finish in their last threadgroup (`MERGES`: hc_site,
+    hc_expand_site, moe_gate) run on `backend_name`."""
     return MERGES and available(backend_name)
 
 
@@ -59,6 +61,12 @@ def held_counters(owner, size: int, name: str = "") -> mx.array:
     use them (an EXL3 linear; an expert projection, one per slot count; a Block's mHC sites, one per
     ``name``), made once per (name, size) (graph_constants.held: never a parameter)."""
     return graph_constants.held(owner, "_finish_counters", (name, size), lambda: split_counters(size))
+
+
+def check_counters(counters: mx.array, size: int, what: str) -> None:
+    """A launch's counters are uint32 and hold at least `size` words, or a one-line error."""
+    if counters.dtype != mx.uint32 or counters.size < size:
+        raise ValueError(f"{what}: counters must be uint32 [>= {size}], got {counters.dtype} {counters.shape}")
 
 
 @graph_constants.constant

@@ -340,9 +340,8 @@ def mix_args(
     """hc_mix call kwargs: one threadgroup per token of streams [..., HC, D] (pre: [..., >= HC])."""
     *lead, hc, dim = streams.shape
     return dict(
-        inputs=[mm, streams, base.astype(mx.float32), scale.astype(mx.float32), pre.astype(mx.float32), weight],
-        output_shapes=[_out_shape(lead, (2 + hc) * hc, guard), _out_shape(lead, dim, guard)],
-        output_dtypes=[mx.float32, streams.dtype],
+        inputs=[mm, streams, *_mix_params(base, scale, pre), weight],
+        **_mix_outputs(streams, guard),
         grid=(_MIX_THREADS * _rows(lead), 1, 1),
         threadgroup=(_MIX_THREADS, 1, 1),
         template=_mix_template(streams, iters, hc_eps, norm_eps, eps, _MIX_THREADS),
@@ -368,23 +367,14 @@ def site_args(
     """hc_site call kwargs: fp32_gemv's launch over the tokens of streams [..., HC, D] (read in place
     as [T, HC·D]) against fn, finished by hc_mix's work for each token; outputs mm (fp32_gemv's), then
     hc_mix's two. counters: uint32 [>= 1] zeros (held_counters)."""
-    *lead, hc, dim = streams.shape
-    mix = (2 + hc) * hc
-    if counters.dtype != mx.uint32 or counters.size < 1:
-        raise ValueError(f"hc site: counters must be uint32 [>= 1], got {counters.dtype} {counters.shape}")
+    *lead, hc, _ = streams.shape
+    grid_finish.check_counters(counters, 1, "hc site")
     launch = fp32_linear.gemv_launch(_rows(lead), fn)
+    outputs = _mix_outputs(streams, guard)  # after fp32_gemv's mm
     return dict(
-        inputs=[
-            streams,
-            fn,
-            base.astype(mx.float32),
-            scale.astype(mx.float32),
-            pre.astype(mx.float32),
-            weight,
-            counters,
-        ],
-        output_shapes=[_out_shape(lead, mix, guard), _out_shape(lead, mix, guard), _out_shape(lead, dim, guard)],
-        output_dtypes=[mx.float32, mx.float32, streams.dtype],
+        inputs=[streams, fn, *_mix_params(base, scale, pre), weight, counters],
+        output_shapes=[_out_shape(lead, (2 + hc) * hc, guard), *outputs["output_shapes"]],
+        output_dtypes=[mx.float32, *outputs["output_dtypes"]],
         grid=launch["grid"],
         threadgroup=launch["threadgroup"],
         template=launch["template"] + _mix_template(streams, iters, hc_eps, norm_eps, eps, fp32_linear.THREADS),
@@ -403,6 +393,20 @@ def expand_site_args(y, residual, m, *site, init_value=None, guard: int = 0) -> 
     args["output_shapes"].append(tuple(residual.shape) if not guard else (_rows(lead) + guard, hc, dim))
     args["output_dtypes"].append(residual.dtype)
     return args
+
+
+def _mix_params(base, scale, pre) -> list:
+    """hc_mix's fp32 parameters as its launches take them (hc_mix, hc_site, hc_expand_site)."""
+    return [base.astype(mx.float32), scale.astype(mx.float32), pre.astype(mx.float32)]
+
+
+def _mix_outputs(streams, guard: int) -> dict:
+    """hc_mix's outputs for streams [..., HC, D]: the mixes [..., (2+HC)·HC] fp32 and x [..., D]."""
+    *lead, hc, dim = streams.shape
+    return dict(
+        output_shapes=[_out_shape(lead, (2 + hc) * hc, guard), _out_shape(lead, dim, guard)],
+        output_dtypes=[mx.float32, streams.dtype],
+    )
 
 
 def _mix_template(streams, iters: int, hc_eps: float, norm_eps: float, eps: float, threads: int) -> list:

@@ -82,8 +82,7 @@ def gate_args(
     work for each token; outputs the fp32 logits [T, E] (fp32_gemv's), then moe_route's two.
     counters: uint32 [>= 1] zeros (held_counters)."""
     T, E = x.shape[0], w.shape[0]
-    if counters.dtype != mx.uint32 or counters.size < 1:
-        raise ValueError(f"moe gate: counters must be uint32 [>= 1], got {counters.dtype} {counters.shape}")
+    grid_finish.check_counters(counters, 1, "moe gate")
     launch = fp32_linear.gemv_launch(T, w)
     return dict(
         inputs=[x, w, bias.astype(mx.float32), counters],
