@@ -32,11 +32,15 @@ stage() {  # stage NAME SECONDS COMMAND...: NAME's command, within the budget
 # MLX_MAX_OPS_PER_BUFFER nodes (its source: 100 on sm_90), updating a cached executable graph at
 # each commit; MLX_USE_CUDA_GRAPHS=0 launches each kernel directly instead (the fourteenth
 # session: more host time). Fewer, larger graphs: less host time per step? (issue 16;
-# GRAPH_SETTINGS overrides the list, "" is MLX's defaults)
+# GRAPH_SETTINGS overrides the list: one process each, in order; commas join settings of one process,
+# NONE is MLX's own defaults)
 graphs() {
   for setting in ${GRAPH_SETTINGS:-MLX_MAX_OPS_PER_BUFFER=300 MLX_MAX_OPS_PER_BUFFER=1000}; do
     echo "$setting"
-    env "$setting" python3 benchmarks/bench_model.py --quick --skip-mlx-lm --no-dspark \
+    local vars=${setting//,/ }
+    [ "$vars" = NONE ] && vars=
+    # shellcheck disable=SC2086
+    env -u MLX_MAX_OPS_PER_BUFFER -u MLX_MAX_MB_PER_BUFFER $vars python3 benchmarks/bench_model.py --quick --skip-mlx-lm --no-dspark \
       --out "$LOGS/graphs_$setting" | grep -A2 "^| model"
   done
 }
@@ -87,6 +91,8 @@ run() {  # run NAME: one stage
       --whole-kernel-sources --out "$LOGS/pruning" ;;
     # what a launch pays to read or write MLX's small (managed-pool) arrays against device memory
     pool) stage pool 120 python3 benchmarks/scalar_pool.py --out "$LOGS" ;;
+    # where the merged launches' device time goes: each beside its parts and ablated copies
+    parts) stage parts 150 python3 benchmarks/kernel_parts.py --out "$LOGS" ;;
     *) echo "gpu_verify.sh: no stage $1" | tee -a "$OUT/stages.txt" ;;
   esac
 }
