@@ -57,7 +57,7 @@ tests/gpu/test_exl3_kernels.py::test_gemv_row_bytes_do_not_depend_on_the_other_r
 
 run() {  # run NAME: one stage
   case $1 in
-    graphs) stage graphs 330 bash -c graphs ;;
+    graphs) stage graphs 450 bash -c graphs ;;
     # the GPU tests side by side, five files at a time (each process compiles its own kernels)
     tests) stage tests 240 env OUT="$LOGS" GPU_JOBS=${GPU_JOBS:-8} GPU_FILE_TIMEOUT=230 bash benchmarks/gpu_run.sh tests-parallel "$TESTS" ;;
     # greedy DSpark against plain greedy on the demo (issue 18)
