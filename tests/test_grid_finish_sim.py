@@ -86,7 +86,7 @@ def test_an_expand_and_the_next_site_in_one_launch_give_the_three_launch_bytes(c
     # the site's own arguments after its streams: fn, base, scale, pre (the expanding mixes), ...
     rest = (fn, base, scale, m, weight, grid_finish.split_counters(1), ITERS, HC_EPS, NORM_EPS, EPS)
     one = hc.expand_site_args(y, residual, m, *rest, guard=GUARD)
-    mm, out, x, streams = exl3_sim.build([(hc.EXPAND_SITE, one)], mma=True).run(0)
+    mm, out, x, streams, _ = exl3_sim.build([(hc.EXPAND_SITE, one)], mma=True).run(0)  # then the part sums
     (streams2,) = exl3_sim.build([(hc.EXPAND, hc.expand_args(y, residual, m, guard=GUARD))], mma=True).run(0)
     assert streams.tobytes() == streams2.tobytes()
     site = hc.site_args(mx.array(streams2[:T]), *rest, guard=GUARD)
@@ -102,6 +102,21 @@ def test_an_expand_and_the_next_site_in_one_launch_give_the_three_launch_bytes(c
         )
         out3, x3 = exl3_sim.build([(hc.MIX, mix_call)], mma=True).run(0)
         assert out3.tobytes() == out[:T].tobytes() and x3.tobytes() == x[:T].tobytes()
+
+
+def test_an_expand_site_whose_part_would_not_fit_threadgroup_memory_is_two_launches():
+    """hc_expand_site holds its part of the streams in threadgroup memory: 8 fp32 tokens at Flash's
+    site (64 KB) do not fit, 8 bf16 ones (32 KB) do; the op then runs hc_expand and hc_site."""
+    mix, dim = (2 + HC) * HC, 4096
+    fn = mx.zeros((mix, HC * dim))
+    rest = (fn, mx.zeros((mix,)), mx.ones((3,)), mx.ones((8, mix)), mx.ones((dim,)), grid_finish.split_counters(1))
+    rest += (ITERS, HC_EPS, NORM_EPS, EPS)
+    for dtype, fits in ((mx.bfloat16, True), (mx.float32, False)):
+        residual, y = mx.zeros((8, HC, dim), dtype), mx.zeros((8, dim), dtype)
+        call = hc.expand_site_args(y, residual, mx.ones((8, mix)), *rest)
+        assert (call is not None) == fits
+        if fits:
+            assert dict(call["template"])["CAP"] == 256 and call["grid"] == (256 * 8 * 3, 1, 1)
 
 
 GATES = [(1, 384, 6, 1.0, 1.5, mx.bfloat16), (3, 384, 6, 1.0, 2.5, mx.bfloat16), (2, 16, 2, 0.5, 1.0, mx.float32)]

@@ -47,6 +47,9 @@ _MIX_THREADS = 1024  # hc_mix: one threadgroup per token; every stream element's
 # The order hc_mix's sums keep (those of 1,024 threads), whatever its threads: hc_site finishes a
 # site in one of fp32_gemv's 256-thread threadgroups with the bytes of hc_mix (hc.h: hc_mix_token).
 _MIX_ORDER = 1024
+# hc_expand_site's threadgroup memory for its part of the streams (rows x a part's columns), under
+# the 48 KB a CUDA threadgroup may declare (Flash, 8 bf16 rows: 32 KB)
+_EXPAND_SITE_PART_BYTES = 40 << 10
 _FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 MIX = register(
@@ -93,7 +96,7 @@ EXPAND_SITE = register(
     Kernel(
         "hc_expand_site",
         ("y", "residual", "mixes", "fn", "base", "scale", "pre", "weight", "counters"),
-        ("mm", "out", "x", "streams"),
+        ("mm", "out", "x", "streams", "parts"),
         includes=("grid_finish.h", "fp32_gemv.h", "hc.h"),
         max_threads=fp32_linear.THREADS,
         examples=lambda: _example_expand_site(),
@@ -302,12 +305,11 @@ def expand_site(
         if dim % 8 == 0 and fp32_linear.takes_kernel(_rows(residual.shape[:-2]), fn):
             _check_expand(y, residual, m)
             _check_collapse(residual, prev, weight, "hc site")
-            _, out, x, streams = EXPAND_SITE(
-                **expand_site_args(
-                    y, residual, m, fn, base, scale, prev, weight, counters, iters, hc_eps, norm_eps, eps
-                )
-            )
-            return streams, x, out
+            site_rest = (fn, base, scale, prev, weight, counters, iters, hc_eps, norm_eps, eps)
+            call = expand_site_args(y, residual, m, *site_rest)
+            if call is not None:
+                _, out, x, streams, _ = EXPAND_SITE(**call)
+                return streams, x, out
     streams = expand(y, residual, m)
     x, out = site(
         streams, prev, weight, eps, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, counters=counters
@@ -382,16 +384,26 @@ def site_args(
     )
 
 
-def expand_site_args(y, residual, m, *site, init_value=None, guard: int = 0) -> dict:
+def expand_site_args(y, residual, m, *site, init_value=None, guard: int = 0) -> dict | None:
     """hc_expand_site call kwargs: hc_site's launch whose streams are expand(y, residual, m) (y [..., D],
     residual [..., HC, D], m the expanding site's mixes [..., (2+HC)·HC]; `site`: site_args'
-    arguments after the streams, fn .. eps); outputs hc_site's three, then the streams [..., HC, D]
-    (or [rows + guard, HC, D])."""
+    arguments after the streams, fn .. eps), a threadgroup per (part of K, 8 outputs); outputs
+    hc_site's three, the streams [..., HC, D] (or [rows + guard, HC, D]) and the part sums. None
+    where its threadgroup memory would not hold a part's streams, or fn's outputs are not split
+    (fp32_gemv's SPLIT 1: the launch is built on the split)."""
     args = site_args(residual, *site, init_value=init_value, guard=guard)
-    args["inputs"][:1] = [y, residual, m.astype(mx.float32)]
+    template = dict(args["template"])
     *lead, hc, dim = residual.shape
-    args["output_shapes"].append(tuple(residual.shape) if not guard else (_rows(lead) + guard, hc, dim))
-    args["output_dtypes"].append(residual.dtype)
+    rows, outputs, split = _rows(lead), site[0].shape[0], template["SPLIT"]
+    cap = -(-(hc * dim // 8) // split)
+    if split == 1 or rows * cap * 8 * residual.dtype.size > _EXPAND_SITE_PART_BYTES:
+        return None
+    args["inputs"][:1] = [y, residual, m.astype(mx.float32)]
+    streams = tuple(residual.shape) if not guard else (rows + guard, hc, dim)
+    args["output_shapes"] += [streams, (rows * outputs * split,)]
+    args["output_dtypes"] += [residual.dtype, mx.float32]
+    args["grid"] = (fp32_linear.THREADS * split * -(-outputs // 8), 1, 1)
+    args["template"] += [("CAP", cap)]
     return args
 
 

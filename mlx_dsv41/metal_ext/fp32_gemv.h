@@ -1,9 +1,9 @@
 // fp32_gemv's work (fp32_gemv.metal: what it computes, in which order) for one threadgroup of 8 SIMD
 // groups: threadgroup `group`'s outputs of y [M, N] = x [M, K] · w [N, K]ᵀ (x read through a row
-// source: Fp32Rows, or one that forms the rows). sums: 8 x 8 x 4 floats of threadgroup memory
-// (SPLIT > 1: SIMD groups x M x COLS range sums). Shared by fp32_gemv and the launches that finish
-// its outputs in their last threadgroup (hc_site, hc_expand_site, moe_gate), so all give the same
-// bytes.
+// source: Fp32Rows, or rows held in threadgroup memory). sums: 8 x 8 x 4 floats of threadgroup
+// memory (SPLIT > 1: SIMD groups x M x COLS range sums). Shared by fp32_gemv and the launches that
+// finish its outputs in their last threadgroup (hc_site, moe_gate; hc_expand_site runs one SIMD
+// group's sums, fp32_gemv_sums, on its own threadgroups), so all give the same bytes.
 #pragma once
 
 // Eight consecutive values of a row of x, in fp32.
@@ -13,8 +13,9 @@ struct Fp32Eight {
 
 // x [M, K] as stored: the rows fp32_gemv reads, through the row-source contract: load8(m, k) issues
 // the loads of row m's columns k .. k + 7 (a Raw), values8(raw, m, k) makes their fp32 values
-// (.v[0 .. 7]). A launch that forms x as it reads it passes its own source (hc.h: HcExpandRows, the
-// streams an expand makes); fp32_gemv_group issues every load of a pass before any values8.
+// (.v[0 .. 7]). A launch that holds x elsewhere passes its own source (hc.h: HcPartRows, the streams
+// hc_expand_site formed in threadgroup memory); fp32_gemv_sums issues every load of a pass before
+// any values8.
 template <typename TX>
 struct Fp32Rows {
   typedef Fp32Eight Raw;
@@ -34,16 +35,22 @@ KX_INLINE Fp32Rows<TX> fp32_rows(const KX_DEVICE TX* x, u32 K) {
   return rows;
 }
 
+// A SIMD group's sums of M rows x COLS outputs (by value: no address space to name).
+template <int M, int COLS>
+struct Fp32Sums {
+  float v[M][COLS];
+};
+
+// One SIMD group's sums: outputs n0 .. n0 + COLS - 1 (those below N) over part `part` of SPLIT
+// ranges of K's chunks of eight, each output's lane sums added by an xor butterfly (every lane holds
+// them after). `live` is the same for the whole SIMD group (the butterfly has every lane).
 template <int M, int COLS, int SPLIT, int W, int UMAX = 8, typename XS, typename TW>
-KX_INLINE void fp32_gemv_group(XS x, const KX_DEVICE TW* w, KX_DEVICE float* y, u32 N, u32 K,
-                               KX_THREADGROUP float* sums, u32 group, u32 warp, u32 lane) {
+KX_INLINE Fp32Sums<M, COLS> fp32_gemv_sums(XS x, const KX_DEVICE TW* w, u32 N, u32 K, u32 n0, u32 part, bool live,
+                                           u32 lane) {
   const u32 C = K / 8;
-  const u32 part = warp % SPLIT;
-  const u32 n0 = (group * (8 / SPLIT) + warp / SPLIT) * COLS;
-  const bool live = n0 < N;  // the same for the whole SIMD group: the butterfly below has every lane
-  float acc[M][COLS];
+  Fp32Sums<M, COLS> acc;
   for (int m = 0; m < M; m++)
-    for (int j = 0; j < COLS; j++) acc[m][j] = 0.0f;
+    for (int j = 0; j < COLS; j++) acc.v[m][j] = 0.0f;
   const KX_DEVICE u32* words = (const KX_DEVICE u32*)w;
   const u32 c_end = live ? (part + 1) * C / SPLIT : 0;
   // U chunks per lane per pass, every load of a pass issued before its FMAs (one memory round trip
@@ -87,23 +94,35 @@ KX_INLINE void fp32_gemv_group(XS x, const KX_DEVICE TW* w, KX_DEVICE float* y, 
       if (c0 + u * KX_SIMD_WIDTH >= c_end) break;
       for (int j = 0; j < COLS; j++)
         for (int e = 0; e < 8; e++)
-          for (int m = 0; m < M; m++) acc[m][j] = KX_FMA(xv[u][m][e], wf[u][j][e], acc[m][j]);
+          for (int m = 0; m < M; m++) acc.v[m][j] = KX_FMA(xv[u][m][e], wf[u][j][e], acc.v[m][j]);
     }
   }
   for (int m = 0; m < M; m++)
     for (int j = 0; j < COLS; j++)
-      for (u32 o = KX_SIMD_WIDTH / 2; o > 0; o >>= 1) acc[m][j] += KX_SHUFFLE_XOR(acc[m][j], o);
+      for (u32 o = KX_SIMD_WIDTH / 2; o > 0; o >>= 1) acc.v[m][j] += KX_SHUFFLE_XOR(acc.v[m][j], o);
+  return acc;
+}
+
+// Threadgroup `group`'s SIMD groups' sums, stored to y (SPLIT > 1: each output's SPLIT part sums
+// added in part order).
+template <int M, int COLS, int SPLIT, int W, int UMAX = 8, typename XS, typename TW>
+KX_INLINE void fp32_gemv_group(XS x, const KX_DEVICE TW* w, KX_DEVICE float* y, u32 N, u32 K,
+                               KX_THREADGROUP float* sums, u32 group, u32 warp, u32 lane) {
+  const u32 part = warp % SPLIT;
+  const u32 n0 = (group * (8 / SPLIT) + warp / SPLIT) * COLS;
+  const bool live = n0 < N;
+  const Fp32Sums<M, COLS> acc = fp32_gemv_sums<M, COLS, SPLIT, W, UMAX>(x, w, N, K, n0, part, live, lane);
   if (SPLIT == 1) {
     if (live && lane == 0)
       for (int m = 0; m < M; m++)
         for (int j = 0; j < COLS; j++)
-          if (n0 + j < N) y[(u64)m * N + n0 + j] = acc[m][j];
+          if (n0 + j < N) y[(u64)m * N + n0 + j] = acc.v[m][j];
   } else {
     // The range sums of the threadgroup's SIMD groups, then the first group of each SPLIT adds its
     // outputs' SPLIT sums in range order.
     if (lane == 0)
       for (int m = 0; m < M; m++)
-        for (int j = 0; j < COLS; j++) sums[(warp * M + m) * COLS + j] = acc[m][j];
+        for (int j = 0; j < COLS; j++) sums[(warp * M + m) * COLS + j] = acc.v[m][j];
     KX_BARRIER();
     if (live && part == 0 && lane < M * COLS) {
       const u32 m = lane / COLS, j = lane % COLS;

@@ -82,47 +82,32 @@ KX_INLINE HcEight<T> hc_load_eight(const KX_DEVICE T* p, bool aligned) {
   return r;
 }
 
-// What HcExpandRows loads for eight columns of one token: the HC old streams' and y's values.
+// The new streams [M, HC, D] an expand makes (hc_expand_site), eight values of one stream at a
+// time: each value hc_expand_value's of y [M, D], the old streams [M, HC, D] and the expanding
+// site's mixes [M, (2+HC)·HC]; where `write`, stored to `out` as well. 8 divides D. `aligned`: y,
+// the old streams and out allow 16-byte vector loads and stores.
 template <typename T, int HC, typename TY>
-struct HcExpandRaw {
-  HcEight<T> s[HC];
-  HcEight<TY> y;
-};
-
-// The rows [M, HC·D] an mHC site's fp32_gemv reads (fp32_gemv.h's row-source contract) when the
-// expand before the site is in the site's launch (hc_expand_site): the new streams, each value made
-// by hc_expand_value from y [M, D], the old streams [M, HC, D] and the expanding site's mixes
-// [M, (2+HC)·HC]; where `write`, stored to `out` [M, HC, D] as well (one threadgroup's SIMD
-// groups that read every value once). 8 divides D: eight columns are one stream's. `aligned`:
-// y, the old streams and out allow 16-byte vector loads and stores.
-template <typename T, int HC, typename TY>
-struct HcExpandRows {
-  typedef HcExpandRaw<T, HC, TY> Raw;
+struct HcExpander {
   const KX_DEVICE TY* y;
   const KX_DEVICE T* residual;
   const KX_DEVICE float* mixes;
   KX_DEVICE T* out;
   u32 D;
   bool write, aligned;
-  KX_INLINE Raw load8(u32 m, u32 k) const {
-    const u32 d = k % D;
-    Raw r;
-    KX_UNROLL for (int i = 0; i < HC; i++) r.s[i] = hc_load_eight(residual + ((u64)m * HC + i) * D + d, aligned);
-    r.y = hc_load_eight(y + (u64)m * D + d, aligned);
-    return r;
-  }
-  KX_INLINE HcVals<8> values8(Raw raw, u32 m, u32 k) const {
+  // Row m's values at flat columns k .. k + 7 of [HC·D] (stream k / D).
+  KX_INLINE HcEight<T> make8(u32 m, u32 k) const {
     const u32 j = k / D, d = k - j * D;
+    HcEight<T> s[HC];
+    KX_UNROLL for (int i = 0; i < HC; i++) s[i] = hc_load_eight(residual + ((u64)m * HC + i) * D + d, aligned);
+    const HcEight<TY> yv = hc_load_eight(y + (u64)m * D + d, aligned);
     const KX_DEVICE float* row = mixes + (u64)m * (2 + HC) * HC;
     const HcVals<HC> comb = hc_comb_column<HC>(row, j);
     const float post = row[HC + j];
     HcEight<T> made;
-    HcVals<8> r;
     for (int e = 0; e < 8; e++) {
-      HcVals<HC> s;
-      KX_UNROLL for (int i = 0; i < HC; i++) s.v[i] = KX_TO_F32(raw.s[i].v[e]);
-      made.v[e] = hc_expand_value<T, HC>(s, KX_TO_F32(raw.y.v[e]), comb, post);
-      r.v[e] = KX_TO_F32(made.v[e]);
+      HcVals<HC> v;
+      KX_UNROLL for (int i = 0; i < HC; i++) v.v[i] = KX_TO_F32(s[i].v[e]);
+      made.v[e] = hc_expand_value<T, HC>(v, KX_TO_F32(yv.v[e]), comb, post);
     }
     if (write) {
       KX_DEVICE T* dst = out + ((u64)m * HC + j) * D + d;
@@ -132,16 +117,38 @@ struct HcExpandRows {
         for (int e = 0; e < 8; e++) dst[e] = made.v[e];
       }
     }
-    return r;
+    return made;
   }
 };
 
 template <typename T, int HC, typename TY>
-KX_INLINE HcExpandRows<T, HC, TY> hc_expand_rows(const KX_DEVICE TY* y, const KX_DEVICE T* residual,
-                                                 const KX_DEVICE float* mixes, KX_DEVICE T* out, u32 D, bool write,
-                                                 bool aligned) {
-  const HcExpandRows<T, HC, TY> rows = {y, residual, mixes, out, D, write, aligned};
-  return rows;
+KX_INLINE HcExpander<T, HC, TY> hc_expander(const KX_DEVICE TY* y, const KX_DEVICE T* residual,
+                                            const KX_DEVICE float* mixes, KX_DEVICE T* out, u32 D, bool write,
+                                            bool aligned) {
+  const HcExpander<T, HC, TY> e = {y, residual, mixes, out, D, write, aligned};
+  return e;
+}
+
+// Rows of x held in threadgroup memory for the chunks of eight c0 .. c0 + CAP - 1 of every row
+// (rows[m · CAP + c - c0]): a row source (fp32_gemv.h's contract) for fp32_gemv_sums over the part
+// of K that starts at chunk c0 (hc_expand_site: the streams its threadgroup formed).
+template <typename T>
+struct HcPartRows {
+  typedef HcEight<T> Raw;
+  const KX_THREADGROUP HcEight<T>* rows;
+  u32 cap, c0;
+  KX_INLINE HcEight<T> load8(u32 m, u32 k) const { return rows[m * cap + k / 8 - c0]; }
+  KX_INLINE HcVals<8> values8(HcEight<T> raw, u32, u32) const {
+    HcVals<8> r;
+    for (int e = 0; e < 8; e++) r.v[e] = KX_TO_F32(raw.v[e]);
+    return r;
+  }
+};
+
+template <typename T>
+KX_INLINE HcPartRows<T> hc_part_rows(const KX_THREADGROUP HcEight<T>* rows, u32 cap, u32 c0) {
+  const HcPartRows<T> r = {rows, cap, c0};
+  return r;
 }
 
 // hc_mix's work for token t (hc_mix.metal: what it computes, in which order) by a threadgroup of

@@ -1,24 +1,41 @@
 // hc_expand_site: an mHC expand and the next site in one launch (docs/design.md#expand-site; CUDA,
-// KX_HAS_GRID_FINISH): hc_site (hc_site.metal) whose streams are formed as its fp32_gemv reads them
-// (hc.h: HcExpandRows, each value hc_expand's): every threadgroup forms the values it reads,
-// threadgroup 0's first SIMD groups (one fp32_gemv output's, which read each value once) also store
-// them, and the last threadgroup to finish reads them back through L2 for hc_mix's work. The bytes
-// of hc_expand, then hc_site (or fp32_gemv, then hc_mix).
+// KX_HAS_GRID_FINISH): the work of hc_expand, then hc_site, with each threadgroup on one of
+// fp32_gemv's SPLIT parts of K (the flat [HC·D] columns) for 8 of its outputs: it forms its part's
+// new streams once into threadgroup memory (hc.h: HcExpander, each value hc_expand's; the part's
+// first threadgroup also stores them), each SIMD group sums one output over the part as fp32_gemv's
+// SIMD group for that (output, part) does (fp32_gemv_sums), and the last threadgroup to finish adds
+// each output's SPLIT part sums in part order (fp32_gemv's order) into mm, then does hc_mix's work
+// reading the streams back through L2. The bytes of hc_expand, then hc_site (or fp32_gemv, then
+// hc_mix).
 // Inputs: y [.., D], residual [.., HC, D] and mixes [.., (2+HC)·HC] as hc_expand's; fn, base, scale,
 // pre [.., >= HC], weight [D], counters [1] uint32 as hc_site's. Outputs: mm, out, x as hc_site's,
-// then streams [.., HC, D] (hc_expand's output). 256 threads; 8 divides D. Template: hc_site's.
-KX_SHARED(float, sums, 8 * 8 * 4);
+// streams [.., HC, D] (hc_expand's output), parts [M · N · SPLIT] float32 (the part sums). 256
+// threads; SPLIT x ceil(N / 8) threadgroups; 8 divides D. Template: hc_site's with COLS 1, and CAP
+// (the chunks of eight of K's largest part: ceil(K / 8 / SPLIT)).
+KX_SHARED(HcEight<T>, part_rows, M * CAP);
 KX_SHARED(float, partials, 32);
 KX_SHARED(u32, last, 1);
-const u32 N = fn_shape[0], K = fn_shape[1], D = K / HC;
-const bool writes = KX_TGID_X == 0 && KX_WARP < SPLIT;  // one output's SIMD groups: each value once
+const u32 N = fn_shape[0], K = fn_shape[1], D = K / HC, C = K / 8;
+const u32 part = KX_TGID_X % SPLIT, first_out = KX_TGID_X / SPLIT * 8;
+const u32 c0 = part * C / SPLIT, c1 = (part + 1) * C / SPLIT;
 const bool aligned = KX_ALIGNED16(y) && KX_ALIGNED16(residual) && KX_ALIGNED16(streams);
-// four chunks a pass: a chunk's loads are HC + 1 vectors (8 of them would hold ~160 registers)
-fp32_gemv_group<M, COLS, SPLIT, W, 4>(hc_expand_rows<T, HC>(y, residual, mixes, streams, D, writes, aligned), fn, mm,
-                                      N, K, sums, KX_TGID_X, KX_WARP, KX_LANE);
-if (grid_finish_arrival(counters, 0, fp32_gemv_groups<COLS, SPLIT>(N), last, KX_LID_X)) {
+const auto made = hc_expander<T, HC>(y, residual, mixes, streams, D, first_out == 0, aligned);
+for (u32 c = c0 + KX_LID_X; c < c1; c += 256)
+  for (u32 m = 0; m < M; m++) part_rows[m * CAP + c - c0] = made.make8(m, c * 8);
+KX_BARRIER();
+const u32 n = first_out + KX_WARP;
+const Fp32Sums<M, 1> sums =
+    fp32_gemv_sums<M, 1, SPLIT, W>(hc_part_rows<T>(part_rows, CAP, c0), fn, N, K, n, part, n < N, KX_LANE);
+if (KX_LANE == 0 && n < N)
+  for (u32 m = 0; m < M; m++) parts[((u64)m * N + n) * SPLIT + part] = sums.v[m][0];
+if (grid_finish_arrival(counters, 0, SPLIT * ((N + 7) / 8), last, KX_LID_X)) {
+  for (u32 i = KX_LID_X; i < M * N; i += 256) {
+    float v = KX_LOAD_CG(parts + (u64)i * SPLIT);
+    for (u32 s = 1; s < SPLIT; s++) v += KX_LOAD_CG(parts + (u64)i * SPLIT + s);
+    mm[i] = v;
+  }
   for (u32 t = 0; t < M; t++) {
-    KX_BARRIER();  // the previous token's threadgroup memory is read
+    KX_BARRIER();  // mm is stored; the previous token's threadgroup memory is read
     hc_mix_token<T, HC, ITERS, THREADS, ORDER, true>(mm, (const KX_DEVICE T*)streams, base, scale, pre,
                                                      pre_shape[pre_ndim - 1], weight, out, x, D, t, HC_EPS_BITS,
                                                      NORM_EPS_BITS, EPS_BITS, partials, KX_LID_X, KX_LANE, KX_WARP);

@@ -107,7 +107,7 @@ def test_an_expand_and_the_next_site_in_one_launch_give_the_three_launch_bytes(T
     call = hc.expand_site_args(y, residual, m, *rest, init_value=NAN, guard=2)
     runs = [_bytes(hc.EXPAND_SITE(**call)) for _ in range(5)]
     assert all(r == runs[0] for r in runs)
-    mm, out, x, streams = (_np(a) for a in hc.EXPAND_SITE(**call))
+    mm, out, x, streams, _ = (_np(a) for a in hc.EXPAND_SITE(**call))  # then the part sums
     for a in (mm, out, x, streams):
         assert np.all(np.isnan(a[T:]))  # guard rows as poisoned
     (streams2,) = hc.EXPAND(**hc.expand_args(y, residual, m))
@@ -167,5 +167,5 @@ def test_launch_limits_are_declared_and_the_ops_take_one_launch():
     kwargs = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS, counters=counters)
     new, x, m = hc.expand_site(y, streams, prev, prev, weight, EPS, fn, base, scale, **kwargs)
     call = hc.expand_site_args(y, streams, prev, fn, base, scale, prev, weight, counters, ITERS, HC_EPS, NORM_EPS, EPS)
-    _, out, xs, streams1 = hc.EXPAND_SITE(**call)
+    _, out, xs, streams1, _ = hc.EXPAND_SITE(**call)
     assert _bytes([new, x, m]) == _bytes([streams1, xs, out])
