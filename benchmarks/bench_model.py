@@ -1106,6 +1106,8 @@ def main() -> int:
         "host": platform.node(),
         "backend": backend(),
         "args": {k: str(v) for k, v in vars(a).items()},
+        # MLX's CUDA graph size (mlx_dsv41 sets 1,000 where unset: docs/design.md#graph-size)
+        "graph_env": {k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER")},
     }
     try:
         import mlx_lm

@@ -31,11 +31,11 @@ stage() {  # stage NAME SECONDS COMMAND...: NAME's command, within the budget
 # decode against MLX's CUDA graph settings. MLX records launches into CUDA graphs of at most
 # MLX_MAX_OPS_PER_BUFFER nodes (its source: 100 on sm_90), updating a cached executable graph at
 # each commit; MLX_USE_CUDA_GRAPHS=0 launches each kernel directly instead (the fourteenth
-# session: more host time). Fewer, larger graphs: less host time per step? (issue 16;
+# session: more host time). mlx_dsv41 sets 1,000 where unset (docs/design.md#graph-size).
 # GRAPH_SETTINGS overrides the list: one process each, in order; commas join settings of one process,
-# NONE is MLX's own defaults)
+# NONE leaves both variables unset (the package's default)
 graphs() {
-  for setting in ${GRAPH_SETTINGS:-MLX_MAX_OPS_PER_BUFFER=300 MLX_MAX_OPS_PER_BUFFER=1000}; do
+  for setting in ${GRAPH_SETTINGS:-MLX_MAX_OPS_PER_BUFFER=100 NONE}; do
     echo "$setting"
     local vars=${setting//,/ }
     [ "$vars" = NONE ] && vars=

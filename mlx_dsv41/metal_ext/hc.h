@@ -168,6 +168,16 @@ KX_INLINE void hc_mix_token(const KX_DEVICE float* mm, const KX_DEVICE TS* strea
                             u32 hc_eps_bits, u32 norm_eps_bits, u32 eps_bits, KX_THREADGROUP float* partials,
                             u32 lid, u32 lane, u32 warp) {
   const u32 mix_width = (2 + HC) * HC;
+  const u64 row = (u64)t * mix_width;
+  // mm's values for SIMD group 0's mixes, loaded with the streams' (one round trip)
+  float mm_pre = 0.0f, mm_post = 0.0f, mm_comb = 0.0f;
+  if (warp == 0) {
+    if (lane < HC) {
+      mm_pre = KX_LOAD_CG(mm + row + lane);
+      mm_post = KX_LOAD_CG(mm + row + HC + lane);
+    }
+    mm_comb = KX_LOAD_CG(mm + row + 2 * HC + lane % (HC * HC));
+  }
   HcVals<HC> p;
   KX_UNROLL for (int i = 0; i < HC; i++) p.v[i] = pre[(u64)t * pre_w + i];
   const u64 first = (u64)t * HC * D;
@@ -198,35 +208,18 @@ KX_INLINE void hc_mix_token(const KX_DEVICE float* mm, const KX_DEVICE TS* strea
   const float z_sumsq = hc_threadgroup_sums<V>(zsq, partials, lane, warp, THREADS / 32);
   const float x_sumsq = hc_threadgroup_sums<V>(xsq, partials, lane, warp, THREADS / 32);
   const float x_inv = 1.0f / KX_SQRT(x_sumsq / (float)D + KX_BITS_F32(eps_bits));
-  for (u32 b0 = lid; b0 < D; b0 += BLOCK) {
-    float c[R][4];
-    KX_UNROLL for (int r = 0; r < R; r++) KX_UNROLL for (u32 u = 0; u < 4; u++) {
-      const u32 d = b0 + (4 * r + u) * THREADS;
-      if (b0 == lid) {
-        c[r][u] = kept[r][u];
-      } else {
-        HcVals<HC> s;
-        KX_UNROLL for (int i = 0; i < HC; i++) s.v[i] = d < D ? hc_load<CG>(streams + first + (u64)i * D + d) : 0.0f;
-        c[r][u] = hc_collapse_value<T, HC>(p, s);
-      }
-    }
-    KX_UNROLL for (int r = 0; r < R; r++) KX_UNROLL for (u32 u = 0; u < 4; u++) {
-      const u32 d = b0 + (4 * r + u) * THREADS;
-      if (d < D) x[(u64)t * D + d] = static_cast<T>(c[r][u] * x_inv * KX_TO_F32(weight[d]));
-    }
-  }
+  // SIMD group 0 makes the mixes (the Sinkhorn's chain) while the others store x; then its share of x.
   if (warp == 0) {
     const float inv = 1.0f / KX_SQRT(z_sumsq / (float)(HC * D) + KX_BITS_F32(norm_eps_bits));
     const float hc_eps = KX_BITS_F32(hc_eps_bits);
-    const u64 row = (u64)t * mix_width;
     if (lane < HC) {
-      const float a = KX_FMA(KX_LOAD_CG(mm + row + lane) * inv, scale[0], base[lane]);
-      const float b = KX_FMA(KX_LOAD_CG(mm + row + HC + lane) * inv, scale[1], base[HC + lane]);
+      const float a = KX_FMA(mm_pre * inv, scale[0], base[lane]);
+      const float b = KX_FMA(mm_post * inv, scale[1], base[HC + lane]);
       out[row + lane] = 1.0f / (1.0f + KX_EXP(-a)) + hc_eps;
       out[row + HC + lane] = 2.0f / (1.0f + KX_EXP(-b));
     }
     const u32 k = lane % (HC * HC);
-    float c = KX_FMA(KX_LOAD_CG(mm + row + 2 * HC + k) * inv, scale[2], base[2 * HC + k]);
+    float c = KX_FMA(mm_comb * inv, scale[2], base[2 * HC + k]);
     float top = c;
     for (u32 m = 1; m < HC; m <<= 1) top = KX_FMAX(top, KX_SHUFFLE_XOR(top, m));
     c = KX_EXP(c - top);
@@ -245,5 +238,22 @@ KX_INLINE void hc_mix_token(const KX_DEVICE float* mm, const KX_DEVICE TS* strea
       c = c / (s + hc_eps);
     }
     if (lane < HC * HC) out[row + 2 * HC + lane] = c;
+  }
+  for (u32 b0 = lid; b0 < D; b0 += BLOCK) {
+    float c[R][4];
+    KX_UNROLL for (int r = 0; r < R; r++) KX_UNROLL for (u32 u = 0; u < 4; u++) {
+      const u32 d = b0 + (4 * r + u) * THREADS;
+      if (b0 == lid) {
+        c[r][u] = kept[r][u];
+      } else {
+        HcVals<HC> s;
+        KX_UNROLL for (int i = 0; i < HC; i++) s.v[i] = d < D ? hc_load<CG>(streams + first + (u64)i * D + d) : 0.0f;
+        c[r][u] = hc_collapse_value<T, HC>(p, s);
+      }
+    }
+    KX_UNROLL for (int r = 0; r < R; r++) KX_UNROLL for (u32 u = 0; u < 4; u++) {
+      const u32 d = b0 + (4 * r + u) * THREADS;
+      if (d < D) x[(u64)t * D + d] = static_cast<T>(c[r][u] * x_inv * KX_TO_F32(weight[d]));
+    }
   }
 }
