@@ -420,7 +420,14 @@ def measure(label: str, build, a, prompt_len: int) -> dict:
     result.update(memory())
     prompt = mx.array(np.random.default_rng(7).integers(3, args.vocab_size - 200, (1, prompt_len)), mx.int32)
     if not getattr(a, "dspark_only", False):
+        sparse_attention.reset_variant_counts()
         result["decode"] = decode(lambda ids, c: model(ids, c), model.make_cache, prompt, a.steps, a.warmup)
+        # which attention kernels ran, and auto's timed choices: serial and parallel give the same
+        # bytes (tests/gpu/test_sparse_attention.py), so greedy tokens must not depend on them
+        result["decode"]["attention"] = {
+            "counts": sparse_attention.variant_counts(),
+            "auto": {str(k): v for k, v in sparse_attention.auto_choices().items()},
+        }
         print(f"{label}: {json.dumps(result['decode'])}", flush=True)  # each run as it ends
     if getattr(a, "dspark", False) and getattr(model, "mtp", None):
         result["dspark"] = dspark_costs(model, prompt, a.steps, a.warmup, a.acceptance, a.verify_k)

@@ -42,7 +42,6 @@ typedef long long i64;
 #define KX_ROPE_COS(x) cosf(x)  // as MLX's CUDA rope: the accurate cos / sin (no fast math)
 #define KX_ROPE_SIN(x) sinf(x)
 #define KX_ROPE_INV(p) ((float)(1.0 / (double)(p)))  // MLX's rope divides in double (1.0 / freq)
-#define KX_ROPE_EXACT_ZERO 1  // cosf(±0) = 1, sinf(±0) = ±0 exactly
 // The value of a 0-d input (MLX passes every input as a pointer on CUDA, a 0-d one as a reference on Metal).
 #define KX_SCALAR(x) ((x)[0])
 // A threadgroup may finish work that other threadgroups of the launch left (exl3_gemv's FINISH):

@@ -51,7 +51,6 @@ typedef long i64;
 #define KX_ROPE_COS(x) metal::fast::cos(x)  // as MLX's Metal rope
 #define KX_ROPE_SIN(x) metal::fast::sin(x)
 #define KX_ROPE_INV(p) (1.0f / (p))
-#define KX_ROPE_EXACT_ZERO 0  // fast::sin's sign of a zero is not documented: computed
 // The value of a 0-d input (MLX passes it as `const constant T&` on Metal).
 #define KX_SCALAR(x) (x)
 // No device-scope fence in the Metal versions MLX targets: a launch never finishes another

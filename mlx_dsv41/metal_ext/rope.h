@@ -9,21 +9,13 @@ KX_INLINE float rope_angle(i32 offset, u32 s) {
   return (INVERSE ? -(float)STEP : (float)STEP) * (float)(offset + (i32)s);
 }
 
-// The cosine and sine of a pair's angle L / period (MLX's rope: its expressions). A pair of infinite
-// period (one rope leaves alone: the dims before the rotated ones) has the angle L · 0 = ±0 (L is
-// finite), whose cosine is 1 and sine the angle itself, exactly, where KX_ROPE_EXACT_ZERO says the
-// backend's cos / sin give those (CUDA's accurate ones): not computed there (docs/numerics.md#rope-launch).
+// The cosine and sine of a pair's angle L / period (MLX's rope: its expressions).
 struct RopeTurn {
   float c, sn;
 };
 KX_INLINE RopeTurn rope_turn(float L, float period) {
-  RopeTurn t;
-  if (KX_ROPE_EXACT_ZERO && period == KX_INF_F32) {
-    t.c = 1.0f;
-    t.sn = L * 0.0f;
-    return t;
-  }
   const float theta = L * KX_ROPE_INV(period);
+  RopeTurn t;
   t.c = KX_ROPE_COS(theta);
   t.sn = KX_ROPE_SIN(theta);
   return t;

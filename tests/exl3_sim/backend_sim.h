@@ -115,7 +115,6 @@ inline T sim_shuffle_to(T v, u32 src_lane) {
 #define KX_ROPE_COS(x) std::cos((float)(x))
 #define KX_ROPE_SIN(x) std::sin((float)(x))
 #define KX_ROPE_INV(p) ((float)(1.0 / (double)(p)))
-#define KX_ROPE_EXACT_ZERO 1  // as CUDA: std::cos(±0) = 1, std::sin(±0) = ±0
 #define KX_SCALAR(x) ((x)[0])
 // Threadgroups run one after another: plain read-modify-writes are the atomics.
 #define KX_HAS_GRID_FINISH 1
