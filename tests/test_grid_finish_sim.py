@@ -173,3 +173,13 @@ def test_the_ops_take_one_launch_only_where_a_launch_can_finish_itself(monkeypat
             one = name == "cuda" and counters is not None
             two = ["fp32_gemv", "hc_mix", "fp32_gemv", "moe_route", "hc_expand", "fp32_gemv", "hc_mix"]
             assert seen == (["hc_site", "moe_gate", "hc_expand_site"] if one else two)
+    # on CUDA with counters, a site whose part of the streams would not fit threadgroup memory
+    # (8 fp32 tokens at Flash's D) takes the expand's and the site's launches
+    for mod in (hc, mr, fl):
+        monkeypatch.setattr(mod, "backend", lambda: "cuda")
+    seen.clear()
+    dim, mix = 4096, (2 + HC) * HC
+    residual, m8 = mx.zeros((8, HC, dim)), mx.ones((8, mix))
+    big = (m8, mx.ones((dim,)), EPS, mx.zeros((mix, HC * dim)), base, scale)
+    hc.expand_site(residual[:, 0], residual, m8, *big, **dict(SITE_KWARGS, counters=grid_finish.split_counters(1)))
+    assert seen == ["hc_expand", "hc_site"]
