@@ -185,6 +185,15 @@ def kernel_timeline(intervals: list[tuple[float, float]]) -> tuple[float | None,
     return busy / 1e3, (max(e for _, e in intervals) - min(s for s, _ in intervals)) / 1e3
 
 
+def kernel_events(prof):
+    """(name, device µs, event) of each kernel a torch.profiler session recorded (copies and fills
+    left out; the name cut at its template arguments, 60 characters)."""
+    for e in prof.events():
+        if not str(getattr(e, "device_type", "")).endswith("CUDA") or e.name.startswith(("Memcpy", "Memset")):
+            continue
+        yield e.name.split("<")[0][:60], float(getattr(e, "device_time", getattr(e, "cuda_time", 0.0)) or 0.0), e
+
+
 def cuda_kernels(step) -> dict | None:
     """Kernels launched by `step()` (CUPTI via torch.profiler), or None where unavailable."""
     if backend() != "cuda":
@@ -198,12 +207,9 @@ def cuda_kernels(step) -> dict | None:
         step()
         mx.synchronize()
     names, times, spans = Counter(), Counter(), []
-    for e in prof.events():
-        if not str(getattr(e, "device_type", "")).endswith("CUDA") or e.name.startswith(("Memcpy", "Memset")):
-            continue
-        name = e.name.split("<")[0][:60]
+    for name, us, e in kernel_events(prof):
         names[name] += 1
-        times[name] += float(getattr(e, "device_time", getattr(e, "cuda_time", 0.0)) or 0.0) / 1e3
+        times[name] += us / 1e3
         if getattr(e, "time_range", None) is not None:
             spans.append((e.time_range.start, e.time_range.end))
     busy, span = kernel_timeline(spans)

@@ -24,6 +24,9 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_model import kernel_events  # noqa: E402
 
 from mlx_dsv41 import metal_ext  # noqa: E402
 from mlx_dsv41.kernels import backend, grid_finish  # noqa: E402
@@ -178,10 +181,8 @@ def device_times(cases: dict, repeats: int) -> dict:
                 mx.eval(call())
             mx.synchronize()
         times = defaultdict(list)
-        for e in prof.events():
-            if not str(getattr(e, "device_type", "")).endswith("CUDA") or e.name.startswith(("Memcpy", "Memset")):
-                continue
-            times[e.name.split("<")[0][:60]].append(float(getattr(e, "device_time", 0.0) or 0.0))
+        for name, us, _ in kernel_events(prof):
+            times[name].append(us)
         out[label] = {k: round(statistics.median(v), 2) for k, v in times.items() if len(v) >= repeats // 2}
         print(f"{label:45s} " + ", ".join(f"{k} {v:.2f} µs" for k, v in out[label].items()), flush=True)
     return out

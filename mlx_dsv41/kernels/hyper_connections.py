@@ -402,7 +402,8 @@ def expand_site_args(y, residual, m, *site, init_value=None, guard: int = 0) -> 
     streams = tuple(residual.shape) if not guard else (rows + guard, hc, dim)
     args["output_shapes"] += [streams, (rows * outputs * split,)]
     args["output_dtypes"] += [residual.dtype, mx.float32]
-    args["grid"] = (fp32_linear.THREADS * split * -(-outputs // 8), 1, 1)
+    warps = fp32_linear.THREADS // 32  # a threadgroup's outputs, one a SIMD group
+    args["grid"] = (fp32_linear.THREADS * split * -(-outputs // warps), 1, 1)
     args["template"] += [("CAP", cap)]
     return args
 

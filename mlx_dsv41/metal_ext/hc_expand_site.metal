@@ -16,11 +16,12 @@ KX_SHARED(HcEight<T>, part_rows, M * CAP);
 KX_SHARED(float, partials, 32);
 KX_SHARED(u32, last, 1);
 const u32 N = fn_shape[0], K = fn_shape[1], D = K / HC, C = K / 8;
-const u32 part = KX_TGID_X % SPLIT, first_out = KX_TGID_X / SPLIT * 8;
+constexpr u32 WARPS = THREADS / KX_SIMD_WIDTH;  // a threadgroup's outputs: one a SIMD group
+const u32 part = KX_TGID_X % SPLIT, first_out = KX_TGID_X / SPLIT * WARPS;
 const u32 c0 = part * C / SPLIT, c1 = (part + 1) * C / SPLIT;
 const bool aligned = KX_ALIGNED16(y) && KX_ALIGNED16(residual) && KX_ALIGNED16(streams);
 const auto made = hc_expander<T, HC>(y, residual, mixes, streams, D, first_out == 0, aligned);
-for (u32 c = c0 + KX_LID_X; c < c1; c += 256)
+for (u32 c = c0 + KX_LID_X; c < c1; c += THREADS)
   for (u32 m = 0; m < M; m++) part_rows[m * CAP + c - c0] = made.make8(m, c * 8);
 KX_BARRIER();
 const u32 n = first_out + KX_WARP;
@@ -28,8 +29,8 @@ const Fp32Sums<M, 1> sums =
     fp32_gemv_sums<M, 1, SPLIT, W>(hc_part_rows<T>(part_rows, CAP, c0), fn, N, K, n, part, n < N, KX_LANE);
 if (KX_LANE == 0 && n < N)
   for (u32 m = 0; m < M; m++) parts[((u64)m * N + n) * SPLIT + part] = sums.v[m][0];
-if (grid_finish_arrival(counters, 0, SPLIT * ((N + 7) / 8), last, KX_LID_X)) {
-  for (u32 i = KX_LID_X; i < M * N; i += 256) {
+if (grid_finish_arrival(counters, 0, SPLIT * ((N + WARPS - 1) / WARPS), last, KX_LID_X)) {
+  for (u32 i = KX_LID_X; i < M * N; i += THREADS) {
     float v = KX_LOAD_CG(parts + (u64)i * SPLIT);
     for (u32 s = 1; s < SPLIT; s++) v += KX_LOAD_CG(parts + (u64)i * SPLIT + s);
     mm[i] = v;
