@@ -105,6 +105,11 @@ x = mx.ones((1, 64)); mx.eval(f.GEMV(**f.gemv_args(x, mx.ones((8, 64))))[0])' > 
   echo "kernel header files failed to compile: headers inline (logs/header_files.log)" | tee -a "$OUT/stages.txt"
 fi
 
+# the machine's GPU, driver and MIG mode: the greedy tokens have differed between calls
+# (docs/benchmarks.md, twenty-first session), and the driver compiles the PTX to machine code
+nvidia-smi --query-gpu=name,driver_version,mig.mode.current,clocks.max.sm,memory.total --format=csv,noheader \
+  > "$LOGS/gpu.txt" 2>&1 || true
+echo "gpu: $(head -n 1 "$LOGS/gpu.txt")" | tee -a "$OUT/stages.txt"
 for name in ${*:-decode tests}; do run "$name"; done
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
 bash benchmarks/gpu_save_ptx.sh > /dev/null 2>&1 || true
