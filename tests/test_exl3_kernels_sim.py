@@ -439,8 +439,13 @@ def test_launch_constants_are_template_values():
     t = random_linear_tensors(256, 256, 3, "mul1", seed=1)
     gemv = launch.gemv_args(x, mx.array(t["trellis"]), mx.array(t["suh"]), mx.array(t["svh"]), "mul1", splits=2)
     assert dict(gemv[0]["template"])["PER_SPLIT"] == 1
-    # x, suh, trellis, svh, bias and the FINISH counters (a constant stand-in without FINISH)
-    assert len(gemv[0]["inputs"]) == len(launch.GEMV.input_names) == 6
+    # x, suh, trellis, svh, bias, the FINISH counters (a constant stand-in without FINISH), NORM's
+    # weight and PAIR's suh2, trellis2, svh2 (without them: svh, suh, trellis, svh, never read); eps,
+    # the pair's column blocks and k split are template values
+    inputs = gemv[0]["inputs"]
+    assert len(inputs) == len(launch.GEMV.input_names) == 10
+    assert [inputs[i] is inputs[j] for i, j in ((6, 3), (7, 1), (8, 2), (9, 3))] == [True] * 4
+    assert [dict(gemv[0]["template"])[k] for k in ("EPS_BITS", "PAIR", "PER_SPLIT2")] == [0, 0, 0]
     assert float_bits(0.5) == 0x3F000000
     with pytest.raises(ValueError, match="sign bit set"):
         float_bits(-1.0)
@@ -690,10 +695,66 @@ def test_a_k_split_gemv_that_finishes_itself_gives_the_two_launch_bytes(monkeypa
     program = exl3_sim.build([(launch.GEMV, two[0]), (launch.GEMV_OUT, two[1]), (launch.GEMV, one[0])], mma=False)
     partial = program.run(0)[0]
     y_two = program.run(1, with_input(two[1], "partial", mx.array(partial), launch.GEMV_OUT))[0]
-    partial_one, y_one = program.run(2)
+    partial_one, y_one, _ = program.run(2)
     assert np.array_equal(partial_one.view(np.uint32), partial.view(np.uint32))
     assert np.array_equal(y_one.view(np.uint16), y_two.view(np.uint16))
     assert np.count_nonzero(y_one.astype(np.float32)) > y_one.size // 2
+
+
+@pytest.mark.parametrize(
+    "m, splits, dtype, nonfinite", [(1, 3, mx.bfloat16, False), (2, 8, mx.bfloat16, True), (5, 5, mx.float32, False)]
+)
+def test_a_normed_gemv_gives_the_gemv_then_rms_norm_bytes(monkeypatch, m, splits, dtype, nonfinite):
+    """exl3_gemv with NORM (docs/design.md#normed-linear): the last column block to finish replaces
+    y by its RMSNorm with hc_collapse_norm's operations, so y is the bytes of the k-split launch that
+    finishes itself, then kernels.hyper_connections.rms_norm (hc_collapse_norm over one stream);
+    rows past m keep their poison, and a NaN in a row of x makes that row NaN and leaves the others
+    finite. The comparison is not blind: the norm with its weights reversed gives other bytes.
+    (That the counters are 0 again is checked on the GPU: the simulator runs on copies.)"""
+    from mlx_dsv41.kernels import hyper_connections as hc
+
+    monkeypatch.setattr(launch, "backend", lambda: "cuda")
+    t = random_linear_tensors(1024, 384, 3, "mul1", seed=20 + m, bias=False)
+    trellis, suh, svh = (mx.array(t[k]) for k in ("trellis", "suh", "svh"))
+    rng = np.random.default_rng(m)
+    xs = rng.normal(0, 1, (m, 1024)).astype(np.float32)
+    if nonfinite:
+        xs[1, 17] = np.nan
+    x = mx.array(xs).astype(dtype)
+    weight = mx.array(rng.normal(1, 0.5, 384).astype(np.float32)).astype(mx.bfloat16)
+    eps = 1e-6
+    plain = launch.gemv_args(
+        x, trellis, suh, svh, "mul1", None, dtype, splits=splits, counters=launch.split_counters(3)
+    )
+    normed = launch.gemv_args(
+        x,
+        trellis,
+        suh,
+        svh,
+        "mul1",
+        None,
+        dtype,
+        splits=splits,
+        counters=launch.split_counters(4),
+        guard_rows=2,
+        norm=(weight, eps),
+    )
+    assert dict(normed[0]["template"])["NORM"] and len(normed) == 1
+    y_plain = mx.zeros((m, 384), dtype)
+    norm = hc.collapse_norm_args(y_plain, mx.ones((m, 1)), weight, eps, hc=1)
+    program = exl3_sim.build([(launch.GEMV, plain[0]), (hc.COLLAPSE_NORM, norm), (launch.GEMV, normed[0])], mma=False)
+    y = program.run(0)[1]
+    call = dict(norm, inputs=[mx.array(y.astype(np.float32)).astype(dtype), *norm["inputs"][1:]])
+    (want,) = program.run(1, call)
+    _, got, _ = program.run(2)
+    view = np.uint16 if dtype == mx.bfloat16 else np.uint32
+    assert np.array_equal(got[:m].view(view), want.view(view))
+    assert np.all(np.isnan(got[m:].astype(np.float32)))  # guard rows untouched
+    finite = np.isfinite(got[:m].astype(np.float32)).all(axis=1)
+    assert list(finite) == [not (nonfinite and r == 1) for r in range(m)]
+    swapped = dict(norm, inputs=[call["inputs"][0], norm["inputs"][1], weight[::-1]])
+    (other,) = program.run(1, swapped)
+    assert not np.array_equal(got[:m].view(view), other.view(view))
 
 
 def test_where_the_shared_expert_rides_in_the_routed_launches(monkeypatch):
@@ -749,3 +810,175 @@ def test_a_linear_writes_its_output_in_the_shape_asked_for(k, monkeypatch):
     assert np.array_equal(np.array(heads.view(mx.uint16)).reshape(1, 2, 384), np.array(plain.view(mx.uint16)))
     calls = launch.gemv_args(x, layer.trellis, layer.suh, layer.svh, "mul1", out_shape=(1, 2, 4, 96))
     assert (1, 2, 4, 96) in [shape for call in calls for shape in call["output_shapes"]]
+
+
+@pytest.mark.parametrize(
+    "m, n2, norm, dtype", [(1, 128, True, mx.float32), (2, 384, False, mx.bfloat16), (5, 256, True, mx.float32)]
+)
+def test_two_linears_of_one_input_in_one_gemv_give_their_own_launches_bytes(monkeypatch, m, n2, norm, dtype):
+    """exl3_gemv with PAIR (docs/design.md#paired-linears; Flash's wq_a and wkv): column blocks past
+    the first linear's are a second linear's of the same x, each with its own launch's k split, so
+    y and y2 are the bytes of each linear's own k-split launch that finishes itself (y normed as
+    NORM norms it, where asked); rows past m keep their poison. With a small split target the
+    plans differ where n2 is 128 (8 splits of one 128-block against the first's 4 of two), so the
+    grid has 8 and the first linear's threadgroups past its 4 return at once. float32 outputs show
+    a changed order of sums that bf16 would round away (a pair taking the first's plan for both fails
+    the first case)."""
+    monkeypatch.setattr(launch, "backend", lambda: "cuda")
+    tuning = launch.Tuning(dense_split_warps=96)
+    ts = [random_linear_tensors(1024, n, 3, "mul1", seed=50 + m + n + i) for i, n in enumerate((384, n2))]
+    (t1, s1, v1), (t2, s2, v2) = [[mx.array(t[k]) for k in ("trellis", "suh", "svh")] for t in ts]
+    rng = np.random.default_rng(m)
+    x = mx.array(rng.normal(0, 1, (m, 1024)).astype(np.float32)).astype(dtype)
+    weight = mx.array(rng.normal(1, 0.5, 384).astype(np.float32))
+    nrm = (weight, 1e-6) if norm else None
+    common = dict(tuning=tuning, counters=launch.split_counters((384 + n2) // 128 + 1))
+    one = launch.gemv_args(
+        x, t1, s1, v1, "mul1", None, dtype, guard_rows=2, norm=nrm, pair=(t2, s2, v2, "mul1"), **common
+    )
+    apart = [
+        launch.gemv_args(x, t1, s1, v1, "mul1", None, dtype, norm=nrm, **common),
+        launch.gemv_args(x, t2, s2, v2, "mul1", None, dtype, **common),
+    ]
+    plans = [dict(a[0]["template"])["PER_SPLIT"] for a in apart]
+    assert dict(one[0]["template"])["PAIR"] == 3 and len(one) == 1 and (plans[0] != plans[1]) == (n2 == 128)
+    program = exl3_sim.build([(launch.GEMV, one[0]), (launch.GEMV, apart[0][0]), (launch.GEMV, apart[1][0])], mma=False)
+    partial, y, y2 = program.run(0)
+    want, want2 = program.run(1)[1], program.run(2)[1]
+    view = np.uint16 if dtype == mx.bfloat16 else np.uint32
+    assert np.array_equal(y[:m].view(view), want.view(view)) and np.array_equal(y2[:m].view(view), want2.view(view))
+    assert np.all(np.isnan(y[m:].astype(np.float32))) and np.all(np.isnan(y2[m:].astype(np.float32)))
+    splits = max(a[0]["grid"][1] for a in apart)
+    assert partial.shape == (splits + 2, m, 384 + n2) and np.all(np.isnan(partial[splits:]))
+    assert np.count_nonzero(y2[:m].astype(np.float32)) > y2[:m].size // 2
+
+
+def test_a_paired_gemv_refuses_linears_that_differ(monkeypatch):
+    """PAIR only for linears whose own launches it can hold side by side (paired_gemv_fits and
+    gemv_args agree): other bits, codebook, k, a bias, more than 8 rows, a k left unsplit or the
+    tuning's switch off are refused."""
+    monkeypatch.setattr(launch, "backend", lambda: "cuda")
+
+    def arrays(k, n, bits=3, codebook="mul1"):
+        t = random_linear_tensors(k, n, bits, codebook, seed=k + n + bits)
+        return mx.array(t["trellis"]), mx.array(t["suh"]), mx.array(t["svh"]), codebook, None
+
+    x = mx.zeros((1, 1024), mx.bfloat16)
+    first = arrays(1024, 384)
+    assert launch.paired_gemv_fits(x, first, arrays(1024, 256))
+    bias = mx.zeros((384,), mx.float16)
+    others = [
+        arrays(1024, 256, bits=4),
+        arrays(1024, 256, codebook="mcg"),
+        arrays(512, 256),
+        arrays(1024, 256)[:4] + (bias[:256],),
+    ]
+    for second in others:
+        assert not launch.paired_gemv_fits(x, first, second)
+        with pytest.raises(ValueError, match="PAIR"):
+            launch.gemv_args(x, *first[:4], second[4], counters=launch.split_counters(8), pair=second[:4])
+    assert not launch.paired_gemv_fits(mx.zeros((9, 1024), mx.bfloat16), first, arrays(1024, 256))
+    assert not launch.paired_gemv_fits(x, first, arrays(1024, 256), launch.Tuning(paired_gemv=0))
+    assert not launch.paired_gemv_fits(x, first, arrays(1024, 256), launch.Tuning(dense_single_blocks=3))  # k unsplit
+
+
+def test_a_linear_and_its_norm_take_one_launch_only_where_the_gemv_can_norm(monkeypatch):
+    """quant.normed_linear (docs/design.md#normed-linear): on the CPU norm(linear(x)), the bytes of
+    the two calls; on a GPU with grid finish one exl3_gemv launch with NORM for a k-split linear of
+    at most 8 rows, and the two launches (exl3_gemv, hc_collapse_norm) where the plan does not split
+    k, the rows do not fit, the tuning turns FINISH or NORM off or the outputs are padded."""
+    import mlx_dsv41.kernels as kernels
+    from mlx_dsv41.exl3 import ops
+    from mlx_dsv41.kernels import grid_finish
+    from mlx_dsv41.kernels import hyper_connections as hc
+    from mlx_dsv41.model.norm import RMSNorm
+    from mlx_dsv41.quant import normed_linear
+
+    def make(out_f, seed):
+        lin = EXL3Linear.from_stored(random_linear_tensors(1024, out_f, 3, "mul1", seed=seed, prefix="p"), "p")
+        norm = RMSNorm(out_f, 1e-6)
+        norm.weight = mx.array(np.random.default_rng(seed).normal(1, 0.5, out_f).astype(np.float32))
+        return lin, norm
+
+    lin, norm = make(384, 1)
+    x = mx.array(np.random.default_rng(2).normal(0, 1, (2, 1024)).astype(np.float32)).astype(mx.bfloat16)
+    assert np.array_equal(np.array(normed_linear(lin, norm, x).view(mx.uint16)), np.array(norm(lin(x)).view(mx.uint16)))
+    seen = []
+
+    def record(self, **call):
+        seen.append((self.name, dict(call.get("template", ())).get("NORM")))
+        return [mx.zeros(s, d) for s, d in zip(call["output_shapes"], call["output_dtypes"])]
+
+    monkeypatch.setattr(kernels.Kernel, "__call__", record)
+    for module in (ops, launch, hc):
+        monkeypatch.setattr(module, "backend", lambda: "cuda")
+    monkeypatch.setitem(grid_finish.GRID_FINISH, "cuda", True)
+    padded = EXL3Linear.from_stored(random_linear_tensors(1024, 300, 3, "mul1", seed=4, prefix="p"), "p", 1024, 300)
+    padded_norm = RMSNorm(300, 1e-6)
+    cases = [
+        (lin, norm, x, None, [("exl3_gemv", True)]),
+        (lin, norm, mx.zeros((9, 1024), mx.bfloat16), None, None),  # 9 rows: the many-row path
+        (lin, norm, x, launch.Tuning(finish_splits=0), [("exl3_gemv", False), ("exl3_gemv_out", None)]),
+        (lin, norm, x, launch.Tuning(normed_gemv=0), [("exl3_gemv", False)]),  # the A/B switch
+        (lin, norm, x, launch.Tuning(dense_single_blocks=2), [("exl3_gemv", False)]),  # k not split
+        (padded, padded_norm, x, None, [("exl3_gemv", False)]),
+    ]
+    for linear, rms, rows, tuning, gemv in cases:
+        seen.clear()
+        if tuning is not None:
+            monkeypatch.setattr(launch, "TUNING", tuning)
+        y = normed_linear(linear, rms, rows)
+        monkeypatch.setattr(launch, "TUNING", launch.Tuning())
+        assert y.shape == (*rows.shape[:-1], rms.weight.shape[0]) and y.dtype == rows.dtype
+        if gemv is None:
+            assert ("hc_collapse_norm", None) in seen and ("exl3_gemv", True) not in seen
+        else:
+            assert seen == gemv + ([] if gemv[0][1] else [("hc_collapse_norm", None)])
+
+
+def test_two_linears_of_one_input_take_one_launch_only_where_the_gemv_can_pair(monkeypatch):
+    """quant.paired_linears (docs/design.md#paired-linears): on the CPU (norm(first(x)), second(x)),
+    the bytes of the separate calls; on a GPU with grid finish one exl3_gemv launch with PAIR (and
+    NORM for the first's norm; with NORM tuned off the pair, then hc_collapse_norm); apart where
+    the formats differ or the linears do not pair."""
+    import mlx_dsv41.kernels as kernels
+    from mlx_dsv41.exl3 import ops
+    from mlx_dsv41.kernels import grid_finish
+    from mlx_dsv41.kernels import hyper_connections as hc
+    from mlx_dsv41.model.norm import RMSNorm
+    from mlx_dsv41.quant import DenseLinear, paired_linears
+
+    def make(out_f, seed, bits=3):
+        return EXL3Linear.from_stored(random_linear_tensors(1024, out_f, bits, "mul1", seed=seed, prefix="p"), "p")
+
+    first, second, norm = make(384, 1), make(256, 2), RMSNorm(384, 1e-6)
+    norm.weight = mx.array(np.random.default_rng(3).normal(1, 0.5, 384).astype(np.float32))
+    x = mx.array(np.random.default_rng(4).normal(0, 1, (2, 1024)).astype(np.float32)).astype(mx.bfloat16)
+    y, y2 = paired_linears(first, second, x, norm)
+    bits = lambda a: np.array(a.view(mx.uint16))  # noqa: E731
+    assert np.array_equal(bits(y), bits(norm(first(x)))) and np.array_equal(bits(y2), bits(second(x)))
+    seen = []
+
+    def record(self, **call):
+        t = dict(call.get("template", ()))
+        seen.append((self.name, t.get("PAIR"), t.get("NORM")))
+        return [mx.zeros(s, d) for s, d in zip(call["output_shapes"], call["output_dtypes"])]
+
+    monkeypatch.setattr(kernels.Kernel, "__call__", record)
+    for module in (ops, launch, hc):
+        monkeypatch.setattr(module, "backend", lambda: "cuda")
+    monkeypatch.setitem(grid_finish.GRID_FINISH, "cuda", True)
+    dense = DenseLinear(1024, 256)
+    cases = [
+        (second, norm, None, [("exl3_gemv", 3, True)]),
+        (second, None, None, [("exl3_gemv", 3, False)]),
+        (second, norm, launch.Tuning(normed_gemv=0), [("exl3_gemv", 3, False), ("hc_collapse_norm", None, None)]),
+        (second, norm, launch.Tuning(paired_gemv=0), [("exl3_gemv", 0, True), ("exl3_gemv", 0, False)]),
+        (make(256, 5, bits=4), norm, None, [("exl3_gemv", 0, True), ("exl3_gemv", 0, False)]),
+        (dense, norm, None, [("exl3_gemv", 0, True)]),  # then MLX's matmul
+    ]
+    for other, rms, tuning, want in cases:
+        seen.clear()
+        monkeypatch.setattr(launch, "TUNING", tuning or launch.Tuning())
+        y, y2 = paired_linears(first, other, x, rms)
+        assert seen == want and y.shape == (2, 384) and y2.shape == (2, 256)

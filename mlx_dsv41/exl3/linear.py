@@ -62,6 +62,28 @@ class EXL3Linear(nn.Module):
             out_shape=shape,
         )
 
+    def normed(self, x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
+        """rms_norm(self(x), weight, eps) from one launch where the kernel gives it here, else None
+        (quant.normed_linear: ops.normed_linear)."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"EXL3Linear expects [..., {self.in_features}], got {x.shape}")
+        return ops.normed_linear(
+            x, self.trellis, self.suh, self.svh, self.codebook, weight, eps, self.get("bias"), self.out_features, self
+        )
+
+    def paired(self, other: nn.Module, x: mx.array, norm: tuple | None = None) -> tuple | None:
+        """(self(x), other(x)) from one launch where the kernel gives them here (two EXL3 linears of
+        x alike enough: ops.paired_linear), self's output normed with norm = (weight, eps) where
+        given; else None (quant.paired_linears)."""
+        if (
+            not isinstance(other, EXL3Linear)
+            or x.shape[-1] != self.in_features
+            or other.in_features != self.in_features
+        ):
+            return None
+        first, second = ((m.trellis, m.suh, m.svh, m.codebook, m.get("bias"), m.out_features) for m in (self, other))
+        return ops.paired_linear(x, first, second, norm, self)
+
     def as_single_expert(self) -> EXL3ExpertProjection:
         """This linear as a one-expert EXL3ExpertProjection over the same arrays (made once), so
         that the fused expert kernels can serve it (ops.swiglu_mlp: the shared expert)."""

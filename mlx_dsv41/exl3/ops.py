@@ -36,6 +36,7 @@ from mlx_dsv41.exl3.trellis import check_trellis
 from mlx_dsv41.kernels import backend, f16_gemm
 from mlx_dsv41.kernels import exl3 as launch
 from mlx_dsv41.kernels.exl3 import GEMV_MAX_ROWS
+from mlx_dsv41.kernels.hyper_connections import rms_norm
 from mlx_dsv41.quant.experts import check_routing, combine_moe, swiglu
 
 FUSED_MAX_TOKENS = 10  # tokens served by the fused expert kernels (60 slots at Flash top-6)
@@ -111,6 +112,41 @@ def _linear(x, trellis, suh, svh, codebook: str, bias, out_features, out_dtype, 
         x.reshape(m, -1), suh[None], svh[None], zeros, product_by_span(w[None], None), out_dtype, bias=bias
     )
     return (y if out_features == n else y[:, :out_features]).reshape(*lead, out_features)
+
+
+def normed_linear(x, trellis, suh, svh, codebook: str, weight, eps: float, bias=None, out_features=None, owner=None):
+    """rms_norm(linear(x), weight, eps) (docs/numerics.md#dtypes) from one exl3_gemv launch (NORM,
+    docs/design.md#normed-linear) where one gives it here: a GPU, x's rows in one gemv, no padded
+    outputs and a launch plan that splits k and finishes itself; None otherwise (the caller norms
+    linear(x)). The bytes of the linear then kernels.hyper_connections.rms_norm."""
+    n = _check_linear_args(x, trellis, suh, svh, codebook, bias)
+    if backend() == "cpu" or (out_features or n) != n or not launch.normed_gemv_fits(x, trellis):
+        return None
+    if weight.shape != (n,):
+        raise ValueError(f"exl3 normed linear: the norm's weight must be [{n}], got {weight.shape}")
+    size = n // BLOCK + 1  # NORM's count past the column blocks'
+    counters = launch.split_counters(size) if owner is None else launch.held_counters(owner, size)
+    return launch.run_gemv(x, trellis, suh, svh, codebook, bias, x.dtype, counters, norm=(weight, eps))
+
+
+def paired_linear(x, first: tuple, second: tuple, norm=None, owner=None):
+    """(first's y, second's y) for two linears of x, first / second = (trellis, suh, svh, codebook,
+    bias, out_features), from one exl3_gemv launch (PAIR, docs/design.md#paired-linears) where one
+    gives them here; with norm = (weight, eps) the first's y is rms_norm(y) (NORM). None otherwise
+    (the caller runs the linears apart). The bytes of the two launches (and of the norm)."""
+    ns = [_check_linear_args(x, *f[:5]) for f in (first, second)]
+    gemv = [f[:5] for f in (first, second)]
+    if backend() == "cpu" or any((f[5] or n) != n for f, n in zip((first, second), ns)):
+        return None
+    if not launch.paired_gemv_fits(x, *gemv):
+        return None
+    if norm is not None and norm[0].shape != (ns[0],):
+        raise ValueError(f"exl3 paired linear: the norm's weight must be [{ns[0]}], got {norm[0].shape}")
+    in_launch = norm if norm is not None and launch.normed_gemv_fits(x, first[0]) else None
+    size = (ns[0] + ns[1]) // BLOCK + (in_launch is not None)
+    counters = launch.split_counters(size) if owner is None else launch.held_counters(owner, size, "pair")
+    y, y2 = launch.run_gemv_pair(x, first[:4], second[:4], x.dtype, counters, in_launch)
+    return (y if norm is None or in_launch is not None else rms_norm(y, *norm)), y2
 
 
 def _split_counters(owner, n: int):

@@ -85,7 +85,10 @@ class Tuning:
     and exl3_expert_down split k until they have ``gate_up_split_warps`` / ``down_split_warps``
     for ``plan_slots`` slots, whatever the call's slot count (see expert_plan). With
     ``shared_in_routed`` the MoE's shared expert rides in the routed experts' last launches
-    (run_moe) where it fits (exl3.ops.shared_fits).
+    (run_moe) where it fits (exl3.ops.shared_fits). With ``normed_gemv`` a finishing k-split
+    exl3_gemv also gives the RMSNorm of its output where the model asks for it (NORM,
+    normed_gemv_fits), and with ``paired_gemv`` two such linears of one input share a launch
+    (PAIR, paired_gemv_fits).
     """
 
     warps: int = 8
@@ -96,6 +99,8 @@ class Tuning:
     dense_split_warps: int = 2112  # 132 SMs x 16
     dense_single_blocks: int = 128
     finish_splits: int = 1  # 1: a k-split exl3_gemv finishes itself (FINISH) where GRID_FINISH allows
+    normed_gemv: int = 1  # 1: such a launch norms its output too where asked (NORM; 0: hc_collapse_norm)
+    paired_gemv: int = 1  # 1: two such linears of one input share a launch where they can (PAIR)
     gate_up_split_warps: int = 6336  # 132 SMs x 48
     down_split_warps: int = 12672  # 132 SMs x 96
     plan_slots: int = 6  # slots the expert k splits are planned for (Flash top-k)
@@ -169,9 +174,9 @@ RECONSTRUCT = register(
 GEMV = register(
     Kernel(
         "exl3_gemv",
-        ("x", "suh", "trellis", "svh", "bias", "counters"),
-        ("out", "y"),
-        includes=_HEADERS,
+        ("x", "suh", "trellis", "svh", "bias", "counters", "norm_w", "suh2", "trellis2", "svh2"),
+        ("out", "y", "y2"),
+        includes=_HEADERS + ("hc.h",),  # hc.h: NORM's RMSNorm (hc_rms_norm_row)
         max_threads=512,
         examples=lambda: _example_gemv(),
     )
@@ -341,6 +346,7 @@ def _rows_out(x, n: int, guard_rows: int, out_shape=None) -> tuple:
     return tuple(out_shape)
 
 
+# long: one launch's whole argument list (inputs, outputs, grid, template), read beside exl3_gemv.metal
 def gemv_args(
     x,
     trellis,
@@ -355,6 +361,8 @@ def gemv_args(
     init_value=None,
     counters=None,
     out_shape=None,
+    norm=None,
+    pair=None,
 ) -> list[dict]:
     """Call kwargs of exl3_gemv (and exl3_gemv_out when k is split) for x [..., in] (rows in order,
     not reshaped: y is [..., n], or out_shape holding the same m · n values, e.g. a linear's heads
@@ -362,7 +370,10 @@ def gemv_args(
     Tests: ``splits`` / ``tuning`` override the plan; ``guard_rows`` adds never-written rows to y
     ([m + guard_rows, n]; splits to the partial sums). With ``counters`` (uint32 [n / 128], zeros:
     `split_counters`) a k-split launch finishes itself where the backend can (FINISH: one call,
-    y its second output); otherwise exl3_gemv_out does (two calls)."""
+    y its second output); otherwise exl3_gemv_out does (two calls). ``norm`` = (weight, eps): y is
+    rms_norm of the linear's output (NORM; such a launch only, counters [n / 128 + 1]). ``pair`` =
+    (trellis2, suh2, svh2, codebook2): a second linear of x in the same launch (PAIR; such a launch
+    only, see paired_gemv_fits), y2 [..., n2] its third output, counters for both linears' blocks."""
     t = tuning or TUNING
     k2 = _k2(trellis)
     m = math.prod(x.shape[:-1])
@@ -373,33 +384,106 @@ def gemv_args(
     out_dtype = out_dtype or x.dtype
     fused = splits == 1
     finish_here = not fused and counters is not None and t.finish_splits and _grid_finish(t)
-    if counters is not None:
-        _check_counters(counters, 1, n, "gemv")
-    has_bias = bias is not None
-    bias_in = bias if has_bias else svh
     y_shape = _rows_out(x, n, guard_rows, out_shape)
+    first = (trellis, suh, svh, codebook, bias)
+    pair_in, y2_shape, n2, plan2 = _pair_inputs(pair, first, finish_here, t, x, guard_rows)
+    counters_in, norm_w, eps = _finish_inputs(counters, norm, finish_here, n, n2, svh)
+    y_dtype = out_dtype if finish_here else mx.float32
     gemv = dict(
-        inputs=[x, suh, trellis, svh, bias_in, counters if finish_here else no_counters()],
-        output_shapes=[y_shape if fused else (splits + guard_rows, m, n), y_shape if finish_here else (1,)],
-        output_dtypes=[out_dtype if fused else mx.float32, out_dtype if finish_here else mx.float32],
-        grid=(n_blocks * _LANES * t.warps, splits, 1),
+        inputs=[x, suh, trellis, svh, svh if bias is None else bias, counters_in, norm_w, *pair_in],
+        output_shapes=[
+            y_shape if fused else (max(splits, plan2[0]) + guard_rows, m, n + n2),
+            y_shape if finish_here else (1,),
+            y2_shape,
+        ],
+        output_dtypes=[out_dtype if fused else mx.float32, y_dtype, y_dtype],
+        grid=((n + n2) // BLOCK * _LANES * t.warps, max(splits, plan2[0]), 1),
         threadgroup=(_LANES * t.warps, 1, 1),
         template=[
             ("K2", k2),
             ("CB", CODEBOOK_IDS[codebook]),
             ("M", rows_t),
-            *t.template(t.warps, k2, rows_t, per_split, backend()),
+            *t.template(t.warps, k2, rows_t, max(per_split, plan2[1]), backend()),
             ("FUSED", fused),
             ("FINISH", finish_here),
-            ("HAS_BIAS", has_bias),
+            ("HAS_BIAS", bias is not None),
             ("OUT", _OUT_KIND[out_dtype] if fused or finish_here else 0),
             ("PER_SPLIT", per_split),
+            ("NORM", norm is not None),
+            ("EPS_BITS", float_bits(eps)),
+            ("PAIR", n_blocks if pair is not None else 0),
+            ("PER_SPLIT2", plan2[1]),
         ],
         init_value=init_value,
     )
     if fused or finish_here:
         return [gemv]
     return [gemv, _gemv_out_args(x, svh, bias, out_dtype, n_blocks, y_shape, init_value)]
+
+
+def _pair_inputs(pair, first: tuple, finish_here: bool, t: Tuning, x, guard_rows: int) -> tuple:
+    """(suh2, trellis2, svh2 inputs, y2's shape, n2, its (splits, per split)) of an exl3_gemv
+    launch: PAIR's second linear, or the first's arrays as stand-ins (never read), a 1-element y2,
+    0 and (0, 0). The second linear takes its own launch's plan; it must have the first's bits,
+    codebook, k and transform dtypes, split k, and neither may have a bias (see paired_gemv_fits)."""
+    trellis, suh, svh, codebook, bias = first
+    if pair is None:
+        return [suh, trellis, svh], (1,), 0, (0, 0)
+    trellis2, suh2, svh2, codebook2 = pair
+    plan2 = dense_plan(trellis2.shape[0] // 8, trellis2.shape[1] // 8, t)
+    if not finish_here or bias is not None or plan2[0] == 1:
+        raise ValueError("exl3 gemv: PAIR needs two k-split linears that finish themselves, without bias")
+    if _pair_key(trellis2, suh2, svh2, codebook2) != _pair_key(trellis, suh, svh, codebook):
+        raise ValueError("exl3 gemv: a PAIR linear needs the first's bits, codebook, k and dtypes")
+    n2 = trellis2.shape[1] * 16
+    m = math.prod(x.shape[:-1])
+    return [suh2, trellis2, svh2], (m + guard_rows, n2) if guard_rows else (*x.shape[:-1], n2), n2, plan2
+
+
+def _pair_key(trellis, suh, svh, codebook: str) -> tuple:
+    """What two linears sharing an exl3_gemv launch (PAIR) must have in common."""
+    return _k2(trellis), codebook, trellis.shape[0], suh.dtype, svh.dtype
+
+
+def _finish_inputs(counters, norm, finish_here: bool, n: int, n2: int, svh) -> tuple:
+    """(counters input, norm_w input, eps) of an exl3_gemv launch: counters where it finishes itself
+    (a stand-in otherwise; one per column block of both linears with PAIR); NORM's (weight [n], eps),
+    or svh as a stand-in and 0. NORM needs the launch to finish itself and one counter past the
+    column blocks'."""
+    if counters is not None:
+        _check_counters(counters, 1, n + n2, "gemv")
+    counters_in = counters if finish_here else no_counters()
+    if norm is None:
+        return counters_in, svh, 0.0
+    weight, eps = norm
+    if not finish_here:
+        raise ValueError("exl3 gemv: NORM needs a k-split launch that finishes itself (normed_gemv_fits)")
+    if weight.shape != (n,):
+        raise ValueError(f"exl3 gemv: the norm's weight must be [{n}], got {weight.shape}")
+    grid_finish.check_counters(counters, (n + n2) // BLOCK + 1, "exl3 gemv: NORM")
+    return counters_in, weight, eps
+
+
+def normed_gemv_fits(x, trellis, tuning: Tuning | None = None) -> bool:
+    """Whether exl3_gemv can give rms_norm(x · W) itself here (NORM): x's rows fit the kernel
+    and its launch plan splits k and finishes itself (where the backend has grid finish)."""
+    t = tuning or TUNING
+    if math.prod(x.shape[:-1]) > GEMV_MAX_ROWS or not (t.normed_gemv and t.finish_splits and _grid_finish(t)):
+        return False
+    return dense_plan(trellis.shape[0] // 8, trellis.shape[1] // 8, t)[0] > 1
+
+
+def paired_gemv_fits(x, first, second, tuning: Tuning | None = None) -> bool:
+    """Whether exl3_gemv can give two linears of x in one launch here (PAIR): first / second =
+    (trellis, suh, svh, codebook, bias) of each; x's rows fit the kernel, both linears have the same
+    bits, codebook, k and transform dtypes, split k (each in its own plan) and finish themselves,
+    and neither has a bias."""
+    t = tuning or TUNING
+    if math.prod(x.shape[:-1]) > GEMV_MAX_ROWS or not (t.paired_gemv and t.finish_splits and _grid_finish(t)):
+        return False
+    if first[4] is not None or second[4] is not None or _pair_key(*first[:4]) != _pair_key(*second[:4]):
+        return False
+    return all(dense_plan(w.shape[0] // 8, w.shape[1] // 8, t)[0] > 1 for w in (first[0], second[0]))
 
 
 def _gemv_out_args(x, svh, bias, out_dtype, n_blocks: int, y_shape: tuple, init_value) -> dict:
@@ -665,18 +749,31 @@ def _group(proj, key):
 # ------------------------------------------------------------------------------------ launches
 
 
-def run_gemv(x, trellis, suh, svh, codebook: str, bias, out_dtype, counters=None, out_shape=None) -> mx.array:
+def run_gemv(
+    x, trellis, suh, svh, codebook: str, bias, out_dtype, counters=None, out_shape=None, norm=None
+) -> mx.array:
     """exl3_gemv, and exl3_gemv_out when k is split and the launch does not finish itself (see
     gemv_args): y [..., n] (or out_shape) for x [..., in] of at most GEMV_MAX_ROWS rows (bias, if
-    any, padded to n)."""
-    calls = gemv_args(x, trellis, suh, svh, codebook, bias, out_dtype, counters=counters, out_shape=out_shape)
-    out, y = GEMV(**calls[0])
+    any, padded to n); with norm = (weight, eps), rms_norm(y) (NORM: see normed_gemv_fits)."""
+    calls = gemv_args(
+        x, trellis, suh, svh, codebook, bias, out_dtype, counters=counters, out_shape=out_shape, norm=norm
+    )
+    out, y, _ = GEMV(**calls[0])
     if dict(calls[0]["template"])["FINISH"]:
         return y
     if len(calls) == 2:
         calls[1]["inputs"][0] = out
         out = GEMV_OUT(**calls[1])[0]
     return out
+
+
+def run_gemv_pair(x, first: tuple, second: tuple, out_dtype, counters, norm=None) -> tuple:
+    """(y, y2): two linears of x [..., in] in one exl3_gemv launch (PAIR; see paired_gemv_fits),
+    first / second = (trellis, suh, svh, codebook); with norm = (weight, eps) y is rms_norm of the
+    first's output (NORM). counters: both linears' column blocks (+ 1 with norm)."""
+    (call,) = gemv_args(x, *first, None, out_dtype, counters=counters, norm=norm, pair=second)
+    _, y, y2 = GEMV(**call)
+    return y, y2
 
 
 def run_experts(x, indices, weights, w1, w3, w2, lo, limit, add=None):

@@ -9,27 +9,48 @@
 //   instead of two): counters[col_block] counts the finished splits and is set back to 0 by that
 //   last threadgroup, so it is 0 again for the next launch (counters is scratch state of the
 //   linear; launches that share it never run at once). y is a 1-element stand-in otherwise.
+//   PAIR (with FINISH; the first linear's column blocks, 0: none): column blocks PAIR.. are a second
+//   linear's (suh2, trellis2, svh2 -> y2 [.., n2]) of the same x and k, its k split in blocks of
+//   PER_SPLIT2, in the same launch (docs/design.md#paired-linears): each threadgroup does what its
+//   linear's own launch would (the grid has the larger split count; the other linear's extra
+//   threadgroups return at once), so y and y2 have those launches' bytes; the partials out
+//   [splits, m, n + n2] hold both. y2 is a 1-element stand-in without PAIR.
+//   NORM (with FINISH): the first linear's column blocks' finishing threadgroups then count on the
+//   counter past every column block's, and the last of those replaces each row of y by its RMSNorm
+//   with norm_w and EPS_BITS (hc_rms_norm_row: hc_collapse_norm's operations over one stream, so y
+//   has the bytes of this launch then that one; docs/design.md#normed-linear).
 // Inputs: x [.., in] (m rows: the leading dims; in <= k, zero-extended), suh [k], trellis
-// [k/16, n/16, 16K] int16, svh [n], bias [n] (read only if HAS_BIAS), counters [n/128] uint32.
+// [k/16, n/16, 16K] int16, svh [n], bias [n] (read only if HAS_BIAS), counters [column blocks (+ 1
+// with NORM)] uint32, norm_w [n] (read only if NORM), suh2 / trellis2 / svh2 (read only if PAIR).
 // Template: K2, CB, M (1, 2, 4 or 8; rows >= m are zero), NC, NW, STAGES, XSW (exl3_matmul.h),
-// FUSED, FINISH, HAS_BIAS, OUT, PER_SPLIT (128-blocks of k per split). Launch constants are
-// template values, never small arrays: see docs/design.md, "Launch constants".
+// FUSED, FINISH, HAS_BIAS, OUT, PER_SPLIT (128-blocks of k per split), NORM, EPS_BITS, PAIR,
+// PER_SPLIT2. Launch constants are template values, never small arrays: see docs/design.md,
+// "Launch constants".
 const u32 lane = KX_LANE, warp = KX_WARP;
 const u32 col_block = KX_TGID_X, split = KX_TGID_Y;
 u32 rows = 1;
 for (int d = 0; d + 1 < x_ndim; d++) rows *= x_shape[d];
 const u32 in_features = x_shape[x_ndim - 1];
-const u32 tiles_k = trellis_shape[0], tiles_n = trellis_shape[1];
-const u32 n = tiles_n * 16, row_words = tiles_n * 4 * K2;
-const u32 kb_begin = split * (u32)PER_SPLIT;
-const u32 nb = min((u32)PER_SPLIT, tiles_k / 8 - kb_begin);
+const bool second = PAIR > 0 && col_block >= (u32)PAIR;
+const u32 block = second ? col_block - (u32)PAIR : col_block;  // the column block in its linear
+const u32 first_blocks = PAIR > 0 ? (u32)PAIR : trellis_shape[1] / 8;
+const u32 all_blocks = first_blocks + (PAIR > 0 ? trellis2_shape[1] / 8 : 0u);
+const u32 tiles_k = trellis_shape[0], tiles_n = second ? trellis2_shape[1] : trellis_shape[1];
+const u32 n = tiles_n * 16, row_words = tiles_n * 4 * K2, pn = all_blocks * 128;
+const u32 per_split = second ? (u32)PER_SPLIT2 : (u32)PER_SPLIT;
+const u32 splits = (tiles_k / 8 + per_split - 1) / per_split;  // this linear's
+const u32 kb_begin = split * per_split;
 KX_SHARED16(u32, ring, EXL3_RING_WORDS(K2, STAGES, NW, NC, M));
 KX_SHARED(u32, xs, XSW);
 KX_SHARED(u32, last, 1);  // FINISH: whether this threadgroup is its column block's last
+if (split >= splits) return;  // PAIR: a split only the other linear has (uniform in the threadgroup)
+const u32 nb = min(per_split, tiles_k / 8 - kb_begin);
 
-const KX_DEVICE u32* src = (const KX_DEVICE u32*)trellis + (u64)kb_begin * 8 * row_words + col_block * 32 * K2;
-const Exl3Acc<M, NC> acc = exl3_product<K2, CB, M, NC, NW, STAGES, XSW, PER_SPLIT>(
-    src, row_words, nb, exl3_input_stager<M, XSW>(x, suh, rows, in_features, kb_begin), ring, xs, warp, lane);
+const KX_DEVICE u32* src =
+    (const KX_DEVICE u32*)(second ? trellis2 : trellis) + (u64)kb_begin * 8 * row_words + block * 32 * K2;
+const Exl3Acc<M, NC> acc = exl3_product<K2, CB, M, NC, NW, STAGES, XSW, (PER_SPLIT > PER_SPLIT2 ? PER_SPLIT : PER_SPLIT2)>(
+    src, row_words, nb, exl3_input_stager<M, XSW>(x, second ? suh2 : suh, rows, in_features, kb_begin), ring, xs, warp,
+    lane);
 const KX_THREADGROUP float* ys = exl3_gather_acc<M, NC, NW>(acc, ring, warp, lane);
 if (FUSED) {
   for (u32 r = warp; r < M && r < rows; r += NW) {
@@ -45,14 +66,18 @@ if (FUSED) {
   for (u32 i = KX_LID_X; i < M * 128; i += NW * 32) {
     const u32 r = i / 128, j = i % 128;
     if (r < rows)
-      exl3_store_out<0>(out, ((u64)split * rows + r) * n + col_block * 128 + j, exl3_ys_sum<M, EXL3_KG(NW, NC)>(ys, r, j));
+      exl3_store_out<0>(out, ((u64)split * rows + r) * pn + col_block * 128 + j, exl3_ys_sum<M, EXL3_KG(NW, NC)>(ys, r, j));
   }
   if (FINISH && KX_HAS_GRID_FINISH) {
-    const u32 splits = (tiles_k / 8 + PER_SPLIT - 1) / PER_SPLIT;
     if (grid_finish_arrival(counters, col_block, splits, last, KX_LID_X)) {
+      const KX_DEVICE float* partial = (const KX_DEVICE float*)out + (col_block - block) * 128;
       for (u32 r = 0; r < rows; r++)  // xs is free: the product is done
-        exl3_finish_row<OUT, HAS_BIAS>((const KX_DEVICE float*)out, svh, bias, y, (KX_THREADGROUP float*)xs, splits, rows,
-                                       n, r, col_block, warp, lane);
+        exl3_finish_row<OUT, HAS_BIAS>(partial, pn, second ? svh2 : svh, bias, second ? y2 : y,
+                                       (KX_THREADGROUP float*)xs, splits, rows, n, r, block, warp, lane);
+      if (NORM && !second && grid_finish_arrival(counters, all_blocks, first_blocks, last, KX_LID_X))
+        for (u32 r = 0; r < rows; r++)  // in place: each thread reads a value before it writes it
+          hc_rms_norm_row(hc_loaded_row<true>(y + (u64)r * n), norm_w, y + (u64)r * n, n, KX_BITS_F32(EPS_BITS),
+                          (KX_THREADGROUP float*)xs, KX_LID_X, lane, warp);
     }
   }
 }

@@ -5,4 +5,4 @@
 // Template: HAS_BIAS, OUT (as exl3_gemv). The work is exl3_finish_row (exl3_matmul.h).
 const u32 splits = partial_shape[0], rows = partial_shape[1], n = partial_shape[2];
 KX_SHARED(float, sums, 8 * 128);
-exl3_finish_row<OUT, HAS_BIAS>(partial, svh, bias, out, sums, splits, rows, n, KX_TGID_Y, KX_TGID_X, KX_WARP, KX_LANE);
+exl3_finish_row<OUT, HAS_BIAS>(partial, n, svh, bias, out, sums, splits, rows, n, KX_TGID_Y, KX_TGID_X, KX_WARP, KX_LANE);

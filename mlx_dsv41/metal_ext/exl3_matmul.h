@@ -516,20 +516,22 @@ KX_INLINE Exl3Vec4 exl3_ys_row(const KX_THREADGROUP float* ys, u32 r, u32 lane) 
 }
 
 // exl3_gemv_out's work for one row (docs/exl3.md#forward steps 4-6): the k-split partials
-// [splits, rows, n] added (SIMD group w adds splits w, w + 8, ... with all their loads independent;
-// group 0 adds the 8 sums in group order), then H128, svh and the bias -> out (OUT as
-// exl3_store_out). 8 SIMD groups; sums: 8 x 128 floats of threadgroup memory, reusable on return.
-// Shared by exl3_gemv_out and exl3_gemv's FINISH, so both give the same bytes; the partials are read
-// through L2 (another threadgroup of the launch may have written them).
+// [splits, rows, pn] added (SIMD group w adds splits w, w + 8, ... with all their loads independent;
+// group 0 adds the 8 sums in group order), then H128, svh and the bias -> out [rows, n] (OUT as
+// exl3_store_out). partial points at the linear's first column (a paired exl3_gemv's partials hold
+// both linears' columns in rows of pn; otherwise pn = n). 8 SIMD groups; sums: 8 x 128 floats of
+// threadgroup memory, reusable on return. Shared by exl3_gemv_out and exl3_gemv's FINISH, so both
+// give the same bytes; the partials are read through L2 (another threadgroup of the launch may have
+// written them).
 template <int OUT, bool HAS_BIAS, typename TS, typename TB, typename TO>
-KX_INLINE void exl3_finish_row(const KX_DEVICE float* partial, const KX_DEVICE TS* svh, const KX_DEVICE TB* bias,
-                               KX_DEVICE TO* out, KX_THREADGROUP float* sums, u32 splits, u32 rows, u32 n, u32 row,
-                               u32 col_block, u32 warp, u32 lane) {
+KX_INLINE void exl3_finish_row(const KX_DEVICE float* partial, u32 pn, const KX_DEVICE TS* svh,
+                               const KX_DEVICE TB* bias, KX_DEVICE TO* out, KX_THREADGROUP float* sums, u32 splits,
+                               u32 rows, u32 n, u32 row, u32 col_block, u32 warp, u32 lane) {
   const u32 c0 = col_block * 128 + 4 * lane;
   Exl3Vec4 s;
   for (int i = 0; i < 4; i++) s.v[i] = 0.0f;
   for (u32 p = warp; p < splits; p += 8)
-    for (int i = 0; i < 4; i++) s.v[i] += KX_LOAD_CG(partial + ((u64)p * rows + row) * n + c0 + i);
+    for (int i = 0; i < 4; i++) s.v[i] += KX_LOAD_CG(partial + ((u64)p * rows + row) * pn + c0 + i);
   for (int i = 0; i < 4; i++) sums[warp * 128 + 4 * lane + i] = s.v[i];
   KX_BARRIER();
   if (warp == 0) {

@@ -48,6 +48,58 @@ KX_INLINE float hc_collapse_value(HcVals<HC> p, HcVals<HC> s) {
   return KX_TO_F32(static_cast<T>(c));
 }
 
+// One row's collapse Σ_i p[i] · stream_i as hc_collapse_value gives it, at any dim: a row source
+// of hc_rms_norm_row (hc_collapse_norm). streams: the token's HC streams of D values each.
+template <typename T, int HC, typename TS>
+struct HcCollapseRow {
+  const KX_DEVICE TS* streams;
+  u32 D;
+  HcVals<HC> p;
+  KX_INLINE float at(u32 d) const {
+    HcVals<HC> s;
+    for (int i = 0; i < HC; i++) s.v[i] = KX_TO_F32(streams[(u64)i * D + d]);
+    return hc_collapse_value<T, HC>(p, s);
+  }
+};
+
+template <typename T, int HC, typename TS>
+KX_INLINE HcCollapseRow<T, HC, TS> hc_collapse_row(const KX_DEVICE TS* streams, u32 D, HcVals<HC> p) {
+  const HcCollapseRow<T, HC, TS> r = {streams, D, p};
+  return r;
+}
+
+// A row of values at p in fp32, through L2 where CG (another threadgroup of the launch wrote them): a
+// row source of hc_rms_norm_row (exl3_gemv's NORM).
+template <bool CG, typename TS>
+struct HcLoadedRow {
+  const KX_DEVICE TS* p;
+  KX_INLINE float at(u32 d) const { return hc_load<CG>(p + d); }
+};
+
+template <bool CG, typename TS>
+KX_INLINE HcLoadedRow<CG, TS> hc_loaded_row(const KX_DEVICE TS* p) {
+  const HcLoadedRow<CG, TS> r = {p};
+  return r;
+}
+
+// The model's RMSNorm of one row of D values (docs/numerics.md#dtypes) by a threadgroup of 8 SIMD
+// groups: x² summed with FMAs over d = lid, lid + 256, .. in each thread, then over the threadgroup
+// (hc_threadgroup_sum); out[d] = TO(x · (1 / sqrt(sum / D + eps)) · weight[d]). src.at(d) is the
+// row's value at d in fp32 (read twice: the same bits each time). Shared by hc_collapse_norm and
+// exl3_gemv's NORM, so the two give the same bytes. partials: 8 floats of threadgroup memory.
+template <typename Src, typename TW, typename TO>
+KX_INLINE void hc_rms_norm_row(Src src, const KX_DEVICE TW* weight, KX_DEVICE TO* out, u32 D, float eps,
+                               KX_THREADGROUP float* partials, u32 lid, u32 lane, u32 warp) {
+  float acc = 0.0f;
+  for (u32 d = lid; d < D; d += 256) {
+    const float x = src.at(d);
+    acc = KX_FMA(x, x, acc);
+  }
+  const float sumsq = hc_threadgroup_sum(acc, partials, lane, warp, 8);
+  const float inv = 1.0f / KX_SQRT(sumsq / (float)D + eps);
+  for (u32 d = lid; d < D; d += 256) out[d] = static_cast<TO>(src.at(d) * inv * KX_TO_F32(weight[d]));
+}
+
 // hc_expand's value of new stream j at one dim (docs/model.md#mhc expand): post[j] · y + Σ_i
 // comb[i][j] · s[i] in fp32 with FMAs in stream order, rounded to T; s: the old streams' values at
 // the dim, comb: column j of comb (hc_comb_column), post: post[j]. Shared by hc_expand and

@@ -30,7 +30,7 @@ from mlx_dsv41.model.fake_quant import COMPRESSED_KV, WINDOW_KV
 from mlx_dsv41.model.indexer import Indexer
 from mlx_dsv41.model.norm import RMSNorm
 from mlx_dsv41.model.rope import make_rope
-from mlx_dsv41.quant import GroupedLinear, grouped_flat, linear_into
+from mlx_dsv41.quant import GroupedLinear, grouped_flat, linear_into, normed_linear, paired_linears
 
 
 def _read(shared: dict, kind: str, source: int, reader: int):
@@ -105,18 +105,19 @@ class Attention(nn.Module):
     def _query_rows(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """(q [B, S, H, head_dim] before its rope, qr)."""
         B, S, _ = x.shape
-        qr = self.q_norm(self.wq_a(x))
+        qr = normed_linear(self.wq_a, self.q_norm, x)  # one launch where the format allows
         return linear_into(self.wq_b, qr, (B, S, self.n_heads, self.head_dim)), qr
 
     def queries_and_window(self, x: mx.array, position: mx.array, cache: LayerCache):
-        """(q, qr) as `queries` gives them and the window as `store_window` stores it; on a GPU the
-        two ropes in one launch where the kernel takes both (RoPE.pair: rope_pair, the bytes of
-        the two launches)."""
+        """(q, qr) as `queries` gives them and the window as `store_window` stores it; on a GPU
+        wq_a (with q_norm) and wkv in one launch where their formats allow (quant.paired_linears),
+        and the two ropes in one launch where the kernel takes both (RoPE.pair: rope_pair); the
+        bytes of the separate launches either way."""
         B, S, _ = x.shape
         ring = cache.window_ring(B, S, self.head_dim, x.dtype)
         if ring is not None:
-            q, qr = self._query_rows(x)
-            kv = self.wkv(x)
+            qr, kv = paired_linears(self.wq_a, self.wkv, x, self.q_norm)  # one launch where the formats allow
+            q = linear_into(self.wq_b, qr, (B, S, self.n_heads, self.head_dim))
             pair = self.rope.pair(q, kv, position, norm=self.kv_norm, then=WINDOW_KV, ring=ring)
             q, keys = pair if pair is not None else (self.rope(q, position), self._window_rope(kv, position, ring))
             return q, qr, cache.written_window(keys, S)

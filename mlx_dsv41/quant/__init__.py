@@ -85,6 +85,25 @@ def linear_into(linear: nn.Module, x: mx.array, shape: tuple) -> mx.array:
     return into(x, shape) if into is not None else linear(x).reshape(shape)
 
 
+def normed_linear(linear: nn.Module, norm: nn.Module, x: mx.array) -> mx.array:
+    """norm(linear(x)) for an RMSNorm `norm` (weight, eps); a format whose kernel norms its own output
+    (EXL3 on a GPU: its `normed`, docs/design.md#normed-linear) takes one launch, not two."""
+    normed = getattr(linear, "normed", None)
+    y = normed(x, norm.weight, norm.eps) if normed is not None else None
+    return y if y is not None else norm(linear(x))
+
+
+def paired_linears(first: nn.Module, second: nn.Module, x: mx.array, norm: nn.Module | None = None) -> tuple:
+    """(first(x), second(x)), first's output through the RMSNorm `norm` where given: two linears
+    of one input, in one launch where both formats allow (EXL3 on a GPU: `paired`,
+    docs/design.md#paired-linears), otherwise apart (normed_linear, then second)."""
+    paired = getattr(first, "paired", None)
+    ys = paired(second, x, None if norm is None else (norm.weight, norm.eps)) if paired is not None else None
+    if ys is not None:
+        return ys
+    return (first(x) if norm is None else normed_linear(first, norm, x)), second(x)
+
+
 def grouped_flat(linear: nn.Module, x: mx.array, lead: int) -> mx.array:
     """A grouped linear (GroupedLinear, GroupSlices, EXL3GroupedLinear) of x [*L, ...] whose dims
     after the first `lead` hold each token's G inputs in order (the attention output [B, S, H, D]):

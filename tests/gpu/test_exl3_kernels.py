@@ -606,3 +606,137 @@ def test_a_k_split_gemv_finishes_itself_with_the_two_launch_bytes(m, in_f, out_f
     assert not np.array(counters).any()
     lin = EXL3Linear.from_stored(random_linear_tensors(in_f, out_f, bits, "mul1", seed=m, bias=bias, prefix="p"), "p")
     assert same_bytes([to_np(lin(x)), to_np(ops.linear(x, trellis, suh, svh, "mul1", b, out_f))])
+
+
+# ------------------------------------------------------------------------------- a normed k-split gemv
+
+
+@pytest.mark.parametrize("m, in_f, out_f, bits", [(1, 4096, 1024, 3), (3, 1024, 384, 4), (8, 2048, 512, 2)])
+def test_a_normed_gemv_gives_the_gemv_then_rms_norm_bytes(m, in_f, out_f, bits):
+    """exl3_gemv with NORM (docs/design.md#normed-linear; Flash's wq_a then q_norm is the first
+    case): y has the bytes of the k-split linear then rms_norm (hc_collapse_norm, two launches);
+    five launches on the same counters agree and leave them at 0 (the NORM count included: a launch
+    that did not would never norm the next one's rows); rows past m keep their NaN poison; a NaN in
+    x's row 1 makes that row NaN and only it; against float64 (the norm of the launch's own linear
+    output) within bf16's rounding; the op (EXL3Linear.normed, quant.normed_linear) gives the same
+    bytes."""
+    from mlx_dsv41.kernels.hyper_connections import rms_norm
+    from mlx_dsv41.model.norm import RMSNorm
+    from mlx_dsv41.quant import normed_linear
+
+    t = random_linear_tensors(in_f, out_f, bits, "mul1", seed=40 + m)
+    trellis, suh, svh = linear_tensors_mx(t)
+    rng = np.random.default_rng(m)
+    xs = rng.normal(0, 1, (m, in_f)).astype(np.float32)
+    if m > 1:
+        xs[1, 5] = np.nan
+    x = mx.array(xs).astype(mx.bfloat16)
+    weight = mx.array(rng.normal(1, 0.5, out_f).astype(np.float32)).astype(mx.bfloat16)
+    eps = 1e-6
+    assert launch.normed_gemv_fits(x, trellis)
+    plain = ops.linear(x, trellis, suh, svh, "mul1")
+    want = to_np(rms_norm(plain, weight, eps))
+    counters = launch.split_counters(out_f // 128 + 1)
+    calls = launch.gemv_args(
+        x,
+        trellis,
+        suh,
+        svh,
+        "mul1",
+        None,
+        mx.bfloat16,
+        guard_rows=2,
+        init_value=NAN,
+        counters=counters,
+        norm=(weight, eps),
+    )
+    assert len(calls) == 1 and dict(calls[0]["template"])["NORM"]
+    runs = [to_np(launch.GEMV(**calls[0])[1]) for _ in range(5)]
+    assert same_bytes(runs) and np.all(np.isnan(runs[0][m:]))
+    assert same_bytes([runs[0][:m], want])
+    assert not np.array(counters).any()
+    finite = np.isfinite(runs[0][:m]).all(axis=1)
+    assert list(finite) == [not (m > 1 and r == 1) for r in range(m)]
+    assert m == 1 or np.isnan(runs[0][1]).all()
+    y64 = to_np(plain).astype(np.float64)
+    w64 = np.array(weight.astype(mx.float32)).astype(np.float64)
+    ref = y64 / np.sqrt(np.mean(y64 * y64, axis=1, keepdims=True) + eps) * w64
+    assert rel_err(runs[0][:m][finite], ref[finite]) < 2**-8
+    lin = EXL3Linear.from_stored(random_linear_tensors(in_f, out_f, bits, "mul1", seed=40 + m, prefix="p"), "p")
+    norm = RMSNorm(out_f, eps)
+    norm.weight = weight
+    assert same_bytes([to_np(normed_linear(lin, norm, x)), want])
+    assert same_bytes([to_np(lin.normed(x, weight, eps)), want])
+
+
+# ---------------------------------------------------------------------- two linears of one input
+
+
+@pytest.mark.parametrize(
+    "m, k, n1, n2, bits, norm",
+    [
+        (1, 5120, 1280, 512, 5, True),
+        (1, 5120, 1280, 512, 5, False),
+        (3, 2048, 384, 128, 3, True),
+        (8, 1024, 512, 256, 4, False),
+    ],
+)
+def test_two_linears_in_one_gemv_give_their_own_launches_bytes(m, k, n1, n2, bits, norm):
+    """exl3_gemv with PAIR (docs/design.md#paired-linears; the first case is Flash's wq_a with
+    q_norm and wkv, K = 5, whose plans differ: 20 splits of two 128-blocks and 40 of one): y and y2
+    have the bytes of each linear's own launch (ops.linear, then rms_norm where asked); five
+    launches on the same counters agree and leave them at 0; rows past m keep their NaN poison; a
+    NaN in x's row 1 stays in row 1 of both; the op (quant.paired_linears on EXL3Linear) gives the
+    same bytes."""
+    from mlx_dsv41.kernels.hyper_connections import rms_norm
+    from mlx_dsv41.model.norm import RMSNorm
+    from mlx_dsv41.quant import paired_linears
+
+    ts = [random_linear_tensors(k, n, bits, "mul1", seed=60 + m + i) for i, n in enumerate((n1, n2))]
+    (t1, s1, v1), (t2, s2, v2) = [linear_tensors_mx(t) for t in ts]
+    rng = np.random.default_rng(m)
+    xs = rng.normal(0, 1, (m, k)).astype(np.float32)
+    if m > 1:
+        xs[1, 9] = np.nan
+    x = mx.array(xs).astype(mx.bfloat16)
+    weight = mx.array(rng.normal(1, 0.5, n1).astype(np.float32)).astype(mx.bfloat16)
+    nrm = (weight, 1e-6) if norm else None
+    assert launch.paired_gemv_fits(x, (t1, s1, v1, "mul1", None), (t2, s2, v2, "mul1", None))
+    want = ops.linear(x, t1, s1, v1, "mul1")
+    want = to_np(rms_norm(want, *nrm) if norm else want)
+    want2 = to_np(ops.linear(x, t2, s2, v2, "mul1"))
+    counters = launch.split_counters((n1 + n2) // 128 + 1)
+    (call,) = launch.gemv_args(
+        x,
+        t1,
+        s1,
+        v1,
+        "mul1",
+        None,
+        mx.bfloat16,
+        guard_rows=2,
+        init_value=NAN,
+        counters=counters,
+        norm=nrm,
+        pair=(t2, s2, v2, "mul1"),
+    )
+    runs = []
+    for _ in range(5):
+        _, y, y2 = launch.GEMV(**call)
+        runs.append((to_np(y), to_np(y2)))
+    assert all(same_bytes([r[i] for r in runs]) for i in (0, 1))
+    y, y2 = runs[0]
+    assert np.all(np.isnan(y[m:])) and np.all(np.isnan(y2[m:])) and not np.array(counters).any()
+    assert same_bytes([y[:m], want]) and same_bytes([y2[:m], want2])
+    for out in (y, y2):
+        assert list(np.isfinite(out[:m]).all(axis=1)) == [not (m > 1 and r == 1) for r in range(m)]
+    first, second = (
+        EXL3Linear.from_stored(random_linear_tensors(k, n, bits, "mul1", seed=60 + m + i, prefix="p"), "p")
+        for i, n in enumerate((n1, n2))
+    )
+    rms = None
+    if norm:
+        rms = RMSNorm(n1, 1e-6)
+        rms.weight = weight
+    got, got2 = paired_linears(first, second, x, rms)
+    assert same_bytes([to_np(got), want]) and same_bytes([to_np(got2), want2])
