@@ -611,6 +611,17 @@ def test_a_k_split_gemv_finishes_itself_with_the_two_launch_bytes(m, in_f, out_f
 # ------------------------------------------------------------------------------- a normed k-split gemv
 
 
+def rows_and_norm_weight(m: int, k: int, n: int, nan_column: int) -> tuple:
+    """(x [m, k] bf16, with a NaN at (1, nan_column) where m > 1; an RMSNorm weight [n] bf16 around
+    1), from seed m."""
+    rng = np.random.default_rng(m)
+    xs = rng.normal(0, 1, (m, k)).astype(np.float32)
+    if m > 1:
+        xs[1, nan_column] = np.nan
+    x = mx.array(xs).astype(mx.bfloat16)
+    return x, mx.array(rng.normal(1, 0.5, n).astype(np.float32)).astype(mx.bfloat16)
+
+
 @pytest.mark.parametrize("m, in_f, out_f, bits", [(1, 4096, 1024, 3), (3, 1024, 384, 4), (8, 2048, 512, 2)])
 def test_a_normed_gemv_gives_the_gemv_then_rms_norm_bytes(m, in_f, out_f, bits):
     """exl3_gemv with NORM (docs/design.md#normed-linear; Flash's wq_a then q_norm is the first
@@ -626,30 +637,14 @@ def test_a_normed_gemv_gives_the_gemv_then_rms_norm_bytes(m, in_f, out_f, bits):
 
     t = random_linear_tensors(in_f, out_f, bits, "mul1", seed=40 + m)
     trellis, suh, svh = linear_tensors_mx(t)
-    rng = np.random.default_rng(m)
-    xs = rng.normal(0, 1, (m, in_f)).astype(np.float32)
-    if m > 1:
-        xs[1, 5] = np.nan
-    x = mx.array(xs).astype(mx.bfloat16)
-    weight = mx.array(rng.normal(1, 0.5, out_f).astype(np.float32)).astype(mx.bfloat16)
+    x, weight = rows_and_norm_weight(m, in_f, out_f, 5)
     eps = 1e-6
     assert launch.normed_gemv_fits(x, trellis)
     plain = ops.linear(x, trellis, suh, svh, "mul1")
     want = to_np(rms_norm(plain, weight, eps))
     counters = launch.split_counters(out_f // 128 + 1)
-    calls = launch.gemv_args(
-        x,
-        trellis,
-        suh,
-        svh,
-        "mul1",
-        None,
-        mx.bfloat16,
-        guard_rows=2,
-        init_value=NAN,
-        counters=counters,
-        norm=(weight, eps),
-    )
+    poisoned = dict(guard_rows=2, init_value=NAN, counters=counters)
+    calls = launch.gemv_args(x, trellis, suh, svh, "mul1", None, mx.bfloat16, norm=(weight, eps), **poisoned)
     assert len(calls) == 1 and dict(calls[0]["template"])["NORM"]
     runs = [to_np(launch.GEMV(**calls[0])[1]) for _ in range(5)]
     assert same_bytes(runs) and np.all(np.isnan(runs[0][m:]))
@@ -694,31 +689,16 @@ def test_two_linears_in_one_gemv_give_their_own_launches_bytes(m, k, n1, n2, bit
 
     ts = [random_linear_tensors(k, n, bits, "mul1", seed=60 + m + i) for i, n in enumerate((n1, n2))]
     (t1, s1, v1), (t2, s2, v2) = [linear_tensors_mx(t) for t in ts]
-    rng = np.random.default_rng(m)
-    xs = rng.normal(0, 1, (m, k)).astype(np.float32)
-    if m > 1:
-        xs[1, 9] = np.nan
-    x = mx.array(xs).astype(mx.bfloat16)
-    weight = mx.array(rng.normal(1, 0.5, n1).astype(np.float32)).astype(mx.bfloat16)
+    x, weight = rows_and_norm_weight(m, k, n1, 9)
     nrm = (weight, 1e-6) if norm else None
     assert launch.paired_gemv_fits(x, (t1, s1, v1, "mul1", None), (t2, s2, v2, "mul1", None))
     want = ops.linear(x, t1, s1, v1, "mul1")
     want = to_np(rms_norm(want, *nrm) if norm else want)
     want2 = to_np(ops.linear(x, t2, s2, v2, "mul1"))
     counters = launch.split_counters((n1 + n2) // 128 + 1)
+    poisoned = dict(guard_rows=2, init_value=NAN, counters=counters)
     (call,) = launch.gemv_args(
-        x,
-        t1,
-        s1,
-        v1,
-        "mul1",
-        None,
-        mx.bfloat16,
-        guard_rows=2,
-        init_value=NAN,
-        counters=counters,
-        norm=nrm,
-        pair=(t2, s2, v2, "mul1"),
+        x, t1, s1, v1, "mul1", None, mx.bfloat16, norm=nrm, pair=(t2, s2, v2, "mul1"), **poisoned
     )
     runs = []
     for _ in range(5):
