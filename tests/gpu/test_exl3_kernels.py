@@ -625,7 +625,8 @@ def rows_and_norm_weight(m: int, k: int, n: int, nan_column: int) -> tuple:
 @pytest.mark.parametrize("m, in_f, out_f, bits", [(1, 4096, 1024, 3), (3, 1024, 384, 4), (8, 2048, 512, 2)])
 def test_a_normed_gemv_gives_the_gemv_then_rms_norm_bytes(m, in_f, out_f, bits):
     """exl3_gemv with NORM (docs/design.md#normed-linear; q_norm after a 4,096-wide model's wq_a is
-    the first case, Flash's own shape is in the paired test): y has the bytes of the k-split linear then rms_norm (hc_collapse_norm, two launches);
+    the first case, Flash's own shape is in the paired test): y has the bytes of the k-split
+    linear then rms_norm (hc_collapse_norm, two launches);
     five launches on the same counters agree and leave them at 0 (the NORM count included: a launch
     that did not would never norm the next one's rows); rows past m keep their NaN poison; a NaN in
     x's row 1 makes that row NaN and only it; against float64 (the norm of the launch's own linear
