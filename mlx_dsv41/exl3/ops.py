@@ -101,7 +101,9 @@ def _linear(x, trellis, suh, svh, codebook: str, bias, out_features, out_dtype, 
     if m <= GEMV_MAX_ROWS:
         if out_features != n:
             out_shape = None  # the padded outputs are sliced off first
-        y = launch.run_gemv(x, trellis, suh, svh, codebook, bias, out_dtype, _split_counters(owner, n), out_shape)
+        y = launch.run_gemv(
+            x, trellis, suh, svh, codebook, bias, out_dtype, _split_counters(owner, n // BLOCK), out_shape
+        )
         return y if out_features == n else y[..., :out_features]
     # Prefill: W̃ once per call, then the exact product with fp32 sums between the two transforms
     # (docs/exl3.md#many-row-gemm): an fp16 GEMM would round its sums to fp16 before the output
@@ -124,8 +126,7 @@ def normed_linear(x, trellis, suh, svh, codebook: str, weight, eps: float, bias=
         return None
     if weight.shape != (n,):
         raise ValueError(f"exl3 normed linear: the norm's weight must be [{n}], got {weight.shape}")
-    size = n // BLOCK + 1  # NORM's count past the column blocks'
-    counters = launch.split_counters(size) if owner is None else launch.held_counters(owner, size)
+    counters = _split_counters(owner, n // BLOCK + 1)  # NORM's count past the column blocks'
     return launch.run_gemv(x, trellis, suh, svh, codebook, bias, x.dtype, counters, norm=(weight, eps))
 
 
@@ -143,16 +144,16 @@ def paired_linear(x, first: tuple, second: tuple, norm=None, owner=None):
     if norm is not None and norm[0].shape != (ns[0],):
         raise ValueError(f"exl3 paired linear: the norm's weight must be [{ns[0]}], got {norm[0].shape}")
     in_launch = norm if norm is not None and launch.normed_gemv_fits(x, first[0]) else None
-    size = (ns[0] + ns[1]) // BLOCK + (in_launch is not None)
-    counters = launch.split_counters(size) if owner is None else launch.held_counters(owner, size, "pair")
+    counters = _split_counters(owner, (ns[0] + ns[1]) // BLOCK + (in_launch is not None), "pair")
     y, y2 = launch.run_gemv_pair(x, first[:4], second[:4], x.dtype, counters, in_launch)
     return (y if norm is None or in_launch is not None else rms_norm(y, *norm)), y2
 
 
-def _split_counters(owner, n: int):
-    """The exl3_gemv FINISH counters of the linear `owner` (made once, kept on it; fresh for a call
-    without an owner): scratch that every launch leaves at 0 (kernels.exl3.gemv_args)."""
-    return launch.split_counters(n // BLOCK) if owner is None else launch.held_counters(owner, n // BLOCK)
+def _split_counters(owner, size: int, name: str = ""):
+    """`size` exl3_gemv FINISH counters of the linear `owner` (made once per (name, size), kept on
+    it; fresh for a call without an owner): scratch that every launch leaves at 0
+    (kernels.exl3.gemv_args)."""
+    return launch.split_counters(size) if owner is None else launch.held_counters(owner, size, name)
 
 
 def _check_experts_args(x, indices, weights, w1):

@@ -426,15 +426,15 @@ def _pair_inputs(pair, first: tuple, finish_here: bool, t: Tuning, x, guard_rows
     launch: PAIR's second linear, or the first's arrays as stand-ins (never read), a 1-element y2,
     0 and (0, 0). The second linear takes its own launch's plan; it must have the first's bits,
     codebook, k and transform dtypes, split k, and neither may have a bias (see paired_gemv_fits)."""
-    trellis, suh, svh, codebook, bias = first
     if pair is None:
-        return [suh, trellis, svh], (1,), 0, (0, 0)
-    trellis2, suh2, svh2, codebook2 = pair
+        return [first[1], first[0], first[2]], (1,), 0, (0, 0)
+    trellis2, suh2, svh2, _ = pair
+    if not finish_here or not paired_gemv_fits(x, first, (*pair, None), t):
+        raise ValueError(
+            "exl3 gemv: PAIR needs two k-split linears that finish themselves, with the same bits, "
+            "codebook, k and dtypes and no bias (paired_gemv_fits)"
+        )
     plan2 = dense_plan(trellis2.shape[0] // 8, trellis2.shape[1] // 8, t)
-    if not finish_here or bias is not None or plan2[0] == 1:
-        raise ValueError("exl3 gemv: PAIR needs two k-split linears that finish themselves, without bias")
-    if _pair_key(trellis2, suh2, svh2, codebook2) != _pair_key(trellis, suh, svh, codebook):
-        raise ValueError("exl3 gemv: a PAIR linear needs the first's bits, codebook, k and dtypes")
     n2 = trellis2.shape[1] * 16
     m = math.prod(x.shape[:-1])
     return [suh2, trellis2, svh2], (m + guard_rows, n2) if guard_rows else (*x.shape[:-1], n2), n2, plan2

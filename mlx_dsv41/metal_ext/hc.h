@@ -82,21 +82,43 @@ KX_INLINE HcLoadedRow<CG, TS> hc_loaded_row(const KX_DEVICE TS* p) {
   return r;
 }
 
-// The model's RMSNorm of one row of D values (docs/numerics.md#dtypes) by a threadgroup of 8 SIMD
-// groups: x² summed with FMAs over d = lid, lid + 256, .. in each thread, then over the threadgroup
-// (hc_threadgroup_sum); out[d] = TO(x · (1 / sqrt(sum / D + eps)) · weight[d]). src.at(d) is the
-// row's value at d in fp32 (read twice: the same bits each time). Shared by hc_collapse_norm and
-// exl3_gemv's NORM, so the two give the same bytes. partials: 8 floats of threadgroup memory.
-template <typename Src, typename TW, typename TO>
-KX_INLINE void hc_rms_norm_row(Src src, const KX_DEVICE TW* weight, KX_DEVICE TO* out, u32 D, float eps,
-                               KX_THREADGROUP float* partials, u32 lid, u32 lane, u32 warp) {
+// A row of values at p rounded to T, in fp32: a row source of hc_rms_inv (the rope kernel's NORM,
+// whose input may be wider than the dtype the reference rounds it to).
+template <typename T, typename TS>
+struct HcRoundedRow {
+  const KX_DEVICE TS* p;
+  KX_INLINE float at(u32 d) const { return KX_TO_F32(static_cast<T>(p[d])); }
+};
+
+template <typename T, typename TS>
+KX_INLINE HcRoundedRow<T, TS> hc_rounded_row(const KX_DEVICE TS* p) {
+  const HcRoundedRow<T, TS> r = {p};
+  return r;
+}
+
+// The model's RMSNorm statistic 1 / sqrt(mean(x²) + eps) of one row of D values
+// (docs/numerics.md#dtypes) by a threadgroup of 8 SIMD groups: x² summed with FMAs over d = lid,
+// lid + 256, .. in each thread, then over the threadgroup (hc_threadgroup_sum). src.at(d) is the
+// row's value at d in fp32. Every RMSNorm of a kernel here takes it from this function
+// (hc_collapse_norm, exl3_gemv's NORM, the rope kernel's NORM), so all give the same bytes.
+// partials: 8 floats of threadgroup memory.
+template <typename Src>
+KX_INLINE float hc_rms_inv(Src src, u32 D, float eps, KX_THREADGROUP float* partials, u32 lid, u32 lane, u32 warp) {
   float acc = 0.0f;
   for (u32 d = lid; d < D; d += 256) {
     const float x = src.at(d);
     acc = KX_FMA(x, x, acc);
   }
-  const float sumsq = hc_threadgroup_sum(acc, partials, lane, warp, 8);
-  const float inv = 1.0f / KX_SQRT(sumsq / (float)D + eps);
+  return 1.0f / KX_SQRT(hc_threadgroup_sum(acc, partials, lane, warp, 8) / (float)D + eps);
+}
+
+// The model's RMSNorm of one row (hc_rms_inv's threadgroup and statistic): out[d] = TO(x · inv ·
+// weight[d]), src.at(d) read a second time (the same bits). Shared by hc_collapse_norm and
+// exl3_gemv's NORM.
+template <typename Src, typename TW, typename TO>
+KX_INLINE void hc_rms_norm_row(Src src, const KX_DEVICE TW* weight, KX_DEVICE TO* out, u32 D, float eps,
+                               KX_THREADGROUP float* partials, u32 lid, u32 lane, u32 warp) {
+  const float inv = hc_rms_inv(src, D, eps, partials, lid, lane, warp);
   for (u32 d = lid; d < D; d += 256) out[d] = static_cast<TO>(src.at(d) * inv * KX_TO_F32(weight[d]));
 }
 

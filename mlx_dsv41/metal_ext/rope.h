@@ -46,15 +46,8 @@ KX_INLINE void rope_row(const KX_DEVICE TX* x, i32 offset, const KX_DEVICE TP* p
     }
     row = ((u64)(r / R) * S + s) * D;
   }
-  float inv = 1.0f;
-  if (NORM) {
-    float acc = 0.0f;
-    for (u32 d = lid; d < D; d += 256) {
-      const float v = KX_TO_F32(static_cast<T>(x[row + d]));
-      acc = KX_FMA(v, v, acc);
-    }
-    inv = 1.0f / KX_SQRT(hc_threadgroup_sum(acc, partials, lane, warp, 8) / (float)D + KX_BITS_F32(eps_bits));
-  }
+  const float inv =
+      NORM ? hc_rms_inv(hc_rounded_row<T>(x + row), D, KX_BITS_F32(eps_bits), partials, lid, lane, warp) : 1.0f;
   const float L = rope_angle<STEP, INVERSE>(offset, s);
   for (u32 d = lid; d < D; d += 256) {
     float v = KX_TO_F32(static_cast<T>(x[row + d]));
