@@ -123,7 +123,7 @@ import flash_model  # noqa: E402 (benchmarks/ is not a package)
 from count_ops import VIEWS  # noqa: E402
 
 from mlx_dsv41 import kernels  # noqa: E402
-from mlx_dsv41.kernels import backend, grid_finish, sparse_attention  # noqa: E402
+from mlx_dsv41.kernels import backend, grid_finish, index_select, sparse_attention  # noqa: E402
 from mlx_dsv41.model import compiled_step  # noqa: E402
 from mlx_dsv41.synthetic import hf_config  # noqa: E402
 
@@ -889,6 +889,7 @@ def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
         ),
         (a.host_counters, "FINISH counters made on the host", [(grid_finish, "COUNTERS_ON_DEVICE")]),
         (a.host_position, "position made on the host", [(compiled_step.CompiledStep, "carries_position")]),
+        (a.indexer_reference, "the indexer's plain-MLX scores and top-k", [(index_select, "ENABLED")]),
     ]
     for flag, what, off in switches:
         if flag:
@@ -1053,6 +1054,11 @@ def main() -> int:
         default=[],
         metavar="FIELD=INT",
         help="also time our decode with these kernels.exl3.Tuning fields changed (e.g. dense_single_blocks=1)",
+    )
+    ap.add_argument(
+        "--indexer-reference",
+        action="store_true",
+        help="also time our decode with the indexer's scores and top-k in plain MLX, not index_scores (the A/B)",
     )
     ap.add_argument(
         "--host-position",

@@ -65,6 +65,8 @@ run() {  # run NAME: one stage
     agreement) stage agreement 230 python3 benchmarks/dspark_agreement.py --demo --prompts 4 --tokens 32 ;;
     # the demo in one process: cold, a warm time to first token, greedy DSpark == plain (issues 17, 18)
     timeline) stage timeline 400 python3 benchmarks/demo_timeline.py --tokens 24 --prompts 6 ;;
+    # the indexer's scores and top-k: index_scores against the plain-MLX path, one decode row (issue 16)
+    index) stage index 100 python3 benchmarks/bench_index_select.py --out "$LOGS" ;;
     # where auto's rows rule (sparse_attention.ROWS_AUTO_MIN) should start
     sweep) stage sweep 60 python3 benchmarks/bench_sparse_attention.py --quick --out "$LOGS" \
       --rows-sweep 1 2 4 6 8 12 16 24 32 64 128 ;;

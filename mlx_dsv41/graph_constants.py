@@ -21,6 +21,7 @@ _NP = {
     mx.uint32: np.uint32,
     mx.float32: np.float32,
     mx.float16: np.float16,
+    mx.bool_: np.bool_,
 }
 
 

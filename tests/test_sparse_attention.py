@@ -598,7 +598,7 @@ def test_bodies_share_one_implementation():
         return [line for line in body.splitlines() if not line.startswith("//")]
 
     assert [line.replace("GROUPS = 8", "GROUPS = 1") for line in strip(parallel)] == strip(serial)
-    assert sa.SERIAL.includes == sa.PARALLEL.includes == ("sparse_attention.h",)
+    assert sa.SERIAL.includes == sa.PARALLEL.includes == ("float_bits.h", "sparse_attention.h")
     launch = sa._launch_args(*make_inputs(0, 1, 1, 1, 512, 1, 1, 1), 1.0, "parallel")
     assert math.prod(launch["threadgroup"]) == sa.PARALLEL.max_threads == 256
 
@@ -624,9 +624,12 @@ typedef long long i64;
 struct uint4 { u32 x, y, z, w; };
 struct float4 { float x, y, z, w; };
 struct bf16 { u16 bits; };  // storage only: the header reads keys and q through their bits
+#define KX_SIM 1  // float_bits.h's plain operations (built without contraction)
 #define KX_INLINE inline
 #define KX_THREADGROUP
 #define KX_DEVICE
+#define KX_ALIGNED16(p) true
+#define KX_ISNAN(x) std::isnan(x)
 #define KX_INF_F32 (std::numeric_limits<float>::infinity())
 #define KX_NAN_F32 (std::numeric_limits<float>::quiet_NaN())
 #define KX_FMA(a, b, c) std::fma((float)(a), (float)(b), (float)(c))
@@ -634,7 +637,8 @@ struct bf16 { u16 bits; };  // storage only: the header reads keys and q through
 #define KX_FMAX(a, b) std::fmax((float)(a), (float)(b))
 static float emulated_bits_f32(u32 u) { float f; std::memcpy(&f, &u, 4); return f; }
 #define KX_BITS_F32(u) emulated_bits_f32((u32)(u))
-namespace metal::precise { inline float divide(float a, float b) { return a / b; } }
+static u32 emulated_f32_bits(float f) { u32 u; std::memcpy(&u, &f, 4); return u; }
+#define KX_F32_BITS(f) emulated_f32_bits((float)(f))
 struct SimdGroup { std::barrier<> sync{32}; u32 lanes[32]; };
 thread_local SimdGroup* tl_group;
 thread_local std::barrier<>* tl_block;
@@ -718,7 +722,7 @@ def emulated(tmp_path_factory):
     if cxx is None:
         pytest.skip("g++ not installed")
     tmp = tmp_path_factory.mktemp("sa_emulated")
-    (tmp / "sa.cpp").write_text(_EMULATION.replace("@HEADER@", metal_ext.read("sparse_attention.h")))
+    (tmp / "sa.cpp").write_text(_EMULATION.replace("@HEADER@", "".join(metal_ext.read(h) for h in sa.SERIAL.includes)))
     libs = {}
 
     def lib_for(D):

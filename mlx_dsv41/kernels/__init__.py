@@ -168,6 +168,7 @@ _OP_MODULES = (
     "rope",
     "f16_gemm",
     "mxfp4_gemv",
+    "index_select",
 )
 
 

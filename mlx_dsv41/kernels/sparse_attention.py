@@ -207,7 +207,7 @@ SERIAL = register(
         "sparse_attention_serial",
         _INPUTS,
         ("out",),
-        includes=("sparse_attention.h",),
+        includes=("float_bits.h", "sparse_attention.h"),
         max_threads=_GROUPS["serial"] * _LANES,
         examples=lambda: _examples("serial"),
     )
@@ -217,7 +217,7 @@ PARALLEL = register(
         "sparse_attention_parallel",
         _INPUTS,
         ("out",),
-        includes=("sparse_attention.h",),
+        includes=("float_bits.h", "sparse_attention.h"),
         max_threads=_GROUPS["parallel"] * _LANES,
         examples=lambda: _examples("parallel"),
     )
@@ -238,7 +238,14 @@ UNROTATED = register(
         "sparse_attention_unrotated",
         (*_INPUTS, "period", "offset"),
         ("out",),
-        includes=("fake_quant.h", "hc.h", "rope.h", "sparse_attention.h", "sparse_attention_unrotated.h"),
+        includes=(
+            "fake_quant.h",
+            "float_bits.h",
+            "hc.h",
+            "rope.h",
+            "sparse_attention.h",
+            "sparse_attention_unrotated.h",
+        ),
         max_threads=_GROUPS["parallel"] * _LANES,
         examples=lambda: _unrotated_examples(),
     )

@@ -47,28 +47,11 @@
 #define SA_VEC 8      // row elements per vector load (16 bytes of bf16)
 #define SA_UNROLL _Pragma("unroll")  // loops whose arrays must stay in registers
 
-// Plain float operations that no compiler may fuse into an fma, so that a kernel's surroundings
-// (inlining, unrolling) cannot change a rounding: CUDA's _rn intrinsics are never contracted;
-// Metal contracts only within one statement under math_mode "safe" (and here not at all).
-#if defined(KX_CUDA)
-#define SA_ADD(a, b) __fadd_rn((a), (b))
-#define SA_SUB(a, b) __fsub_rn((a), (b))
-#define SA_MUL(a, b) __fmul_rn((a), (b))
-#define SA_DIV(a, b) __fdiv_rn((a), (b))
-#define SA_ALIGNED16(p) KX_ALIGNED16(p)
-#elif defined(KX_SIM)  // the CPU simulator (tests): plain IEEE operations, built without contraction
-#define SA_ADD(a, b) ((a) + (b))
-#define SA_SUB(a, b) ((a) - (b))
-#define SA_MUL(a, b) ((a) * (b))
-#define SA_DIV(a, b) ((a) / (b))
-#define SA_ALIGNED16(p) KX_ALIGNED16(p)
-#else
-#pragma METAL fp contract(off)
-#define SA_ADD(a, b) ((a) + (b))
-#define SA_SUB(a, b) ((a) - (b))
-#define SA_MUL(a, b) ((a) * (b))
-#define SA_DIV(a, b) metal::precise::divide((a), (b))
+// Whether a pointer allows 16-byte vector loads (Metal takes alignment as given).
+#if defined(KX_METAL)
 #define SA_ALIGNED16(p) true
+#else
+#define SA_ALIGNED16(p) KX_ALIGNED16(p)
 #endif
 
 // What exp(x - base) subtracts: the running maximum, or 0 while it is -inf (then every logit
@@ -78,7 +61,7 @@ KX_INLINE float sa_exp_base(float m) { return m == -KX_INF_F32 ? 0.0f : m; }
 // Factor that carries sums made relative to m_old over to m_new. Equal maxima (including
 // -inf == -inf) need no rescale; a NaN maximum gives NaN.
 KX_INLINE float sa_rescale(float m_old, float m_new) {
-  return m_new == m_old ? 1.0f : KX_EXP(SA_SUB(m_old, m_new));
+  return m_new == m_old ? 1.0f : KX_EXP(KX_FSUB(m_old, m_new));
 }
 
 // A key row exists for idx (-1 and out-of-range indices have none).
@@ -292,12 +275,12 @@ KX_INLINE void sa_attend(QP q, KP window, KP pool, IP indices, SP sinks, sa_dims
   SA_UNROLL for (int c = 0; c < CHUNKS; ++c) {
     const sa_chunk v = sa_load<VEC>(q + (q0 + logit_at + c * SA_LANES * SA_VEC));
     SA_UNROLL for (int e = 0; e < SA_VEC; ++e)
-      qs[c * SA_VEC + e] = SA_MUL(sa_elem<sizeof(q[0])>(v, e), scale);
+      qs[c * SA_VEC + e] = KX_FMUL(sa_elem<sizeof(q[0])>(v, e), scale);
   }
 
   // Running state, relative to the maximum m; the sink is its first member (denominator only).
   float m = sinks[h];
-  float sum = KX_EXP(SA_SUB(m, sa_exp_base(m)));
+  float sum = KX_EXP(KX_FSUB(m, sa_exp_base(m)));
   float acc[LANE_CHAINS][VCHUNKS * SA_VEC];
   SA_UNROLL for (int r = 0; r < LANE_CHAINS; ++r)
     SA_UNROLL for (int e = 0; e < VCHUNKS * SA_VEC; ++e) acc[r][e] = 0.0f;
@@ -340,11 +323,11 @@ KX_INLINE void sa_attend(QP q, KP window, KP pool, IP indices, SP sinks, sa_dims
         SA_UNROLL for (int k = 0; k < half; ++k) {
           const float send = upper ? part[k] : part[k + half];
           const float keep = upper ? part[k + half] : part[k];
-          part[k] = SA_ADD(keep, KX_SHUFFLE_XOR(send, mask));
+          part[k] = KX_FADD(keep, KX_SHUFFLE_XOR(send, mask));
         }
       }
-      part[0] = SA_ADD(part[0], KX_SHUFFLE_XOR(part[0], 2u));
-      part[0] = SA_ADD(part[0], KX_SHUFFLE_XOR(part[0], 1u));
+      part[0] = KX_FADD(part[0], KX_SHUFFLE_XOR(part[0], 2u));
+      part[0] = KX_FADD(part[0], KX_SHUFFLE_XOR(part[0], 1u));
       const int mine = kb + (int)((lane >> 2) & 7);
       const int j = first + mine;
       const int my_idx = sa_idx_of(idx_now, mine);
@@ -386,14 +369,14 @@ KX_INLINE void sa_attend(QP q, KP window, KP pool, IP indices, SP sinks, sa_dims
     const float m_new = KX_FMAX(m, tile_max);
     const float alpha = sa_rescale(m, m_new);
     const float base = sa_exp_base(m_new);
-    const float p0 = (int)lane < n ? KX_EXP(SA_SUB(tile_scores[lane], base)) : 0.0f;
-    const float p1 = (int)lane + SA_LANES < n ? KX_EXP(SA_SUB(tile_scores[lane + SA_LANES], base)) : 0.0f;
+    const float p0 = (int)lane < n ? KX_EXP(KX_FSUB(tile_scores[lane], base)) : 0.0f;
+    const float p1 = (int)lane + SA_LANES < n ? KX_EXP(KX_FSUB(tile_scores[lane + SA_LANES], base)) : 0.0f;
     KX_THREADGROUP float* probs = (KX_THREADGROUP float*)sh->probs[group];
     probs[sa_slot<GROUPS, CHAINS>((int)lane)] = p0;
     probs[sa_slot<GROUPS, CHAINS>((int)lane + SA_LANES)] = p1;
-    float tile_sum = SA_ADD(p0, p1);
+    float tile_sum = KX_FADD(p0, p1);
     for (u32 mask = SA_LANES / 2; mask > 0; mask >>= 1)
-      tile_sum = SA_ADD(tile_sum, KX_SHUFFLE_XOR(tile_sum, mask));
+      tile_sum = KX_FADD(tile_sum, KX_SHUFFLE_XOR(tile_sum, mask));
     sum = KX_FMA(sum, alpha, KX_SHUFFLE(tile_sum, 0u));
     m = m_new;
     KX_SIMD_BARRIER();
@@ -401,7 +384,7 @@ KX_INLINE void sa_attend(QP q, KP window, KP pool, IP indices, SP sinks, sa_dims
     // 4. Value sums: rescale, then each chain's keys in key order. A key without a row adds
     //    fma(p, +0, acc) = acc (see the header; p is 0, or NaN with the whole row's sum).
     SA_UNROLL for (int r = 0; r < LANE_CHAINS; ++r)
-      SA_UNROLL for (int e = 0; e < VCHUNKS * SA_VEC; ++e) acc[r][e] = SA_MUL(acc[r][e], alpha);
+      SA_UNROLL for (int e = 0; e < VCHUNKS * SA_VEC; ++e) acc[r][e] = KX_FMUL(acc[r][e], alpha);
     if (GROUPS == 1) {
       // Serial: keys in order, STEP at a time; key j belongs to chain j % CHAINS.
       for (int j0 = 0; j0 < SA_TILE; j0 += STEP) {
@@ -465,11 +448,11 @@ KX_INLINE void sa_attend(QP q, KP window, KP pool, IP indices, SP sinks, sa_dims
       float level[LANE_CHAINS];
       SA_UNROLL for (int r = 0; r < LANE_CHAINS; ++r) level[r] = acc[r][e];
       SA_UNROLL for (int width = LANE_CHAINS; width > 1; width /= 2)
-        SA_UNROLL for (int r = 0; r < width / 2; ++r) level[r] = SA_ADD(level[2 * r], level[2 * r + 1]);
+        SA_UNROLL for (int r = 0; r < width / 2; ++r) level[r] = KX_FADD(level[2 * r], level[2 * r + 1]);
       res[e] = level[0];
     } else {
       float v = acc[0][e];
-      SA_UNROLL for (u32 mask = SUBS; mask < SA_LANES; mask <<= 1) v = SA_ADD(v, KX_SHUFFLE_XOR(v, mask));
+      SA_UNROLL for (u32 mask = SUBS; mask < SA_LANES; mask <<= 1) v = KX_FADD(v, KX_SHUFFLE_XOR(v, mask));
       res[e] = v;
     }
   }
@@ -477,10 +460,10 @@ KX_INLINE void sa_attend(QP q, KP window, KP pool, IP indices, SP sinks, sa_dims
     SA_UNROLL for (int c = 0; c < VCHUNKS; ++c) {
       SA_UNROLL for (int v4 = 0; v4 < SA_VEC / 4; ++v4) {
         float4 f;
-        f.x = SA_DIV(res[c * SA_VEC + 4 * v4], sum);
-        f.y = SA_DIV(res[c * SA_VEC + 4 * v4 + 1], sum);
-        f.z = SA_DIV(res[c * SA_VEC + 4 * v4 + 2], sum);
-        f.w = SA_DIV(res[c * SA_VEC + 4 * v4 + 3], sum);
+        f.x = KX_FDIV(res[c * SA_VEC + 4 * v4], sum);
+        f.y = KX_FDIV(res[c * SA_VEC + 4 * v4 + 1], sum);
+        f.z = KX_FDIV(res[c * SA_VEC + 4 * v4 + 2], sum);
+        f.w = KX_FDIV(res[c * SA_VEC + 4 * v4 + 3], sum);
         sa_store4(out, q0 + value_at + c * VALUE_STRIDE + 4 * v4, f);
       }
     }

@@ -17,7 +17,7 @@ struct sar_split {
 
 KX_INLINE sar_split sar_split2(float a, float b) {
   const u32 ha = kx_bf16_bits(a), hb = kx_bf16_bits(b);
-  const u32 la = kx_bf16_bits(SA_SUB(a, KX_BITS_F32(ha << 16))), lb = kx_bf16_bits(SA_SUB(b, KX_BITS_F32(hb << 16)));
+  const u32 la = kx_bf16_bits(KX_FSUB(a, KX_BITS_F32(ha << 16))), lb = kx_bf16_bits(KX_FSUB(b, KX_BITS_F32(hb << 16)));
   sar_split s;
   s.hi = ha | (hb << 16);
   s.lo = la | (lb << 16);

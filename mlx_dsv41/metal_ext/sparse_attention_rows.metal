@@ -27,7 +27,7 @@ for (u32 i = t; i < SAR_HEADS * DIM / 8; i += SAR_WARPS * 32) {
 float m[2], sum[2], acc[DT][4];
 for (int h = 0; h < 2; h++) {
   m[h] = sinks[hb * SAR_HEADS + qd + 8 * h];
-  sum[h] = KX_EXP(SA_SUB(m[h], sa_exp_base(m[h])));  // the sink's own weight: 1, 0 at -inf, NaN
+  sum[h] = KX_EXP(KX_FSUB(m[h], sa_exp_base(m[h])));  // the sink's own weight: 1, 0 at -inf, NaN
 }
 for (u32 i = 0; i < DT; i++)
   for (int e = 0; e < 4; e++) acc[i][e] = 0.0f;
@@ -80,8 +80,8 @@ for (int first = 0; first < N; first += SAR_KEYS) {
       const u32 head = qd + 8 * (e >> 1), key = 8 * n + 2 * c + (e & 1);
       const int idx = tile_idx[key];
       float l = partial[head * SAR_KEYS + key];
-      for (u32 g = 1; g < SAR_WARPS; g++) l = SA_ADD(l, partial[(g * SAR_HEADS + head) * SAR_KEYS + key]);
-      l = sa_readable(idx, W + T) ? SA_MUL(l, scale) : sa_rowless_logit(idx);
+      for (u32 g = 1; g < SAR_WARPS; g++) l = KX_FADD(l, partial[(g * SAR_HEADS + head) * SAR_KEYS + key]);
+      l = sa_readable(idx, W + T) ? KX_FMUL(l, scale) : sa_rowless_logit(idx);
       p[n][e] = l;
       tile_max[e >> 1] = KX_FMAX(tile_max[e >> 1], l);
     }
@@ -92,16 +92,16 @@ for (int first = 0; first < N; first += SAR_KEYS) {
     float tile_sum = 0.0f;
     for (int n = 0; n < 2; n++)
       for (int e = 2 * h; e < 2 * h + 2; e++) {
-        p[n][e] = KX_EXP(SA_SUB(p[n][e], base));
-        tile_sum = SA_ADD(tile_sum, p[n][e]);
+        p[n][e] = KX_EXP(KX_FSUB(p[n][e], base));
+        tile_sum = KX_FADD(tile_sum, p[n][e]);
       }
-    tile_sum = SA_ADD(tile_sum, KX_SHUFFLE_XOR(tile_sum, 1));
-    tile_sum = SA_ADD(tile_sum, KX_SHUFFLE_XOR(tile_sum, 2));
+    tile_sum = KX_FADD(tile_sum, KX_SHUFFLE_XOR(tile_sum, 1));
+    tile_sum = KX_FADD(tile_sum, KX_SHUFFLE_XOR(tile_sum, 2));
     sum[h] = KX_FMA(sum[h], alpha, tile_sum);
     m[h] = m_new;
     for (u32 i = 0; i < DT; i++) {
-      acc[i][2 * h] = SA_MUL(acc[i][2 * h], alpha);
-      acc[i][2 * h + 1] = SA_MUL(acc[i][2 * h + 1], alpha);
+      acc[i][2 * h] = KX_FMUL(acc[i][2 * h], alpha);
+      acc[i][2 * h + 1] = KX_FMUL(acc[i][2 * h + 1], alpha);
     }
   }
   // P (16 heads x 16 keys) as the A operand: the logit tiles' C layout is its fragment layout
@@ -143,7 +143,7 @@ for (int first = 0; first < N; first += SAR_KEYS) {
 for (int h = 0; h < 2; h++) {
   KX_DEVICE float* o = out + (((u64)bs * H + hb * SAR_HEADS + qd + 8 * h) * DIM + w * DW + 2 * c);
   for (u32 i = 0; i < DT; i++) {
-    o[8 * i] = SA_DIV(acc[i][2 * h], sum[h]);
-    o[8 * i + 1] = SA_DIV(acc[i][2 * h + 1], sum[h]);
+    o[8 * i] = KX_FDIV(acc[i][2 * h], sum[h]);
+    o[8 * i + 1] = KX_FDIV(acc[i][2 * h + 1], sum[h]);
   }
 }

@@ -28,6 +28,7 @@ import numpy as np
 
 from mlx_dsv41 import graph_constants
 from mlx_dsv41.config import ModelArgs
+from mlx_dsv41.kernels import index_select
 from mlx_dsv41.model.fake_quant import INDEXER
 from mlx_dsv41.model.norm import RMSNorm
 from mlx_dsv41.model.rope import RoPE, make_rope
@@ -140,9 +141,27 @@ class Indexer(nn.Module):
         q = linear_into(self.wq_b, qr, (B, S, self.n_heads, self.head_dim))
         q = self.rope(q, position, then=INDEXER)
         # Flash: 128^-0.5 · 32^-0.5 = 1/64, a power of two, so the fp32 product equals a bf16 one.
-        weights = self.weights_proj(x).astype(mx.float32) * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        visible = visible_counts(position, S, self.ratio)
+        scale = self.head_dim**-0.5 * self.n_heads**-0.5
         k = min(self.index_topk, T)
+        projected = self.weights_proj(x)
+        picked = index_select.select(  # one launch a layer where the kernel takes the rows
+            q,
+            projected,
+            keys,
+            position,
+            ratio=self.ratio,
+            k=k,
+            scale=scale,
+            block=self.block_size,
+            keep=self.topk_blocks,
+            candidates=candidates,
+            build_candidates=build_candidates,
+            owner=self,
+        )
+        if picked is not None:
+            return picked
+        weights = projected.astype(mx.float32) * scale
+        visible = visible_counts(position, S, self.ratio)
         rows = max(1, _SCORE_CHUNK_ELEMENTS // (B * self.n_heads * T))
         topks, blocks = [], []
         for s0 in range(0, S, rows):

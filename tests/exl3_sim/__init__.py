@@ -38,6 +38,7 @@ _C_TYPES = {
     mx.uint16: "uint16_t",
     mx.int8: "int8_t",
     mx.uint8: "uint8_t",
+    mx.bool_: "bool",
 }
 _NP_TYPES = {
     mx.float32: np.float32,
@@ -49,6 +50,7 @@ _NP_TYPES = {
     mx.uint16: np.uint16,
     mx.int8: np.int8,
     mx.uint8: np.uint8,
+    mx.bool_: np.bool_,
 }
 
 _MAIN = r"""

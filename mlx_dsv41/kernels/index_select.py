@@ -1,0 +1,233 @@
+"""The lightning indexer's scores and two-level top-k for a few query rows in one launch
+(docs/design.md#index-select; what is computed: docs/model.md#indexer, docs/model.md#two-level-selection).
+
+    select(q, weights, keys, position, ...) -> (top-k [B, S, k] int32, the candidate block mask
+        [B, S, nb] or None), or None where the kernel does not take the call (the caller then runs
+        model/indexer.py's plain-MLX path, the reference)
+
+q [B, S, Hi, Di] (roped, fake-quantized), weights [B, S, Hi] as weights_proj returns them (the
+kernel multiplies by `scale` in fp32, as the reference does after its cast), keys [B, T, Di].
+On CUDA one index_scores launch whose last threadgroup per row selects (docs/design.md#grid-finish);
+on Metal index_scores, then index_select. It replaces the reference's ~11 launches a scoring layer
+(an fp32 copy of the keys, the score GEMM, relu-weighted head sum, visibility, the ranking keys, an
+arg-partition, a sort, the -1s; the candidate source's block maxima and partition). The scores are
+the kernel's own order of the same sums (bounded against float64: docs/numerics.md#index-scores);
+the selection from given scores is the reference's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_dsv41 import graph_constants
+from mlx_dsv41.kernels import Kernel, backend, float_bits, grid_finish, register
+
+THREADS = 256  # IX_THREADS
+TILE = 32  # IX_TILE: entries a threadgroup scores
+MAX_HEADS = 32  # IX_HEADS
+MAX_ROWS = 16  # query rows (B · S) a call may hold: decode steps and DSpark verifies; a prefill's
+# rows are scored by the reference's GEMM
+MAX_HEAD_DIM = 256  # q of one row in threadgroup memory: 32 · DI floats (32 KB at 256)
+
+# Whether the model's indexers take the kernel where it applies (False: the reference everywhere;
+# benchmarks/bench_model.py --indexer-reference: the A/B).
+ENABLED = True
+
+SCORES = register(
+    Kernel(
+        "index_scores",
+        ("q", "weights", "keys", "position", "candidates", "counters"),
+        ("scores", "topk", "blocks"),
+        includes=("float_bits.h", "grid_finish.h", "index_select.h"),
+        max_threads=THREADS,
+        examples=lambda: _examples(),
+    )
+)
+SELECT = register(
+    Kernel(
+        "index_select",
+        ("scores", "position", "candidates"),
+        ("topk", "blocks"),
+        includes=("float_bits.h", "index_select.h"),
+        max_threads=THREADS,
+        examples=lambda: _select_examples(),
+    )
+)
+
+
+def refusal(q: mx.array, weights: mx.array, keys: mx.array) -> str | None:
+    """Why the kernel cannot score q against keys, or None."""
+    if q.ndim != 4 or weights.shape != q.shape[:3] or keys.ndim != 3 or keys.shape[0] != q.shape[0]:
+        shapes = f"{q.shape}, {weights.shape}, {keys.shape}"
+        return f"q [B, S, Hi, Di], weights [B, S, Hi], keys [B, T, Di] expected, got {shapes}"
+    B, S, Hi, Di = q.shape
+    if keys.shape[2] != Di or keys.shape[1] == 0:
+        return f"keys [B, T > 0, {Di}] expected, got {keys.shape}"
+    if not 0 < B * S <= MAX_ROWS:
+        return f"{B * S} query rows: the kernel takes 1..{MAX_ROWS} (a prefill's rows run the GEMM)"
+    if Hi > MAX_HEADS or Di % 32 or Di > MAX_HEAD_DIM:
+        return f"{Hi} heads of {Di}: the kernel takes <= {MAX_HEADS} heads of a multiple of 32 up to {MAX_HEAD_DIM}"
+    if B * keys.shape[1] * Di >= 1 << 31:
+        return "keys of 2^31 elements or more"
+    return None
+
+
+@graph_constants.constant
+def _no_candidates() -> np.ndarray:
+    """The candidates input of a launch that reads none."""
+    return np.zeros((1, 1), np.bool_)
+
+
+def _mode(candidates, build_candidates: bool) -> int:
+    return 1 if build_candidates else (2 if candidates is not None else 0)
+
+
+def _selection_template(S: int, ratio: int, k: int, mode: int, block: int, keep: int) -> list:
+    return [("S", S), ("RATIO", ratio), ("K", k), ("MODE", mode), ("BLOCK", block), ("KEEP", keep)]
+
+
+def _outputs(R: int, T: int, k: int, mode: int, block: int, guard: int) -> tuple[list, list]:
+    nb = -(-T // block) if mode == 1 else 1
+    return [(R + guard, k), (R + guard, nb)], [mx.int32, mx.bool_]
+
+
+def scores_args(
+    q,
+    weights,
+    keys,
+    position,
+    counters,
+    *,
+    ratio,
+    k,
+    scale,
+    block,
+    keep,
+    candidates=None,
+    build_candidates=False,
+    finish=True,
+    init_value=None,
+    guard: int = 0,
+) -> dict:
+    """index_scores call kwargs (see the body's comment); `guard` extra rows of every output (tests)."""
+    B, S, Hi, Di = q.shape
+    R, T = B * S, keys.shape[1]
+    mode = _mode(candidates, build_candidates)
+    cand = candidates.reshape(R, -1) if mode == 2 else _no_candidates()
+    grid_finish.check_counters(counters, R if finish else 1, "index scores")
+    shapes, dtypes = _outputs(R, T, k, mode, block, guard) if finish else ([(1, 1), (1, 1)], [mx.int32, mx.bool_])
+    template = [("HI", Hi), ("DI", Di)] + _selection_template(S, ratio, k, mode, block, keep)
+    return dict(
+        inputs=[q.reshape(R, Hi, Di), weights.reshape(R, Hi), keys, _position(position), cand, counters],
+        output_shapes=[(R + guard, T)] + shapes,
+        output_dtypes=[mx.float32] + dtypes,
+        grid=(THREADS * -(-T // TILE), R, 1),
+        threadgroup=(THREADS, 1, 1),
+        template=template + [("SCALE_BITS", float_bits(scale)), ("FINISH", int(finish))],
+        init_value=init_value,
+    )
+
+
+def select_args(
+    scores,
+    position,
+    S: int,
+    *,
+    ratio,
+    k,
+    block,
+    keep,
+    candidates=None,
+    build_candidates=False,
+    init_value=None,
+    guard: int = 0,
+) -> dict:
+    """index_select call kwargs: the selection of scores [R, T] (index_scores' first output)."""
+    R, T = scores.shape
+    mode = _mode(candidates, build_candidates)
+    cand = candidates.reshape(R, -1) if mode == 2 else _no_candidates()
+    shapes, dtypes = _outputs(R, T, k, mode, block, guard)
+    return dict(
+        inputs=[scores, _position(position), cand],
+        output_shapes=shapes,
+        output_dtypes=dtypes,
+        grid=(THREADS * R, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        template=_selection_template(S, ratio, k, mode, block, keep),
+        init_value=init_value,
+    )
+
+
+def _position(position) -> mx.array:
+    position = position if isinstance(position, mx.array) else mx.array(position)
+    return position.astype(mx.int32).reshape(())
+
+
+def select(
+    q,
+    weights,
+    keys,
+    position,
+    *,
+    ratio: int,
+    k: int,
+    scale: float,
+    block: int,
+    keep: int,
+    candidates=None,
+    build_candidates: bool = False,
+    owner=None,
+):
+    """See the module docstring. `owner` keeps the launch's FINISH counters (grid_finish.held_counters);
+    `k` = min(index_topk, T), `keep` = candidate_topk_blocks."""
+    name = backend()
+    if not ENABLED or name == "cpu" or refusal(q, weights, keys) is not None:
+        return None
+    B, S = q.shape[:2]
+    R, T = B * S, keys.shape[1]
+    if candidates is not None and candidates.shape[-1] * block < T:
+        raise ValueError(f"index select: candidate mask {candidates.shape} covers fewer than {T} entries")
+    common = dict(ratio=ratio, k=k, block=block, keep=keep, candidates=candidates, build_candidates=build_candidates)
+    if grid_finish.available(name):
+        counters = grid_finish.held_counters(owner, R, "index_scores")
+        _, topk, blocks = SCORES(**scores_args(q, weights, keys, position, counters, scale=scale, **common))
+    else:
+        scores = SCORES(
+            **scores_args(q, weights, keys, position, grid_finish.no_counters(), scale=scale, finish=False, **common)
+        )[0]
+        topk, blocks = SELECT(**select_args(scores, position, S, **common))
+    return topk.reshape(B, S, k), blocks.reshape(B, S, -1) if build_candidates else None
+
+
+def _example_inputs(B=1, S=1, Hi=32, Di=128, T=40):
+    q = mx.random.normal((B, S, Hi, Di), key=mx.random.key(5)).astype(mx.bfloat16)
+    w = mx.random.normal((B, S, Hi), key=mx.random.key(6)).astype(mx.bfloat16)
+    keys = mx.random.normal((B, T, Di), key=mx.random.key(7)).astype(mx.bfloat16)
+    return q, w, keys, mx.array(70, mx.int32)
+
+
+def _examples():
+    q, w, keys, pos = _example_inputs()
+    counters = grid_finish.split_counters(4)
+    common = dict(ratio=2, k=16, scale=1 / 64, block=8, keep=2)
+    mask = mx.ones((1, 1, 5), mx.bool_)
+    return [
+        scores_args(q, w, keys, pos, counters, **common),
+        scores_args(q, w, keys, pos, counters, build_candidates=True, **common),
+        scores_args(q, w, keys, pos, counters, candidates=mask, **common),
+        scores_args(
+            q.astype(mx.float32)[:, :, :4, :64], w[..., :4], keys[..., :64], pos, counters, finish=False, **common
+        ),
+    ]
+
+
+def _select_examples():
+    scores = mx.random.normal((2, 40), key=mx.random.key(8))
+    pos = mx.array(70, mx.int32)
+    common = dict(ratio=2, k=16, block=8, keep=2)
+    return [
+        select_args(scores, pos, 2, **common),
+        select_args(scores, pos, 2, build_candidates=True, **common),
+        select_args(scores, pos, 2, candidates=mx.ones((2, 5), mx.bool_), **common),
+    ]
