@@ -30,7 +30,7 @@ ROPE = register(
         "rope",
         ("x", "offset", "period", "weight", "ring"),
         ("out",),
-        includes=("fake_quant.h", "hc.h", "rope.h"),
+        includes=("fake_quant.h", "float_bits.h", "hc.h", "rope.h"),
         max_threads=_THREADS,
         examples=lambda: _examples(),
     )
@@ -40,7 +40,7 @@ PAIR = register(
         "rope_pair",
         ("q", "x", "offset", "period", "weight", "ring"),
         ("q_out", "out"),
-        includes=("fake_quant.h", "hc.h", "rope.h"),
+        includes=("fake_quant.h", "float_bits.h", "hc.h", "rope.h"),
         max_threads=_THREADS,
         examples=lambda: _pair_examples(),
     )
