@@ -22,12 +22,12 @@ KX_INLINE RopeTurn rope_turn(float L, float period) {
 }
 
 // Element `odd` of interleaved pair (x1, x2) turned by t: MLX's rope expressions x1·c - x2·s and
-// x1·s + x2·c with the roundings its CUDA build makes (the first product rounded, the second fused
-// into the sum: measured on the H200, docs/numerics.md#rope-launch). Written out, not left to the
-// compiler, which fused either product depending on the surrounding code: the attention launch's
-// turned output then differed from the rope kernel's in an element's last bit.
+// x1·s + x2·c with the roundings its CUDA build makes (x2·s rounded, then fma(x1, c, ·); x1·s
+// rounded, then fma(x2, c, ·): measured on the H200, docs/numerics.md#rope-launch). Written out, not
+// left to the compiler, which fused either product depending on the surrounding code: the attention
+// launch's turned output then differed from the rope kernel's in an element's last bit.
 KX_INLINE float rope_turned(float x1, float x2, RopeTurn t, u32 odd) {
-  return odd ? KX_FMA(x2, t.c, KX_FMUL(x1, t.sn)) : KX_FMA(-x2, t.sn, KX_FMUL(x1, t.c));
+  return odd ? KX_FMA(x2, t.c, KX_FMUL(x1, t.sn)) : KX_FMA(x1, t.c, -KX_FMUL(x2, t.sn));
 }
 
 // Output row r by a threadgroup of 256 threads: row r of x [.., S, H, D] (H = 1 for [B, S, D]) at
