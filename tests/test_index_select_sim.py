@@ -190,6 +190,28 @@ def test_refusals():
     assert "keys" in ix.refusal(q, w, keys[:, :0])
 
 
+def indexer_steps(rng, args, B: int, rows_and_positions) -> list:
+    """(x, qr, position) of a forward for each (S, position): random bf16 inputs of an Indexer."""
+    steps = []
+    for S, position in rows_and_positions:
+        x = mx.array(rng.standard_normal((B, S, args.hidden_size)).astype(np.float32)).astype(mx.bfloat16)
+        qr = mx.array(rng.standard_normal((B, S, args.q_lora_rank)).astype(np.float32)).astype(mx.bfloat16)
+        steps.append((x, qr, mx.array(position, mx.int32)))
+    return steps
+
+
+def indexer_picks(indexer, keys, steps) -> list:
+    """For each step: the candidate source's top-k and block mask, a Reindex layer's top-k inside
+    that mask, a plain Full layer's top-k (numpy)."""
+    picks = []
+    for x, qr, pos in steps:
+        built = indexer(x, qr, keys, pos, build_candidates=True)
+        inside = indexer(x, qr, keys, pos, candidates=built[1])
+        plain = indexer(x, qr, keys, pos)
+        picks.append([np.array(a) for a in (*built, inside[0], plain[0])])
+    return picks
+
+
 def _run_on_sim(monkeypatch, calls):
     sims = {k.name: exl3_sim.launcher(k) for k in (ix.SCORES, ix.SELECT)}
 
@@ -216,22 +238,14 @@ def test_the_model_indexer_on_the_kernel_picks_what_its_reference_picks(monkeypa
     rng = np.random.default_rng(4)
     T = 40
     keys = mx.array(_fp4(rng.standard_normal((2, T, args.index_head_dim)))).astype(mx.bfloat16)
-    steps = []
-    for S, position in ((1, 61), (3, 58)):
-        x = mx.array(rng.standard_normal((2, S, args.hidden_size)).astype(np.float32)).astype(mx.bfloat16)
-        qr = mx.array(rng.standard_normal((2, S, args.q_lora_rank)).astype(np.float32)).astype(mx.bfloat16)
-        steps.append((x, qr, mx.array(position, mx.int32)))
+    steps = indexer_steps(rng, args, 2, ((1, 61), (3, 58)))
     results = {}
     for on_kernel in (False, True):
         calls = []
         if on_kernel:
             monkeypatch.setattr(ix, "backend", lambda: backend_name)
             _run_on_sim(monkeypatch, calls)
-        for x, qr, pos in steps:
-            built = indexer(x, qr, keys, pos, build_candidates=True)
-            inside = indexer(x, qr, keys, pos, candidates=built[1])
-            plain = indexer(x, qr, keys, pos)
-            results.setdefault(on_kernel, []).append([np.array(a) for a in (*built, inside[0], plain[0])])
+        results[on_kernel] = indexer_picks(indexer, keys, steps)
         if on_kernel:
             assert len(calls) == 6 * (1 if backend_name == "cuda" else 2)
     assert np.sum(results[False][0][0] == -1) > 0 or results[False][0][0].shape[-1] < T  # a real selection

@@ -17,6 +17,32 @@ KX_INLINE i32 ix_visible(i32 position, u32 s, u32 ratio) { return (position + (i
 // relu as MLX's maximum(x, 0) computes it: NaN stays NaN, -0 becomes +0.
 KX_INLINE float ix_relu(float x) { return KX_ISNAN(x) ? x : (x > 0.0f ? x : 0.0f); }
 
+// N values per lane (a power of two <= 32), summed over a SIMD group's lanes by the transposed xor
+// butterfly: at masks 16, 8, ... a lane keeps the half of its values whose index bit matches its
+// lane bit and adds its partner's copy of that half (ix_add: the values' own sum). After log2(N)
+// levels lane L holds in v[0] the sum of value (L >> (5 - log2 N)) over the lanes that share L's
+// low 5 - log2(N) bits (N = 32: value L over all lanes).
+template <int N, typename T>
+struct IxLanes {
+  T v[N];
+};
+KX_INLINE float ix_add(float a, float b) { return KX_FADD(a, b); }
+KX_INLINE u32 ix_add(u32 a, u32 b) { return a + b; }
+template <int N, typename T>
+KX_INLINE IxLanes<N, T> ix_transposed_sum(IxLanes<N, T> p, u32 lane) {
+  KX_UNROLL for (int level = 0; (N >> level) > 1; level++) {
+    const u32 mask = 16u >> level;
+    const int half = N >> (level + 1);
+    const bool upper = (lane & mask) != 0u;
+    KX_UNROLL for (int i = 0; i < half; i++) {
+      const T send = upper ? p.v[i] : p.v[i + half];
+      const T keep = upper ? p.v[i + half] : p.v[i];
+      p.v[i] = ix_add(keep, KX_SHUFFLE_XOR(send, mask));
+    }
+  }
+  return p;
+}
+
 // Scores of entries tile · IX_TILE .. of query row r (b = r / S, s = r % S) into scores[r · T + j]:
 //   score_j = Σ_h relu(q_h · k_j) · w_h for j < visible, -inf for the others (not read), with
 //   w_h = float(weights[r, h]) · scale (one fp32 rounding, as the reference's cast then product).
@@ -43,28 +69,19 @@ KX_INLINE void ix_score_tile(const KX_DEVICE TQ* q, const KX_DEVICE TW* weights,
     if ((i32)j < visible) {
       float kv[V];
       KX_UNROLL for (int v = 0; v < V; v++) kv[v] = KX_TO_F32(keys[((u64)b * T + j) * DI + lane * V + v]);
-      float part[IX_HEADS];
+      IxLanes<IX_HEADS, float> part;
       KX_UNROLL for (int h = 0; h < IX_HEADS; h++) {
         if (h < HI) {
           const KX_THREADGROUP float* qh = qs + h * DI + lane * V;
           float acc = KX_FMUL(qh[0], kv[0]);
           KX_UNROLL for (int v = 1; v < V; v++) acc = KX_FMA(qh[v], kv[v], acc);
-          part[h] = acc;
+          part.v[h] = acc;
         } else {
-          part[h] = 0.0f;
+          part.v[h] = 0.0f;
         }
       }
-      KX_UNROLL for (int level = 0; level < 5; level++) {
-        const u32 mask = 16u >> level;
-        const int half = 16 >> level;
-        const bool upper = (lane & mask) != 0u;
-        KX_UNROLL for (int h = 0; h < half; h++) {
-          const float send = upper ? part[h] : part[h + half];
-          const float keep = upper ? part[h + half] : part[h];
-          part[h] = KX_FADD(keep, KX_SHUFFLE_XOR(send, mask));
-        }
-      }
-      float term = lane < (u32)HI ? KX_FMUL(ix_relu(part[0]), ws[lane]) : 0.0f;
+      const float dot = ix_transposed_sum(part, lane).v[0];
+      float term = lane < (u32)HI ? KX_FMUL(ix_relu(dot), ws[lane]) : 0.0f;
       KX_UNROLL for (u32 mask = 16; mask > 0; mask >>= 1) term = KX_FADD(term, KX_SHUFFLE_XOR(term, mask));
       score = term;
     }
@@ -119,8 +136,8 @@ struct IxBlocks {
 // Where the best k of n items fall: the k-th best rank `thr`, and how many items of rank thr the
 // best k take (`take`, lowest indices first). A radix select, 4 bits a pass from the top (8 passes):
 // each thread counts its items (i = lid, lid + 256, ...) that match the bits found so far by their
-// next digit, the 16 counts meet by a transposed xor butterfly per SIMD group (lane L ends with digit
-// (L >> 1) & 15), and thread 0 adds the groups' counts and walks the digits from 15 down. k >= n
+// next digit, the 16 counts meet per SIMD group (`ix_transposed_sum`, then mask 1: lane L ends with
+// digit (L >> 1) & 15), and thread 0 adds the groups' counts and walks the digits from 15 down. k >= n
 // takes every item. Counts are integers: any order gives the same result. tmp: IX_SCRATCH words.
 struct IxCut {
   u32 thr;
@@ -133,27 +150,18 @@ KX_INLINE IxCut ix_cut(Src src, u32 n, u32 k, KX_THREADGROUP u32* tmp, u32 lid, 
   u32 prefix = 0u, need = k;
   for (int shift = 28; shift >= 0; shift -= 4) {
     const u32 high = shift == 28 ? 0u : 0xFFFFFFFFu << (shift + 4);
-    u32 c[16];
-    KX_UNROLL for (int d = 0; d < 16; d++) c[d] = 0u;
+    IxLanes<16, u32> c;
+    KX_UNROLL for (int d = 0; d < 16; d++) c.v[d] = 0u;
     for (u32 i = lid; i < n; i += IX_THREADS) {
       const u32 u = ix_rank(src.value(i));
       const u32 digit = (u >> shift) & 15u;
       if ((u & high) == prefix) {
-        KX_UNROLL for (int d = 0; d < 16; d++) c[d] += digit == (u32)d ? 1u : 0u;
+        KX_UNROLL for (int d = 0; d < 16; d++) c.v[d] += digit == (u32)d ? 1u : 0u;
       }
     }
-    KX_UNROLL for (int level = 0; level < 4; level++) {
-      const u32 mask = 16u >> level;
-      const int half = 8 >> level;
-      const bool upper = (lane & mask) != 0u;
-      KX_UNROLL for (int d = 0; d < half; d++) {
-        const u32 send = upper ? c[d] : c[d + half];
-        const u32 keep = upper ? c[d + half] : c[d];
-        c[d] = keep + KX_SHUFFLE_XOR(send, mask);
-      }
-    }
-    c[0] += KX_SHUFFLE_XOR(c[0], 1u);
-    if ((lane & 1u) == 0u) tmp[warp * 16 + ((lane >> 1) & 15u)] = c[0];
+    u32 mine = ix_transposed_sum(c, lane).v[0];
+    mine += KX_SHUFFLE_XOR(mine, 1u);
+    if ((lane & 1u) == 0u) tmp[warp * 16 + ((lane >> 1) & 15u)] = mine;
     KX_BARRIER();
     if (lid == 0) {
       u32 digit = 0u;

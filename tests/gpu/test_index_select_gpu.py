@@ -8,7 +8,17 @@ reference path picks."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_index_select_sim import CASES, GUARD, MODES, POISON, _fp4, float64_scores, inputs
+from test_index_select_sim import (
+    CASES,
+    GUARD,
+    MODES,
+    POISON,
+    _fp4,
+    float64_scores,
+    indexer_picks,
+    indexer_steps,
+    inputs,
+)
 
 from mlx_dsv41.kernels import grid_finish
 from mlx_dsv41.kernels import index_select as ix
@@ -92,19 +102,11 @@ def test_the_model_indexer_on_the_kernel_picks_what_its_reference_picks(monkeypa
     rng = np.random.default_rng(4)
     T = 1500
     keys = mx.array(_fp4(rng.standard_normal((1, T, 128)))).astype(mx.bfloat16)
-    steps = []
-    for S, position in ((1, 2950), (5, 2900)):
-        x = mx.array(rng.standard_normal((1, S, args.hidden_size)).astype(np.float32)).astype(mx.bfloat16)
-        qr = mx.array(rng.standard_normal((1, S, args.q_lora_rank)).astype(np.float32)).astype(mx.bfloat16)
-        steps.append((x, qr, mx.array(position, mx.int32)))
+    steps = indexer_steps(rng, args, 1, ((1, 2950), (5, 2900)))
     results = {}
     for enabled in (False, True):
         monkeypatch.setattr(ix, "ENABLED", enabled)
-        for x, qr, pos in steps:
-            built = indexer(x, qr, keys, pos, build_candidates=True)
-            inside = indexer(x, qr, keys, pos, candidates=built[1])
-            plain = indexer(x, qr, keys, pos)
-            results.setdefault(enabled, []).append([np.array(a) for a in (*built, inside[0], plain[0])])
+        results[enabled] = indexer_picks(indexer, keys, steps)
     assert results[False][0][0].shape[-1] == 512 and np.sum(results[False][0][1]) == 64  # real selections
     for got, want in zip(results[True], results[False]):
         for g, w in zip(got, want):
