@@ -186,10 +186,12 @@ def select(
         return None
     B, S = q.shape[:2]
     R, T = B * S, keys.shape[1]
+    if not 0 < k <= T:
+        raise ValueError(f"index select: k = {k} must be in 1..{T} (min(index_topk, entries))")
     if candidates is not None and candidates.shape[-1] * block < T:
         raise ValueError(f"index select: candidate mask {candidates.shape} covers fewer than {T} entries")
     common = dict(ratio=ratio, k=k, block=block, keep=keep, candidates=candidates, build_candidates=build_candidates)
-    if grid_finish.available(name):
+    if grid_finish.merges(name):  # one launch where it may finish itself (--separate-launches: two)
         counters = grid_finish.held_counters(owner, R, "index_scores")
         _, topk, blocks = SCORES(**scores_args(q, weights, keys, position, counters, scale=scale, **common))
     else:
