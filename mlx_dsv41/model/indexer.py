@@ -18,6 +18,10 @@ Ties (docs/numerics.md#topk-ties): ReLU and FP4 make exactly equal scores common
 ties is backend-dependent in the reference. Here selection is made deterministic: entries (and
 blocks) are ranked by (score, then lower index), a strict order, so every backend and every chunking
 picks the same set.
+
+On a GPU, up to 16 query rows (decode steps, verifies) are scored and selected by one kernel launch
+(kernels/index_select.py, docs/design.md#index-select): the same selection on its own fixed-order
+scores. The functions below are the plain-MLX path: the CPU, prefills, and the reference.
 """
 
 from __future__ import annotations
