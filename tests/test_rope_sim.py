@@ -225,3 +225,41 @@ def test_the_pair_gives_each_rope_launch_s_bytes(monkeypatch, tokens, at):
     assert rope.pair(q, x.astype(mx.float32), offset, ring=ring, **kw) is None  # the ring's dtype differs
     monkeypatch.setattr(rope_module, "backend", lambda: "cpu")
     assert rope.pair(q, x, offset, ring=ring, **kw) is None
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_the_turn_rounds_as_written(inverse):
+    """rope_turned's roundings are the written ones (docs/numerics.md#rope-launch), not the
+    compiler's: even element fma(x1, c, -(x2·s)), odd element fma(x2, c, x1·s), each product
+    rounded where written; fp32 in and out, so nothing else rounds. The simulator's cos / sin are
+    the C library's cosf / sinf, taken here the same way. Not blind: the unfused x1·c - x2·s and
+    x1·s + x2·c differ from them in some elements."""
+    import ctypes
+    import ctypes.util
+
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    for fn in (libm.cosf, libm.sinf):
+        fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
+    f32 = np.float32
+    B, S, H, D, offset = 1, 3, 8, 64, 40961
+    x = np.random.default_rng(5).standard_normal((B, S, H, D)).astype(f32)
+    periods = (10000.0 ** (np.arange(0, D, 2) / D)).astype(f32)
+    call = rope_kernel.args(mx.array(x), mx.array(offset, mx.int32), mx.array(periods), mx.float32, 1, inverse, None)
+    (got,) = exl3_sim.build([(rope_kernel.ROPE, call)], mma=True).run(0)
+
+    def fma(a, b, c):  # a·b is exact in float64; the sum rounds there, then to float32 (a double
+        return (a.astype(np.float64) * b + c).astype(f32)  # rounding that these values never meet)
+
+    inv = (1.0 / periods.astype(np.float64)).astype(f32)
+    want, unfused = np.empty_like(x), np.empty_like(x)
+    for s in range(S):
+        theta = f32((-1.0 if inverse else 1.0) * f32(offset + s)) * inv
+        c = np.array([libm.cosf(float(t)) for t in theta], f32)
+        sn = np.array([libm.sinf(float(t)) for t in theta], f32)
+        x1, x2 = x[:, s, :, 0::2], x[:, s, :, 1::2]
+        want[:, s, :, 0::2] = fma(x1, c, -(x2 * sn))
+        want[:, s, :, 1::2] = fma(x2, c, x1 * sn)
+        unfused[:, s, :, 0::2] = x1 * c - x2 * sn
+        unfused[:, s, :, 1::2] = x1 * sn + x2 * c
+    assert np.array_equal(_bits(got.reshape(x.shape)), _bits(want))
+    assert np.any(_bits(unfused) != _bits(want))
