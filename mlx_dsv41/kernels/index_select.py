@@ -79,8 +79,14 @@ def _no_candidates() -> np.ndarray:
     return np.zeros((1, 1), np.bool_)
 
 
-def _mode(candidates, build_candidates: bool) -> int:
-    return 1 if build_candidates else (2 if candidates is not None else 0)
+def _mode_and_candidates(candidates, build_candidates: bool, R: int) -> tuple[int, mx.array]:
+    """The launch's MODE (0 plain, 1 the candidate source, 2 inside the candidate blocks) and its
+    candidates input ([R, nb] in MODE 2, otherwise a constant the kernel does not read)."""
+    if build_candidates:
+        return 1, _no_candidates()
+    if candidates is not None:
+        return 2, candidates.reshape(R, -1)
+    return 0, _no_candidates()
 
 
 def _selection_template(S: int, ratio: int, k: int, mode: int, block: int, keep: int) -> list:
@@ -113,8 +119,7 @@ def scores_args(
     """index_scores call kwargs (see the body's comment); `guard` extra rows of every output (tests)."""
     B, S, Hi, Di = q.shape
     R, T = B * S, keys.shape[1]
-    mode = _mode(candidates, build_candidates)
-    cand = candidates.reshape(R, -1) if mode == 2 else _no_candidates()
+    mode, cand = _mode_and_candidates(candidates, build_candidates, R)
     grid_finish.check_counters(counters, R if finish else 1, "index scores")
     shapes, dtypes = _outputs(R, T, k, mode, block, guard) if finish else ([(1, 1), (1, 1)], [mx.int32, mx.bool_])
     template = [("HI", Hi), ("DI", Di)] + _selection_template(S, ratio, k, mode, block, keep)
@@ -145,8 +150,7 @@ def select_args(
 ) -> dict:
     """index_select call kwargs: the selection of scores [R, T] (index_scores' first output)."""
     R, T = scores.shape
-    mode = _mode(candidates, build_candidates)
-    cand = candidates.reshape(R, -1) if mode == 2 else _no_candidates()
+    mode, cand = _mode_and_candidates(candidates, build_candidates, R)
     shapes, dtypes = _outputs(R, T, k, mode, block, guard)
     return dict(
         inputs=[scores, _position(position), cand],
