@@ -28,7 +28,8 @@ TILE = 32  # IX_TILE: entries a threadgroup scores
 MAX_HEADS = 32  # IX_HEADS
 MAX_ROWS = 16  # query rows (B · S) a call may hold: decode steps and DSpark verifies; a prefill's
 # rows are scored by the reference's GEMM
-MAX_HEAD_DIM = 256  # q of one row in threadgroup memory: 32 · DI floats (32 KB at 256)
+MAX_HEAD_DIM = 128  # q of one row in threadgroup memory, 32 · DI floats (16 KB at 128), beside the
+# selection's words: under Metal's 32 KB a threadgroup
 
 # Whether the model's indexers take the kernel where it applies (False: the reference everywhere;
 # benchmarks/bench_model.py --indexer-reference: the A/B).
