@@ -49,7 +49,7 @@ export LOGS
 export -f graphs
 # GPU_TESTS: the files (or pytest node ids) the tests stage runs, GPU_JOBS at a time (default: the
 # files that cover this session's kernels and the token path)
-TESTS=${GPU_TESTS:-"tests/gpu/test_rope_gpu.py tests/gpu/test_sparse_attention_unrotated_gpu.py tests/gpu/test_index_select_gpu.py
+TESTS=${GPU_TESTS:-"tests/gpu/test_roped_gemv_gpu.py tests/gpu/test_rope_gpu.py tests/gpu/test_sparse_attention_unrotated_gpu.py tests/gpu/test_index_select_gpu.py
 tests/gpu/test_hc_kernels.py tests/gpu/test_model_gpu.py
 tests/gpu/test_compiled_step_gpu.py tests/gpu/test_grid_finish_gpu.py tests/gpu/test_kernel_header_files_gpu.py
 tests/gpu/test_exl3_kernels.py::test_a_k_split_gemv_finishes_itself_with_the_two_launch_bytes

@@ -440,12 +440,17 @@ def test_launch_constants_are_template_values():
     gemv = launch.gemv_args(x, mx.array(t["trellis"]), mx.array(t["suh"]), mx.array(t["svh"]), "mul1", splits=2)
     assert dict(gemv[0]["template"])["PER_SPLIT"] == 1
     # x, suh, trellis, svh, bias, the FINISH counters (a constant stand-in without FINISH), NORM's
-    # weight and PAIR's suh2, trellis2, svh2 (without them: svh, suh, trellis, svh, never read); eps,
-    # the pair's column blocks and k split are template values
+    # weight, PAIR's suh2, trellis2, svh2 and ROPE's / RING's offset, period, norm2_w, window (without
+    # them: svh, suh, trellis, svh, a 0-d constant offset, svh x 3, never read); eps, the pair's column
+    # blocks and k split, RING's eps and quantization are template values
     inputs = gemv[0]["inputs"]
-    assert len(inputs) == len(launch.GEMV.input_names) == 10
-    assert [inputs[i] is inputs[j] for i, j in ((6, 3), (7, 1), (8, 2), (9, 3))] == [True] * 4
-    assert [dict(gemv[0]["template"])[k] for k in ("EPS_BITS", "PAIR", "PER_SPLIT2")] == [0, 0, 0]
+    assert len(inputs) == len(launch.GEMV.input_names) == 14
+    assert [inputs[i] is inputs[j] for i, j in ((6, 3), (7, 1), (8, 2), (9, 3), (11, 3), (12, 3), (13, 3))] == [
+        True
+    ] * 7
+    assert inputs[10].shape == () and inputs[10].dtype == mx.int32
+    template = dict(gemv[0]["template"])
+    assert [template[k] for k in ("EPS_BITS", "PAIR", "PER_SPLIT2", "ROPE", "RING", "EPS2_BITS")] == [0] * 6
     assert float_bits(0.5) == 0x3F000000
     with pytest.raises(ValueError, match="sign bit set"):
         float_bits(-1.0)
@@ -695,7 +700,7 @@ def test_a_k_split_gemv_that_finishes_itself_gives_the_two_launch_bytes(monkeypa
     program = exl3_sim.build([(launch.GEMV, two[0]), (launch.GEMV_OUT, two[1]), (launch.GEMV, one[0])], mma=False)
     partial = program.run(0)[0]
     y_two = program.run(1, with_input(two[1], "partial", mx.array(partial), launch.GEMV_OUT))[0]
-    partial_one, y_one, _ = program.run(2)
+    partial_one, y_one, _, _ = program.run(2)
     assert np.array_equal(partial_one.view(np.uint32), partial.view(np.uint32))
     assert np.array_equal(y_one.view(np.uint16), y_two.view(np.uint16))
     assert np.count_nonzero(y_one.astype(np.float32)) > y_one.size // 2
@@ -746,7 +751,7 @@ def test_a_normed_gemv_gives_the_gemv_then_rms_norm_bytes(monkeypatch, m, splits
     y = program.run(0)[1]
     call = dict(norm, inputs=[mx.array(y.astype(np.float32)).astype(dtype), *norm["inputs"][1:]])
     (want,) = program.run(1, call)
-    _, got, _ = program.run(2)
+    _, got, _, _ = program.run(2)
     view = np.uint16 if dtype == mx.bfloat16 else np.uint32
     assert np.array_equal(got[:m].view(view), want.view(view))
     assert np.all(np.isnan(got[m:].astype(np.float32)))  # guard rows untouched
@@ -843,7 +848,7 @@ def test_two_linears_of_one_input_in_one_gemv_give_their_own_launches_bytes(monk
     plans = [dict(a[0]["template"])["PER_SPLIT"] for a in apart]
     assert dict(one[0]["template"])["PAIR"] == 3 and len(one) == 1 and (plans[0] != plans[1]) == (n2 == 128)
     program = exl3_sim.build([(launch.GEMV, one[0]), (launch.GEMV, apart[0][0]), (launch.GEMV, apart[1][0])], mma=False)
-    partial, y, y2 = program.run(0)
+    partial, y, y2, _ = program.run(0)
     want, want2 = program.run(1)[1], program.run(2)[1]
     view = np.uint16 if dtype == mx.bfloat16 else np.uint32
     assert np.array_equal(y[:m].view(view), want.view(view)) and np.array_equal(y2[:m].view(view), want2.view(view))

@@ -45,11 +45,16 @@ class EXL3Linear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         return self.into(x, None)
 
-    def into(self, x: mx.array, shape: tuple | None) -> mx.array:
+    def into(self, x: mx.array, shape: tuple | None, rope=None) -> mx.array | None:
         """self(x) in `shape` (as many values; None: [..., out]): on a GPU the kernel writes it so
-        (quant.linear_into: no reshape node)."""
+        (quant.linear_into: no reshape node). With rope (a kernels.rope.Turn): turned by it in the
+        same launch where the kernel can here (ops.roped_linear), else None."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"EXL3Linear expects [..., {self.in_features}], got {x.shape}")
+        if rope is not None:
+            return ops.roped_linear(
+                x, self.trellis, self.suh, self.svh, self.codebook, rope, self.get("bias"), self.out_features, shape
+            )
         return ops.linear(
             x,
             self.trellis,
@@ -71,10 +76,11 @@ class EXL3Linear(nn.Module):
             x, self.trellis, self.suh, self.svh, self.codebook, weight, eps, self.get("bias"), self.out_features, self
         )
 
-    def paired(self, other: nn.Module, x: mx.array, norm: tuple | None = None) -> tuple | None:
+    def paired(self, other: nn.Module, x: mx.array, norm: tuple | None = None, window=None) -> tuple | None:
         """(self(x), other(x)) from one launch where the kernel gives them here (two EXL3 linears of
         x alike enough: ops.paired_linear), self's output normed with norm = (weight, eps) where
-        given; else None (quant.paired_linears)."""
+        given; with window (a kernels.rope.WindowWrite) other's rows written into the window ring
+        instead (the ring returned); else None (quant.paired_linears, quant.windowed_linears)."""
         if (
             not isinstance(other, EXL3Linear)
             or x.shape[-1] != self.in_features
@@ -82,7 +88,7 @@ class EXL3Linear(nn.Module):
         ):
             return None
         first, second = ((m.trellis, m.suh, m.svh, m.codebook, m.get("bias"), m.out_features) for m in (self, other))
-        return ops.paired_linear(x, first, second, norm, self)
+        return ops.paired_linear(x, first, second, norm, self, window)
 
     def as_single_expert(self) -> EXL3ExpertProjection:
         """This linear as a one-expert EXL3ExpertProjection over the same arrays (made once), so

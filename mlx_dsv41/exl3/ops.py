@@ -130,22 +130,35 @@ def normed_linear(x, trellis, suh, svh, codebook: str, weight, eps: float, bias=
     return launch.run_gemv(x, trellis, suh, svh, codebook, bias, x.dtype, counters, norm=(weight, eps))
 
 
-def paired_linear(x, first: tuple, second: tuple, norm=None, owner=None):
+def roped_linear(x, trellis, suh, svh, codebook: str, rope, bias=None, out_features=None, out_shape=None):
+    """linear(x) (in out_shape where given) turned by rope (a kernels.rope.Turn) from one exl3_gemv
+    launch (ROPE, docs/design.md#roped-linears) where one gives it here: a GPU, x's rows in one
+    gemv, a launch plan that does not split k, no padded outputs; None otherwise (the caller turns
+    linear(x)). The bytes of the linear then the rope kernel."""
+    n = _check_linear_args(x, trellis, suh, svh, codebook, bias)
+    if backend() == "cpu" or (out_features or n) != n or not launch.roped_gemv_fits(x, trellis, rope.periods, x.dtype):
+        return None
+    return launch.run_gemv(x, trellis, suh, svh, codebook, bias, x.dtype, out_shape=out_shape, rope=rope)
+
+
+def paired_linear(x, first: tuple, second: tuple, norm=None, owner=None, window=None):
     """(first's y, second's y) for two linears of x, first / second = (trellis, suh, svh, codebook,
     bias, out_features), from one exl3_gemv launch (PAIR, docs/design.md#paired-linears) where one
-    gives them here; with norm = (weight, eps) the first's y is rms_norm(y) (NORM). None otherwise
-    (the caller runs the linears apart). The bytes of the two launches (and of the norm)."""
+    gives them here; with norm = (weight, eps) the first's y is rms_norm(y) (NORM). With window (a
+    kernels.rope.WindowWrite), (first's y, the window ring with second's rows written as the window
+    keys: RING, docs/design.md#roped-linears), where the launch can write them. None otherwise (the
+    caller runs the linears apart). The bytes of the two launches (and of the norm, the rope)."""
     ns = [_check_linear_args(x, *f[:5]) for f in (first, second)]
     gemv = [f[:5] for f in (first, second)]
     if backend() == "cpu" or any((f[5] or n) != n for f, n in zip((first, second), ns)):
         return None
-    if not launch.paired_gemv_fits(x, *gemv):
+    if not launch.paired_gemv_fits(x, *gemv) or (window is not None and not launch.window_gemv_fits(x, *gemv, window)):
         return None
     if norm is not None and norm[0].shape != (ns[0],):
         raise ValueError(f"exl3 paired linear: the norm's weight must be [{ns[0]}], got {norm[0].shape}")
     in_launch = norm if norm is not None and launch.normed_gemv_fits(x, first[0]) else None
-    counters = _split_counters(owner, (ns[0] + ns[1]) // BLOCK + (in_launch is not None), "pair")
-    y, y2 = launch.run_gemv_pair(x, first[:4], second[:4], x.dtype, counters, in_launch)
+    counters = _split_counters(owner, (ns[0] + ns[1]) // BLOCK + (in_launch is not None) + (window is not None), "pair")
+    y, y2 = launch.run_gemv_pair(x, first[:4], second[:4], x.dtype, counters, in_launch, window)
     return (y if norm is None or in_launch is not None else rms_norm(y, *norm)), y2
 
 

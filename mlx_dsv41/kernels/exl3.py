@@ -38,6 +38,7 @@ import numpy as np
 from mlx_dsv41 import graph_constants
 from mlx_dsv41.kernels import Kernel, backend, float_bits, grid_finish, register
 from mlx_dsv41.kernels.grid_finish import held_counters, no_counters, split_counters
+from mlx_dsv41.kernels.rope import Turn, WindowWrite, scalar_offset
 
 BLOCK = 128  # the kernels' column block: the format's Hadamard block (mlx_dsv41.exl3.hadamard.BLOCK)
 GEMV_MAX_ROWS = 8  # rows served by exl3_gemv (the M template: 1, 2, 4 or 8)
@@ -88,7 +89,9 @@ class Tuning:
     (run_moe) where it fits (exl3.ops.shared_fits). With ``normed_gemv`` a finishing k-split
     exl3_gemv also gives the RMSNorm of its output where the model asks for it (NORM,
     normed_gemv_fits), and with ``paired_gemv`` two such linears of one input share a launch
-    (PAIR, paired_gemv_fits).
+    (PAIR, paired_gemv_fits). With ``roped_gemv`` a one-split exl3_gemv also turns its output
+    by the rope where the model asks (ROPE, roped_gemv_fits), and a paired launch writes its second
+    linear's rows into the window ring (RING, window_gemv_fits).
     """
 
     warps: int = 8
@@ -101,6 +104,7 @@ class Tuning:
     finish_splits: int = 1  # 1: a k-split exl3_gemv finishes itself (FINISH) where GRID_FINISH allows
     normed_gemv: int = 1  # 1: such a launch norms its output too where asked (NORM; 0: hc_collapse_norm)
     paired_gemv: int = 1  # 1: two such linears of one input share a launch where they can (PAIR)
+    roped_gemv: int = 1  # 1: a GEMV turns its rows / writes the window ring itself where asked (ROPE, RING)
     gate_up_split_warps: int = 6336  # 132 SMs x 48
     down_split_warps: int = 12672  # 132 SMs x 96
     plan_slots: int = 6  # slots the expert k splits are planned for (Flash top-k)
@@ -174,9 +178,13 @@ RECONSTRUCT = register(
 GEMV = register(
     Kernel(
         "exl3_gemv",
-        ("x", "suh", "trellis", "svh", "bias", "counters", "norm_w", "suh2", "trellis2", "svh2"),
-        ("out", "y", "y2"),
-        includes=_HEADERS + ("hc.h",),  # hc.h: NORM's RMSNorm (hc_rms_norm_row)
+        (
+            *("x", "suh", "trellis", "svh", "bias", "counters", "norm_w", "suh2", "trellis2", "svh2"),
+            *("offset", "period", "norm2_w", "window"),
+        ),
+        ("out", "y", "y2", "window_out"),
+        # hc.h: NORM's RMSNorm (hc_rms_norm_row); the rest: ROPE's and RING's rope (rope_row)
+        includes=_HEADERS + ("hc.h", "fake_quant.h", "rope.h", "exl3_rope.h"),
         max_threads=512,
         examples=lambda: _example_gemv(),
     )
@@ -363,6 +371,8 @@ def gemv_args(
     out_shape=None,
     norm=None,
     pair=None,
+    rope: Turn | None = None,
+    window: WindowWrite | None = None,
 ) -> list[dict]:
     """Call kwargs of exl3_gemv (and exl3_gemv_out when k is split) for x [..., in] (rows in order,
     not reshaped: y is [..., n], or out_shape holding the same m · n values, e.g. a linear's heads
@@ -373,7 +383,10 @@ def gemv_args(
     y its second output); otherwise exl3_gemv_out does (two calls). ``norm`` = (weight, eps): y is
     rms_norm of the linear's output (NORM; such a launch only, counters [n / 128 + 1]). ``pair`` =
     (trellis2, suh2, svh2, codebook2): a second linear of x in the same launch (PAIR; such a launch
-    only, see paired_gemv_fits), y2 [..., n2] its third output, counters for both linears' blocks."""
+    only, see paired_gemv_fits), y2 [..., n2] its third output, counters for both linears' blocks.
+    ``rope`` (a one-split launch only, see roped_gemv_fits): y's rows turned by it (ROPE). ``window``
+    (with pair: see window_gemv_fits): the fourth output is window.ring with y2's rows written as the
+    window keys (RING; counters: one more)."""
     t = tuning or TUNING
     k2 = _k2(trellis)
     m = math.prod(x.shape[:-1])
@@ -387,16 +400,18 @@ def gemv_args(
     y_shape = _rows_out(x, n, guard_rows, out_shape)
     first = (trellis, suh, svh, codebook, bias)
     pair_in, y2_shape, n2, plan2 = _pair_inputs(pair, first, finish_here, t, x, guard_rows)
-    counters_in, norm_w, eps = _finish_inputs(counters, norm, finish_here, n, n2, svh)
+    counters_in, norm_w, eps = _finish_inputs(counters, norm, finish_here, n, n2, svh, window is not None)
+    rope_in, ring_shape, rope_template = _rope_inputs(rope, window, fused, x, n, n2, out_dtype, svh)
     y_dtype = out_dtype if finish_here else mx.float32
     gemv = dict(
-        inputs=[x, suh, trellis, svh, svh if bias is None else bias, counters_in, norm_w, *pair_in],
+        inputs=[x, suh, trellis, svh, svh if bias is None else bias, counters_in, norm_w, *pair_in, *rope_in],
         output_shapes=[
             y_shape if fused else (max(splits, plan2[0]) + guard_rows, m, n + n2),
             y_shape if finish_here else (1,),
             y2_shape,
+            ring_shape,
         ],
-        output_dtypes=[out_dtype if fused else mx.float32, y_dtype, y_dtype],
+        output_dtypes=[out_dtype if fused else mx.float32, y_dtype, y_dtype, out_dtype],
         grid=((n + n2) // BLOCK * _LANES * t.warps, max(splits, plan2[0]), 1),
         threadgroup=(_LANES * t.warps, 1, 1),
         template=[
@@ -413,6 +428,7 @@ def gemv_args(
             ("EPS_BITS", float_bits(eps)),
             ("PAIR", n_blocks if pair is not None else 0),
             ("PER_SPLIT2", plan2[1]),
+            *rope_template,
         ],
         init_value=init_value,
     )
@@ -445,13 +461,15 @@ def _pair_key(trellis, suh, svh, codebook: str) -> tuple:
     return _k2(trellis), codebook, trellis.shape[0], suh.dtype, svh.dtype
 
 
-def _finish_inputs(counters, norm, finish_here: bool, n: int, n2: int, svh) -> tuple:
+def _finish_inputs(counters, norm, finish_here: bool, n: int, n2: int, svh, ring: bool = False) -> tuple:
     """(counters input, norm_w input, eps) of an exl3_gemv launch: counters where it finishes itself
     (a stand-in otherwise; one per column block of both linears with PAIR); NORM's (weight [n], eps),
     or svh as a stand-in and 0. NORM needs the launch to finish itself and one counter past the
-    column blocks'."""
+    column blocks', RING one more."""
     if counters is not None:
         _check_counters(counters, 1, n + n2, "gemv")
+        if ring:
+            grid_finish.check_counters(counters, (n + n2) // BLOCK + (norm is not None) + 1, "exl3 gemv: RING")
     counters_in = counters if finish_here else no_counters()
     if norm is None:
         return counters_in, svh, 0.0
@@ -462,6 +480,75 @@ def _finish_inputs(counters, norm, finish_here: bool, n: int, n2: int, svh) -> t
         raise ValueError(f"exl3 gemv: the norm's weight must be [{n}], got {weight.shape}")
     grid_finish.check_counters(counters, (n + n2) // BLOCK + 1, "exl3 gemv: NORM")
     return counters_in, weight, eps
+
+
+@graph_constants.constant
+def _no_offset() -> np.ndarray:
+    return np.zeros((), np.int32)
+
+
+def _rope_inputs(rope, window, fused: bool, x, n: int, n2: int, out_dtype, svh) -> tuple:
+    """(offset, period, norm2_w, ring inputs; ring_out's shape; the ROPE, RING, EPS2_BITS, QBLOCK,
+    QMODE template values) of an exl3_gemv launch: ROPE's turn of y (a one-split launch), RING's
+    window write of y2 (a paired launch), or stand-ins never read (a 0-d offset: the kernels read
+    a scalar), a 1-element ring_out and zeros."""
+    if rope is not None and window is not None:
+        raise ValueError("exl3 gemv: ROPE turns a one-split launch's rows, RING a paired launch's: not both")
+    if rope is not None:
+        why = _turn_refusal(x, n, rope.periods, out_dtype) or (None if fused else "its k is split")
+        if why is not None:
+            raise ValueError(f"exl3 gemv: ROPE cannot turn this launch's rows: {why} (roped_gemv_fits)")
+        inputs = [scalar_offset(rope.offset), rope.periods, svh, svh]
+        return inputs, (1,), _rope_template(1, 0)
+    if window is not None:
+        why = _window_refusal(x, n2, window, out_dtype)
+        if why is not None:
+            raise ValueError(f"exl3 gemv: RING cannot write this launch's rows: {why} (window_gemv_fits)")
+        inputs = [scalar_offset(window.offset), window.periods, window.weight, window.ring]
+        block, mode = window.quant
+        return inputs, window.ring.shape, _rope_template(0, 1, float_bits(window.eps), block, mode)
+    return [_no_offset(), svh, svh, svh], (1,), _rope_template(0, 0)
+
+
+def _rope_template(rope: int, ring: int, eps_bits: int = 0, block: int = 32, mode: int = 0) -> list:
+    return [("ROPE", rope), ("RING", ring), ("EPS2_BITS", eps_bits), ("QBLOCK", block), ("QMODE", mode)]
+
+
+def _turn_refusal(x, n: int, periods, out_dtype) -> str | None:
+    """Why ROPE cannot turn the rows of x's linear (n outputs) by periods, or None."""
+    D = 2 * periods.shape[0]
+    if x.ndim < 2 or D % 4 or n % D or periods.dtype != mx.float32:
+        return f"rows [.., S, in] and float32 periods of a rope width dividing {n} by 4s, got {x.shape}, {D}"
+    return None if out_dtype in _OUT_KIND else f"an output dtype {out_dtype}"
+
+
+def _window_refusal(x, n2: int, window: WindowWrite, out_dtype) -> str | None:
+    """Why RING cannot write the window keys of x's tokens from a second linear of n2 outputs, or None."""
+    if x.ndim != 3 or window.ring.dtype != out_dtype or window.ring.shape[0] != x.shape[0]:
+        return f"x [B, S, in] and a ring [B, R, D] in the output dtype, got {x.shape}, {window.ring.shape}"
+    return window.refusal((*x.shape[:2], n2))
+
+
+def roped_gemv_fits(x, trellis, periods, out_dtype, tuning: Tuning | None = None) -> bool:
+    """Whether exl3_gemv can turn its own rows by the rope here (ROPE): x's rows fit the kernel, its
+    launch plan does not split k (the threadgroup holding a column block stores it), the rope's
+    width divides the outputs, and the tuning allows it (any GPU backend)."""
+    t = tuning or TUNING
+    if backend() == "cpu" or math.prod(x.shape[:-1]) > GEMV_MAX_ROWS or not t.roped_gemv:
+        return False
+    if dense_plan(trellis.shape[0] // 8, trellis.shape[1] // 8, t)[0] != 1:
+        return False
+    return _turn_refusal(x, trellis.shape[1] * 16, periods, out_dtype) is None
+
+
+def window_gemv_fits(x, first, second, window: WindowWrite, tuning: Tuning | None = None) -> bool:
+    """Whether a paired exl3_gemv can also write its second linear's rows into the window ring here
+    (RING): the two pair (paired_gemv_fits), the rope kernel would take the rows and the ring, and
+    the tuning allows it."""
+    t = tuning or TUNING
+    if not (t.roped_gemv and paired_gemv_fits(x, first, second, t)):
+        return False
+    return _window_refusal(x, second[0].shape[1] * 16, window, x.dtype) is None
 
 
 def normed_gemv_fits(x, trellis, tuning: Tuning | None = None) -> bool:
@@ -750,15 +837,16 @@ def _group(proj, key):
 
 
 def run_gemv(
-    x, trellis, suh, svh, codebook: str, bias, out_dtype, counters=None, out_shape=None, norm=None
+    x, trellis, suh, svh, codebook: str, bias, out_dtype, counters=None, out_shape=None, norm=None, rope=None
 ) -> mx.array:
     """exl3_gemv, and exl3_gemv_out when k is split and the launch does not finish itself (see
     gemv_args): y [..., n] (or out_shape) for x [..., in] of at most GEMV_MAX_ROWS rows (bias, if
-    any, padded to n); with norm = (weight, eps), rms_norm(y) (NORM: see normed_gemv_fits)."""
+    any, padded to n); with norm = (weight, eps), rms_norm(y) (NORM: see normed_gemv_fits); with
+    rope (a Turn), y turned by it (ROPE: see roped_gemv_fits)."""
     calls = gemv_args(
-        x, trellis, suh, svh, codebook, bias, out_dtype, counters=counters, out_shape=out_shape, norm=norm
+        x, trellis, suh, svh, codebook, bias, out_dtype, counters=counters, out_shape=out_shape, norm=norm, rope=rope
     )
-    out, y, _ = GEMV(**calls[0])
+    out, y, _, _ = GEMV(**calls[0])
     if dict(calls[0]["template"])["FINISH"]:
         return y
     if len(calls) == 2:
@@ -767,13 +855,15 @@ def run_gemv(
     return out
 
 
-def run_gemv_pair(x, first: tuple, second: tuple, out_dtype, counters, norm=None) -> tuple:
+def run_gemv_pair(x, first: tuple, second: tuple, out_dtype, counters, norm=None, window=None) -> tuple:
     """(y, y2): two linears of x [..., in] in one exl3_gemv launch (PAIR; see paired_gemv_fits),
     first / second = (trellis, suh, svh, codebook); with norm = (weight, eps) y is rms_norm of the
-    first's output (NORM). counters: both linears' column blocks (+ 1 with norm)."""
-    (call,) = gemv_args(x, *first, None, out_dtype, counters=counters, norm=norm, pair=second)
-    _, y, y2 = GEMV(**call)
-    return y, y2
+    first's output (NORM). With window (a WindowWrite; see window_gemv_fits), (y, the window ring
+    with y2's rows written: RING). counters: both linears' column blocks (+ 1 with norm, + 1 with
+    window)."""
+    (call,) = gemv_args(x, *first, None, out_dtype, counters=counters, norm=norm, pair=second, window=window)
+    _, y, y2, ring = GEMV(**call)
+    return y, (y2 if window is None else ring)
 
 
 def run_experts(x, indices, weights, w1, w3, w2, lo, limit, add=None):
@@ -931,6 +1021,12 @@ def _example_gemv():
         trellis, suh, svh, bias = _example_linear(256, 256, bits, codebook, 2)
         x = mx.random.normal((m, 250), key=mx.random.key(3)).astype(dtype)
         calls.append(gemv_args(x, trellis, suh, svh, codebook, bias, splits=splits, tuning=tuning)[0])
+    # ROPE: the rows turned as stored (2 heads of 128 dims, the last 64 turned)
+    x = mx.random.normal((1, 2, 256), key=mx.random.key(4)).astype(mx.bfloat16)
+    periods = mx.array([float("inf")] * 32 + [10000.0 ** (k / 32) for k in range(32)])
+    calls.append(
+        gemv_args(x, *_example_linear(256, 256, 3, "mul1", 2)[:3], "mul1", splits=1, rope=Turn(mx.array(5), periods))[0]
+    )
     return calls
 
 

@@ -18,6 +18,8 @@ for one stream, operation for operation.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -45,6 +47,46 @@ PAIR = register(
         examples=lambda: _pair_examples(),
     )
 )
+
+
+@dataclass(frozen=True)
+class Turn:
+    """The plain rope (no norm, no quantization) of the rows a kernel stores, for a kernel that turns
+    its own output (exl3_gemv's ROPE, docs/design.md#roped-linears): row s of [.., S, .., D] at
+    position offset + s (a 0-d int32), pair k of each D = 2 · len(periods) values by periods[k];
+    `apply(y)` is that rope as its own launch, for where the storing kernel cannot (the caller's)."""
+
+    offset: mx.array
+    periods: mx.array
+    apply: Callable[[mx.array], mx.array] | None = None
+
+
+@dataclass(frozen=True)
+class WindowWrite:
+    """The window keys' rope, for a kernel that writes them into the ring itself (exl3_gemv's RING):
+    rows [B, S, D] through the RMSNorm (weight [D], eps), turned at offset + s by periods, fake
+    quantized (quant = (block, mode)) and written at slots (offset + s) % R of ring [B, R, D]:
+    what `run(rows, offset, periods, ring.dtype, 1, False, quant, (weight, eps), ring)` gives."""
+
+    offset: mx.array
+    periods: mx.array
+    weight: mx.array
+    eps: float
+    quant: tuple[int, int]
+    ring: mx.array
+
+    def refusal(self, rows: tuple) -> str | None:
+        """Why the rope kernel could not write rows of this shape so (the writer takes what it takes)."""
+        why = refusal(mx.zeros(rows, self.ring.dtype), self.quant, self.ring)
+        D = rows[-1]
+        if why is None and (self.weight.shape != (D,) or 2 * self.periods.shape[0] != D):
+            why = f"a norm weight [{D}] and {D // 2} periods, got {self.weight.shape}, {self.periods.shape}"
+        return why
+
+
+def scalar_offset(offset: mx.array) -> mx.array:
+    """The kernels' offset input: a 0-d int32 (the model binds a 0-d view; tests pass [1])."""
+    return offset.astype(mx.int32).reshape(()) if offset.ndim else offset.astype(mx.int32)
 
 
 def refusal(x: mx.array, quant: tuple[int, int] | None, ring: mx.array | None = None) -> str | None:
@@ -84,7 +126,7 @@ def args(
     shape = x.shape if ring is None else ring.shape
     rows = math.prod(shape[:-1])
     weight, eps = norm if norm is not None else (periods, 0.0)  # without NORM the weight is not read
-    offset = offset.astype(mx.int32).reshape(()) if offset.ndim else offset.astype(mx.int32)
+    offset = scalar_offset(offset)
     return dict(
         inputs=[x, offset, periods, weight, periods if ring is None else ring],  # without RING the ring is not read
         output_shapes=[shape if not guard else (rows + guard, shape[-1])],

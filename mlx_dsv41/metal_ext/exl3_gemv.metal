@@ -19,13 +19,25 @@
 //   counter past every column block's, and the last of those replaces each row of y by its RMSNorm
 //   with norm_w and EPS_BITS (hc_rms_norm_row: hc_collapse_norm's operations over one stream, so y
 //   has the bytes of this launch then that one; docs/design.md#normed-linear).
+//   ROPE (FUSED): y's rows are stored turned as the rope kernel turns a linear's output
+//   (exl3_store_roped, exl3_rope.h; docs/design.md#roped-linears): row r of x [.., S, in] at position
+//   offset + r % S, pair k of each D = 2 · |period| columns by period[k].
+//   RING (with PAIR and FINISH): the second linear's rows are the window keys of x's tokens:
+//   window_out is the window ring [B, R, n2] with row (b, s) of y2 through the rope kernel's norm
+//   (norm2_w, EPS2_BITS), rope (offset + s, period) and fake quantization (QBLOCK, QMODE) at slot
+//   (offset + s) % R of ring b, and window's own rows at every other slot: the second linear's
+//   blocks' finishing threadgroups count on the counter after NORM's (or the column blocks'), the
+//   last writes the new rows (exl3_window_row), and threadgroups of the whole grid copy the other
+//   slots beforehand. window_out is a 1-element stand-in without RING.
 // Inputs: x [.., in] (m rows: the leading dims; in <= k, zero-extended), suh [k], trellis
 // [k/16, n/16, 16K] int16, svh [n], bias [n] (read only if HAS_BIAS), counters [column blocks (+ 1
-// with NORM)] uint32, norm_w [n] (read only if NORM), suh2 / trellis2 / svh2 (read only if PAIR).
+// with NORM, + 1 with RING)] uint32, norm_w [n] (read only if NORM), suh2 / trellis2 / svh2 (read
+// only if PAIR), offset (0-d int32), period [D / 2] (ROPE or RING), norm2_w [n2] and window [B, R, n2]
+// (RING).
 // Template: K2, CB, M (1, 2, 4 or 8; rows >= m are zero), NC, NW, STAGES, XSW (exl3_matmul.h),
 // FUSED, FINISH, HAS_BIAS, OUT, PER_SPLIT (128-blocks of k per split), NORM, EPS_BITS, PAIR,
-// PER_SPLIT2. Launch constants are template values, never small arrays: see docs/design.md,
-// "Launch constants".
+// PER_SPLIT2, ROPE, RING, EPS2_BITS, QBLOCK, QMODE. Launch constants are template values, never
+// small arrays: see docs/design.md, "Launch constants".
 const u32 lane = KX_LANE, warp = KX_WARP;
 const u32 col_block = KX_TGID_X, split = KX_TGID_Y;
 u32 rows = 1;
@@ -43,6 +55,13 @@ const u32 kb_begin = split * per_split;
 KX_SHARED16(u32, ring, EXL3_RING_WORDS(K2, STAGES, NW, NC, M));
 KX_SHARED(u32, xs, XSW);
 KX_SHARED(u32, last, 1);  // FINISH: whether this threadgroup is its column block's last
+const u32 S = x_ndim >= 2 ? x_shape[x_ndim - 2] : 1u;  // ROPE and RING: rows r at offset + r % S
+if (RING && PAIR > 0) {  // the ring's slots no new row reaches, copied by every threadgroup in turn
+  const u32 kb = tiles_k / 8, R = window_shape[1];
+  const u32 tgs = all_blocks * max((kb + PER_SPLIT - 1) / PER_SPLIT, (kb + PER_SPLIT2 - 1) / PER_SPLIT2);
+  for (u32 t = col_block + split * all_blocks; t < window_shape[0] * R; t += tgs)
+    rope_ring_copy(window, window_out, t, trellis2_shape[1] * 16, S, R, KX_SCALAR(offset), KX_LID_X);
+}
 if (split >= splits) return;  // PAIR: a split only the other linear has (uniform in the threadgroup)
 const u32 nb = min(per_split, tiles_k / 8 - kb_begin);
 
@@ -55,11 +74,16 @@ const KX_THREADGROUP float* ys = exl3_gather_acc<M, NC, NW>(acc, ring, warp, lan
 if (FUSED) {
   for (u32 r = warp; r < M && r < rows; r += NW) {
     const Exl3Vec4 v = exl3_hadamard128(exl3_ys_row<M, EXL3_KG(NW, NC)>(ys, r, lane), lane);
+    const u32 c0 = col_block * 128 + 4 * lane;
+    float y[4];
     for (int i = 0; i < 4; i++) {
-      const u32 col = col_block * 128 + 4 * lane + i;
-      float y = v.v[i] * KX_TO_F32(svh[col]);
-      if (HAS_BIAS) y += KX_TO_F32(bias[col]);
-      exl3_store_out<OUT>(out, (u64)r * n + col, y);
+      y[i] = v.v[i] * KX_TO_F32(svh[c0 + i]);
+      if (HAS_BIAS) y[i] += KX_TO_F32(bias[c0 + i]);
+    }
+    if (ROPE) {
+      exl3_store_roped<OUT>(out, (u64)r * n + c0, y, KX_SCALAR(offset), r % S, period, 2 * period_shape[0], c0);
+    } else {
+      for (int i = 0; i < 4; i++) exl3_store_out<OUT>(out, (u64)r * n + c0 + i, y[i]);
     }
   }
 } else {
@@ -78,6 +102,12 @@ if (FUSED) {
         for (u32 r = 0; r < rows; r++)  // in place: each thread reads a value before it writes it
           hc_rms_norm_row(hc_loaded_row<true>(y + (u64)r * n), norm_w, y + (u64)r * n, n, KX_BITS_F32(EPS_BITS),
                           (KX_THREADGROUP float*)xs, KX_LID_X, lane, warp);
+      if (RING && second && grid_finish_arrival(counters, all_blocks + NORM, all_blocks - first_blocks, last, KX_LID_X))
+        for (u32 r = 0; r < rows; r++)  // row r's slot: (offset + s) % R of ring r / S
+          exl3_window_row<QBLOCK, QMODE>(y2, KX_SCALAR(offset), period, norm2_w, window, window_out,
+                                         (r / S) * window_shape[1] + ((u32)KX_SCALAR(offset) + r % S) % window_shape[1],
+                                         n, S, window_shape[1], EPS2_BITS, (KX_THREADGROUP float*)xs, KX_LID_X, lane,
+                                         warp);
     }
   }
 }

@@ -51,6 +51,13 @@ KX_INLINE void exl3_store_out(KX_DEVICE T* out, u64 i, float v) {
   }
 }
 
+// The value exl3_store_out<OUT> stores for v, read back in fp32 (v rounded to the output dtype).
+template <int OUT>
+KX_INLINE float exl3_out_value(float v) {
+  if (OUT == 0) return v;
+  return OUT == 1 ? KX_F16_BITS_TO_F32(KX_F32_TO_F16_BITS(v)) : KX_BITS_F32(kx_bf16_bits(v) << 16);
+}
+
 KX_INLINE u32 exl3_pack_f16(float lo, float hi) {
   return KX_F32_TO_F16_BITS(lo) | (KX_F32_TO_F16_BITS(hi) << 16);
 }

@@ -82,17 +82,18 @@ KX_INLINE HcLoadedRow<CG, TS> hc_loaded_row(const KX_DEVICE TS* p) {
   return r;
 }
 
-// A row of values at p rounded to T, in fp32: a row source of hc_rms_inv (the rope kernel's NORM,
-// whose input may be wider than the dtype the reference rounds it to).
-template <typename T, typename TS>
+// A row of values at p rounded to T, in fp32, through L2 where CG: a row source of hc_rms_inv (the
+// rope kernel's NORM, whose input may be wider than the dtype the reference rounds it to; exl3_gemv's
+// RING, whose input other threadgroups of the launch wrote).
+template <typename T, bool CG, typename TS>
 struct HcRoundedRow {
   const KX_DEVICE TS* p;
-  KX_INLINE float at(u32 d) const { return KX_TO_F32(static_cast<T>(p[d])); }
+  KX_INLINE float at(u32 d) const { return KX_TO_F32(static_cast<T>(hc_load<CG>(p + d))); }
 };
 
-template <typename T, typename TS>
-KX_INLINE HcRoundedRow<T, TS> hc_rounded_row(const KX_DEVICE TS* p) {
-  const HcRoundedRow<T, TS> r = {p};
+template <typename T, bool CG, typename TS>
+KX_INLINE HcRoundedRow<T, CG, TS> hc_rounded_row(const KX_DEVICE TS* p) {
+  const HcRoundedRow<T, CG, TS> r = {p};
   return r;
 }
 

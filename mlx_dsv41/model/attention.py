@@ -30,7 +30,7 @@ from mlx_dsv41.model.fake_quant import COMPRESSED_KV, WINDOW_KV
 from mlx_dsv41.model.indexer import Indexer
 from mlx_dsv41.model.norm import RMSNorm
 from mlx_dsv41.model.rope import make_rope
-from mlx_dsv41.quant import GroupedLinear, grouped_flat, linear_into, normed_linear, paired_linears
+from mlx_dsv41.quant import GroupedLinear, grouped_flat, linear_into, normed_linear, paired_linears, windowed_linears
 
 
 def _read(shared: dict, kind: str, source: int, reader: int):
@@ -110,11 +110,19 @@ class Attention(nn.Module):
 
     def queries_and_window(self, x: mx.array, position: mx.array, cache: LayerCache):
         """(q, qr) as `queries` gives them and the window as `store_window` stores it; on a GPU
-        wq_a (with q_norm) and wkv in one launch where their formats allow (quant.paired_linears),
+        wq_a (with q_norm) and wkv in one launch where their formats allow, which also writes the
+        window keys into the ring where it can (quant.windowed_linears), wq_b's launch then turning
+        q (docs/design.md#roped-linears); else that launch without the ring (quant.paired_linears)
         and the two ropes in one launch where the kernel takes both (RoPE.pair: rope_pair); the
         bytes of the separate launches either way."""
         B, S, _ = x.shape
         ring = cache.window_ring(B, S, self.head_dim, x.dtype)
+        written = None if ring is None else self._written_by_linears(x, position, ring)
+        if written is not None:  # the window keys written by wq_a and wkv's launch, q turned by wq_b's
+            qr, keys = written
+            turn = self.rope.turn(position, self.head_dim)
+            q = linear_into(self.wq_b, qr, (B, S, self.n_heads, self.head_dim), rope=turn)
+            return q, qr, cache.written_window(keys, S)
         if ring is not None:
             qr, kv = paired_linears(self.wq_a, self.wkv, x, self.q_norm)  # one launch where the formats allow
             q = linear_into(self.wq_b, qr, (B, S, self.n_heads, self.head_dim))
@@ -122,6 +130,12 @@ class Attention(nn.Module):
             q, keys = pair if pair is not None else (self.rope(q, position), self._window_rope(kv, position, ring))
             return q, qr, cache.written_window(keys, S)
         return *self.queries(x, position), self.store_window(x, position, cache)
+
+    def _written_by_linears(self, x: mx.array, position: mx.array, ring: mx.array) -> tuple | None:
+        """(qr, the ring with x's window keys written) from wq_a and wkv's one launch, where their
+        format's kernel also writes the ring (quant.windowed_linears); else None."""
+        window = self.rope.window_write(position, norm=self.kv_norm, then=WINDOW_KV, ring=ring)
+        return None if window is None else windowed_linears(self.wq_a, self.wkv, x, self.q_norm, window)
 
     def window_keys(self, x: mx.array, offset: mx.array | int, ring: mx.array | None = None) -> mx.array:
         """The window KV [B, S, head_dim] of x at positions offset..: kv_norm(wkv(x)), roped, FP8

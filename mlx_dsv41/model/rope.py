@@ -135,6 +135,21 @@ class RoPE:
         periods = self.whole_width(x.shape[-1])
         return rope_kernel.run_pair(q, x, offset, periods, x.dtype, 1, False, quant, (norm.weight, norm.eps), ring)
 
+    def turn(self, offset: mx.array, width: int) -> rope_kernel.Turn:
+        """This rope of rows `width` wide at offset.., for a kernel that turns the rows it stores
+        (quant.linear_into's rope: the queries' wq_b); its `apply` is self(y, offset)."""
+        return rope_kernel.Turn(offset, self.whole_width(width), lambda y: self(y, offset))
+
+    def window_write(self, offset: mx.array, *, norm, then: FakeQuant, ring: mx.array):
+        """What self(x, offset, norm=norm, then=then, ring=ring) does to window keys x, for a kernel
+        that writes them into the ring itself (quant.windowed_linears: wq_a and wkv's launch,
+        docs/design.md#roped-linears); None where the ring write is not the rope's (WRITES_RING, the
+        A/B switch, and PAIRS off: separate launches)."""
+        if not (PAIRS and WRITES_RING):
+            return None
+        periods = self.whole_width(ring.shape[-1])
+        return rope_kernel.WindowWrite(offset, periods, norm.weight, norm.eps, (then.block, then.mode), ring)
+
     @staticmethod
     def _rope(x: mx.array, dims: int, scale: float, offset, periods: mx.array) -> mx.array:
         if x.ndim == 4:  # mx.fast.rope wants positions on axis -2

@@ -77,11 +77,16 @@ class GroupedLinear(nn.Module):
         return mx.einsum("...gi,goi->...go", x, w).astype(x.dtype)
 
 
-def linear_into(linear: nn.Module, x: mx.array, shape: tuple) -> mx.array:
+def linear_into(linear: nn.Module, x: mx.array, shape: tuple, rope=None) -> mx.array:
     """linear(x) in `shape` (as many values: e.g. the queries' heads [B, S, H, D]); a format whose
     kernel writes its output in any shape (EXL3 on a GPU: its `into`) takes no reshape (a graph node
-    of a decode step)."""
+    of a decode step). With rope (a kernels.rope.Turn): the output turned by it, in the linear's own
+    launch where its format's kernel can (EXL3 on a GPU, docs/design.md#roped-linears), else by
+    rope.apply: the same bytes."""
     into = getattr(linear, "into", None)
+    if rope is not None:
+        y = into(x, shape, rope) if into is not None else None
+        return y if y is not None else rope.apply(linear_into(linear, x, shape))
     return into(x, shape) if into is not None else linear(x).reshape(shape)
 
 
@@ -102,6 +107,15 @@ def paired_linears(first: nn.Module, second: nn.Module, x: mx.array, norm: nn.Mo
     if ys is not None:
         return ys
     return (first(x) if norm is None else normed_linear(first, norm, x)), second(x)
+
+
+def windowed_linears(first: nn.Module, second: nn.Module, x: mx.array, norm: nn.Module, window) -> tuple | None:
+    """(norm(first(x)), the window ring with second(x)'s rows written as `window` (a
+    kernels.rope.WindowWrite) writes them) from one launch where the formats allow (EXL3 on a GPU
+    with grid finish: `paired` with the window, docs/design.md#roped-linears); else None (the
+    caller runs paired_linears and the rope)."""
+    paired = getattr(first, "paired", None)
+    return paired(second, x, (norm.weight, norm.eps), window) if paired is not None else None
 
 
 def grouped_flat(linear: nn.Module, x: mx.array, lead: int) -> mx.array:
