@@ -53,10 +53,13 @@ def nan(a: np.ndarray) -> np.ndarray:
         (2, 1, 256, 4, 128, mx.float32, 1),
     ],
 )
-def test_a_gemv_that_turns_its_rows_gives_the_gemv_then_the_rope_kernel_bytes(B, S, k, heads, width, dtype, at):
+def test_a_gemv_that_turns_its_rows_gives_the_gemv_then_the_rope_kernel_bytes(
+    monkeypatch, B, S, k, heads, width, dtype, at
+):
     from mlx_dsv41.quant import linear_into
 
     n = heads * width
+    monkeypatch.setattr(launch, "TUNING", launch.Tuning(dense_single_blocks=min(128, n // 128)))  # one split
     trellis, suh, svh = (mx.array(v) for v in _stored(k, n, 3, k + S).values())
     x = random_rows((B, S, k), dtype, seed=at)
     periods = RoPE(64, 160000.0, FLASH_YARN).whole_width(width)
