@@ -280,6 +280,9 @@ def decode(forward, make_cache, prompt: mx.array, steps: int, warmup: int) -> di
     out["ms_per_token_pipelined"] = 1e3 * (time.perf_counter() - t0) / steps
     for i, name in enumerate(("build", "queue", "wait")):
         out[f"pipelined_{name}_ms"] = 1e3 * statistics.median(p[i] for p in parts)
+    # Each step's whole time (build + queue + wait), so that a slow step shows apart from the pace:
+    # the mean above holds every step, the parts' medians none of the slow ones.
+    out["pipelined_steps_ms"] = [round(1e3 * sum(p), 3) for p in parts]
     out["peak_GB"] = mx.get_peak_memory() / 1e9
 
     def one_step():
@@ -487,6 +490,14 @@ def table(runs: list[dict]) -> str:
         if theirs and r is not theirs[0] and "decode" in r:
             a, b = r["decode"]["ms_per_token_pipelined"], theirs[0]["decode"]["ms_per_token_pipelined"]
             lines.append(f"\n{r['label']} / {theirs[0]['label']} tokens/s (pipelined): {b / a:.2f}x")
+    for r in runs:
+        steps = r.get("decode", {}).get("pipelined_steps_ms")
+        if steps:
+            median = statistics.median(steps)
+            lines.append(
+                f"\n{r['label']}: pipelined steps median {median:.2f} ms ({1e3 / median:.1f} tokens/s), "
+                f"max {max(steps):.2f}, each: {', '.join(f'{t:.1f}' for t in steps)}"
+            )
     for r in runs:
         if r.get("dspark"):
             lines += ["", dspark_table(r["label"], r["dspark"], r.get("active_GB"))]
@@ -890,6 +901,7 @@ def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
         (a.host_counters, "FINISH counters made on the host", [(grid_finish, "COUNTERS_ON_DEVICE")]),
         (a.host_position, "position made on the host", [(compiled_step.CompiledStep, "carries_position")]),
         (a.indexer_reference, "the indexer's plain-MLX scores and top-k", [(index_select, "ENABLED")]),
+        (a.attention_builds_index_list, "the attention's index list built by MLX", [(index_select, "LISTS")]),
     ]
     for flag, what, off in switches:
         if flag:
@@ -1059,6 +1071,12 @@ def main() -> int:
         "--indexer-reference",
         action="store_true",
         help="also time our decode with the indexer's scores and top-k in plain MLX, not index_scores (the A/B)",
+    )
+    ap.add_argument(
+        "--attention-builds-index-list",
+        action="store_true",
+        help="also time our decode with the attention's index list concatenated by MLX, not written by the "
+        "indexer's kernel (the A/B; docs/design.md#index-list)",
     )
     ap.add_argument(
         "--host-position",

@@ -258,6 +258,36 @@ def test_disabling_the_compressed_path_changes_the_output(args, stack):
     assert (diff > 0.05 * np.abs(with_pool).max()).all(), diff
 
 
+def test_an_index_list_from_the_indexer_is_what_every_layer_of_its_source_attends_to(args, stack, monkeypatch):
+    """docs/design.md#index-list: where a scoring layer's indexer returns the attention's index list
+    (the GPU kernel; here the Indexer wrapped to return index_list of its own picks, made apart),
+    that layer and every Reuse layer of the same source attend to it (none builds its own), and the
+    stack's output bytes are the same as with each layer building the list, over decode steps and
+    a chunk."""
+    from mlx_dsv41.model import attention as attention_module
+    from mlx_dsv41.model.indexer import Indexer
+
+    x = random_input(args, 2, SEQ, seed=15)
+    want = run_chunks(stack, make_caches(args), x, [10, 1, 1, 12])
+    built, plain_call, plain_list = [], Indexer.__call__, attention_module.index_list
+
+    def with_list(self, *a, window=None, **kw):
+        topk, blocks, _ = plain_call(self, *a, window=window, **kw)
+        rows, R = window
+        return topk, blocks, plain_list(rows, topk + 0, R)
+
+    def counted(*a):
+        built.append(1)
+        return plain_list(*a)
+
+    monkeypatch.setattr(Indexer, "__call__", with_list)
+    got = run_chunks(stack, make_caches(args), x, [10, 1, 1, 12])
+    assert np.array_equal(np.array(got.view(mx.uint16)), np.array(want.view(mx.uint16)))
+    monkeypatch.setattr(attention_module, "index_list", counted)
+    run_stack(stack, make_caches(args), x[:, :3])
+    assert built == []  # every compressed layer read its source's list
+
+
 def test_owners_publish_their_running_index_keys_every_step(args, stack):
     def first_two(x, caches):  # layers 0 and 1 as run_stack runs them; layer 1's published state
         shared: dict = {}

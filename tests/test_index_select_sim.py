@@ -120,7 +120,7 @@ def float64_scores(name, mode):
 @pytest.mark.parametrize("name", list(CASES))
 def test_scores_within_float64_bound_and_the_selection_is_the_references(program, name, mode):
     prog, i = _spec(program, ix.SCORES, name, mode)
-    scores, topk, blocks = prog.run(i)
+    scores, topk, blocks, _ = prog.run(i)
     q, w, keys, pos, scale, common = inputs(name, mode)
     B, S = q.shape[:2]
     R, T = B * S, keys.shape[1]
@@ -169,11 +169,11 @@ def test_one_launch_gives_the_bytes_of_the_two(program):
     for mode in MODES:
         q, _, _, pos, _, common = inputs("verify_rows", mode)
         prog, i_one = _spec(program, ix.SCORES, "verify_rows", mode)
-        scores, topk, blocks = prog.run(i_one)
+        scores, topk, blocks, _ = prog.run(i_one)
         S = q.shape[1]
         prog, i_sel = _spec(program, ix.SELECT, mode=mode)
         call = ix.select_args(mx.array(scores[:-1]), pos, S, init_value=POISON, guard=GUARD, **common)
-        topk2, blocks2 = prog.run(i_sel, call)
+        topk2, blocks2, _ = prog.run(i_sel, call)
         assert np.array_equal(topk, topk2)
         if mode == "build":
             assert np.array_equal(blocks, blocks2)
@@ -251,3 +251,67 @@ def test_the_model_indexer_on_the_kernel_picks_what_its_reference_picks(monkeypa
     for got, want in zip(results[True], results[False]):
         for g, w in zip(got, want):
             assert np.array_equal(g, w)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["verify_rows", "flash_all_picked"])
+def test_the_index_list_is_the_window_rows_then_the_picks_past_them(name, mode):
+    """With window = (rows [S, W], R) both launches (CUDA's one that selects, Metal's index_select)
+    also write the attention's index list [B, S, W + k]: each query's window rows, then its picks
+    plus R with the -1s kept, the bytes of model/attention.py's index_list on the same picks
+    (docs/design.md#index-list); the picks themselves are unchanged and the guard row keeps its
+    poison."""
+    from mlx_dsv41.model.attention import index_list
+
+    q, w, keys, pos, scale, common = inputs(name, mode)
+    B, S = q.shape[:2]
+    rows = np.random.default_rng(5).integers(0, 150, (S, 12)).astype(np.int32)
+    rows[:, :2] = -1  # a window's positions before the start
+    rows = mx.array(rows)
+    window = dict(common, window=(rows, 150))
+    counters = grid_finish.split_counters(B * S)
+    one = ix.scores_args(q, w, keys, pos, counters, scale=scale, init_value=POISON, guard=GUARD, **window)
+    plain = ix.scores_args(q, w, keys, pos, counters, scale=scale, init_value=POISON, guard=GUARD, **common)
+    two = ix.select_args(mx.zeros((B * S, keys.shape[1])), pos, S, init_value=POISON, guard=GUARD, **window)
+    prog = exl3_sim.build([(ix.SCORES, one), (ix.SCORES, plain), (ix.SELECT, two)], mma=True)
+    scores, topk, _, listed = prog.run(0)
+    assert np.array_equal(topk, prog.run(1)[1]) and listed.shape == (B * S + GUARD, 12 + common["k"])
+    want = np.array(index_list(rows, mx.array(topk[: B * S]).reshape(B, S, -1), 150)).reshape(B * S, -1)
+    assert np.array_equal(listed[: B * S], want) and np.all(listed[B * S :] == POISON)
+    assert (want[:, 12:] >= 150).any() and (want[:, :12] == -1).any()
+    assert (want[:, 12:] == -1).any() == (name == "flash_all_picked")  # picks past the visible count
+    (_, _, listed2) = prog.run(2, dict(two, inputs=[mx.array(scores[: B * S]), *two["inputs"][1:]]))
+    assert np.array_equal(listed2, listed)
+    with pytest.raises(ValueError, match="window rows"):
+        ix.scores_args(
+            q, w, keys, pos, counters, scale=scale, **dict(common, window=(mx.concatenate([rows, rows]), 150))
+        )
+
+
+@pytest.mark.parametrize("backend_name", ["cuda", "metal"])
+def test_the_model_indexer_writes_the_attention_s_index_list_where_the_kernel_runs(monkeypatch, backend_name):
+    """The Indexer with the attention's window rows: on the simulated kernel its third output is
+    index_list of the plain path's picks (the same bytes the attention builds), in all three roles;
+    on the CPU path it is None (the attention builds it)."""
+    from mlx_dsv41.model.attention import index_list
+    from mlx_dsv41.model.indexer import Indexer
+    from mlx_dsv41.synthetic import tiny_args
+
+    args = tiny_args(index_topk=6, candidate_block_size=2, candidate_topk_blocks=3)
+    mx.random.seed(3)
+    indexer = Indexer(args, 2)
+    mx.eval(indexer.parameters())
+    rng = np.random.default_rng(6)
+    keys = mx.array(_fp4(rng.standard_normal((2, 40, args.index_head_dim)))).astype(mx.bfloat16)
+    ((x, qr, pos),) = indexer_steps(rng, args, 2, ((3, 58),))
+    rows = mx.array(rng.integers(-1, 30, (3, 8)).astype(np.int32))
+    built = indexer(x, qr, keys, pos, window=(rows, 30), build_candidates=True)
+    roles = (dict(build_candidates=True), dict(candidates=built[1]), dict())
+    plain = [built] + [indexer(x, qr, keys, pos, window=(rows, 30), **role) for role in roles[1:]]
+    assert all(p[2] is None for p in plain)
+    monkeypatch.setattr(ix, "backend", lambda: backend_name)
+    _run_on_sim(monkeypatch, [])
+    for role, want in zip(roles, plain):
+        got = indexer(x, qr, keys, pos, window=(rows, 30), **role)
+        assert np.array_equal(np.array(got[2]), np.array(index_list(rows, want[0], 30)))
+        assert got[2].shape == (2, 3, 8 + want[0].shape[-1])

@@ -2,8 +2,11 @@
 (docs/design.md#index-select; what is computed: docs/model.md#indexer, docs/model.md#two-level-selection).
 
     select(q, weights, keys, position, ...) -> (top-k [B, S, k] int32, the candidate block mask
-        [B, S, nb] or None), or None where the kernel does not take the call (the caller then runs
-        model/indexer.py's plain-MLX path, the reference)
+        [B, S, nb] or None, the attention's index list [B, S, W + k] or None), or None where the
+        kernel does not take the call (the caller then runs model/indexer.py's plain-MLX path, the
+        reference). The list comes with window = (rows [S, W] int32, R): each query's window rows,
+        then its picks plus R, the -1s kept (what the attention concatenated itself;
+        docs/design.md#index-list)
 
 q [B, S, Hi, Di] (roped, fake-quantized), weights [B, S, Hi] as weights_proj returns them (the
 kernel multiplies by `scale` in fp32, as the reference does after its cast), keys [B, T, Di].
@@ -34,12 +37,15 @@ MAX_HEAD_DIM = 128  # q of one row in threadgroup memory, 32 · DI floats (16 KB
 # Whether the model's indexers take the kernel where it applies (False: the reference everywhere;
 # benchmarks/bench_model.py --indexer-reference: the A/B).
 ENABLED = True
+# Whether the kernel also writes the attention's index list where asked (False: the attention builds
+# it; benchmarks/bench_model.py --attention-builds-index-list: the A/B; docs/design.md#index-list).
+LISTS = True
 
 SCORES = register(
     Kernel(
         "index_scores",
-        ("q", "weights", "keys", "position", "candidates", "counters"),
-        ("scores", "topk", "blocks"),
+        ("q", "weights", "keys", "position", "candidates", "counters", "rows"),
+        ("scores", "topk", "blocks", "list"),
         includes=("float_bits.h", "grid_finish.h", "index_select.h"),
         max_threads=THREADS,
         examples=lambda: _examples(),
@@ -48,8 +54,8 @@ SCORES = register(
 SELECT = register(
     Kernel(
         "index_select",
-        ("scores", "position", "candidates"),
-        ("topk", "blocks"),
+        ("scores", "position", "candidates", "rows"),
+        ("topk", "blocks", "list"),
         includes=("float_bits.h", "index_select.h"),
         max_threads=THREADS,
         examples=lambda: _select_examples(),
@@ -90,13 +96,37 @@ def _mode_and_candidates(candidates, build_candidates: bool, R: int) -> tuple[in
     return 0, _no_candidates()
 
 
-def _selection_template(S: int, ratio: int, k: int, mode: int, block: int, keep: int) -> list:
-    return [("S", S), ("RATIO", ratio), ("K", k), ("MODE", mode), ("BLOCK", block), ("KEEP", keep)]
+@graph_constants.constant
+def _no_rows() -> np.ndarray:
+    """The rows input of a launch that writes no index list."""
+    return np.zeros((1, 1), np.int32)
 
 
-def _outputs(R: int, T: int, k: int, mode: int, block: int, guard: int) -> tuple[list, list]:
+def _window_input(window, S: int) -> tuple[mx.array, int, int]:
+    """(rows input, LEAD, PLUS) of a launch: window = (rows [S, W] int32, R) writes the attention's
+    index list (LEAD = W, PLUS = R); None none (a constant the kernel does not read, 0, 0)."""
+    if window is None:
+        return _no_rows(), 0, 0
+    rows, plus = window
+    if rows.ndim != 2 or rows.shape[0] != S or rows.dtype != mx.int32 or rows.shape[1] == 0 or plus < 0:
+        raise ValueError(
+            f"index select: window rows must be int32 [S={S}, W > 0] with R >= 0, got {rows.shape} {rows.dtype}"
+        )
+    return rows, rows.shape[1], int(plus)
+
+
+def _selection_template(S: int, ratio: int, k: int, mode: int, block: int, keep: int, lead: int, plus: int) -> list:
+    return [
+        *(("S", S), ("RATIO", ratio), ("K", k), ("MODE", mode), ("BLOCK", block), ("KEEP", keep)),
+        *(("LEAD", lead), ("PLUS", plus)),
+    ]
+
+
+def _outputs(R: int, S: int, T: int, k: int, mode: int, block: int, lead: int, guard: int) -> tuple[list, list]:
     nb = -(-T // block) if mode == 1 else 1
-    return [(R + guard, k), (R + guard, nb)], [mx.int32, mx.bool_]
+    # the list as the attention reads it, [B, S, W + k] (no reshape node), or [R + guard, W + k]
+    listed = ((R + guard,) if guard else (R // S, S)) + (lead + k,) if lead else (1, 1)
+    return [(R + guard, k), (R + guard, nb), listed], [mx.int32, mx.bool_, mx.int32]
 
 
 def scores_args(
@@ -113,6 +143,7 @@ def scores_args(
     keep,
     candidates=None,
     build_candidates=False,
+    window=None,
     finish=True,
     init_value=None,
     guard: int = 0,
@@ -121,11 +152,15 @@ def scores_args(
     B, S, Hi, Di = q.shape
     R, T = B * S, keys.shape[1]
     mode, cand = _mode_and_candidates(candidates, build_candidates, R)
+    rows, lead, plus = _window_input(window, S)
     grid_finish.check_counters(counters, R if finish else 1, "index scores")
-    shapes, dtypes = _outputs(R, T, k, mode, block, guard) if finish else ([(1, 1), (1, 1)], [mx.int32, mx.bool_])
-    template = [("HI", Hi), ("DI", Di)] + _selection_template(S, ratio, k, mode, block, keep)
+    if finish:
+        shapes, dtypes = _outputs(R, S, T, k, mode, block, lead, guard)
+    else:
+        shapes, dtypes = [(1, 1)] * 3, [mx.int32, mx.bool_, mx.int32]
+    template = [("HI", Hi), ("DI", Di)] + _selection_template(S, ratio, k, mode, block, keep, lead, plus)
     return dict(
-        inputs=[q.reshape(R, Hi, Di), weights.reshape(R, Hi), keys, _position(position), cand, counters],
+        inputs=[q.reshape(R, Hi, Di), weights.reshape(R, Hi), keys, _position(position), cand, counters, rows],
         output_shapes=[(R + guard, T)] + shapes,
         output_dtypes=[mx.float32] + dtypes,
         grid=(THREADS * -(-T // TILE), R, 1),
@@ -146,20 +181,22 @@ def select_args(
     keep,
     candidates=None,
     build_candidates=False,
+    window=None,
     init_value=None,
     guard: int = 0,
 ) -> dict:
     """index_select call kwargs: the selection of scores [R, T] (index_scores' first output)."""
     R, T = scores.shape
     mode, cand = _mode_and_candidates(candidates, build_candidates, R)
-    shapes, dtypes = _outputs(R, T, k, mode, block, guard)
+    rows, lead, plus = _window_input(window, S)
+    shapes, dtypes = _outputs(R, S, T, k, mode, block, lead, guard)
     return dict(
-        inputs=[scores, _position(position), cand],
+        inputs=[scores, _position(position), cand, rows],
         output_shapes=shapes,
         output_dtypes=dtypes,
         grid=(THREADS * R, 1, 1),
         threadgroup=(THREADS, 1, 1),
-        template=_selection_template(S, ratio, k, mode, block, keep),
+        template=_selection_template(S, ratio, k, mode, block, keep, lead, plus),
         init_value=init_value,
     )
 
@@ -182,10 +219,11 @@ def select(
     keep: int,
     candidates=None,
     build_candidates: bool = False,
+    window=None,
     owner=None,
 ):
     """See the module docstring. `owner` keeps the launch's FINISH counters (grid_finish.held_counters);
-    `k` = min(index_topk, T), `keep` = candidate_topk_blocks."""
+    `k` = min(index_topk, T), `keep` = candidate_topk_blocks, `window` = (rows, R) or None."""
     name = backend()
     if not ENABLED or name == "cpu" or refusal(q, weights, keys) is not None:
         return None
@@ -196,15 +234,20 @@ def select(
     if candidates is not None and candidates.shape[-1] * block < T:
         raise ValueError(f"index select: candidate mask {candidates.shape} covers fewer than {T} entries")
     common = dict(ratio=ratio, k=k, block=block, keep=keep, candidates=candidates, build_candidates=build_candidates)
+    common["window"] = window if LISTS else None
     if grid_finish.merges(name):  # one launch where it may finish itself (--separate-launches: two)
         counters = grid_finish.held_counters(owner, R, "index_scores")
-        _, topk, blocks = SCORES(**scores_args(q, weights, keys, position, counters, scale=scale, **common))
+        _, topk, blocks, listed = SCORES(**scores_args(q, weights, keys, position, counters, scale=scale, **common))
     else:
         scores = SCORES(
             **scores_args(q, weights, keys, position, grid_finish.no_counters(), scale=scale, finish=False, **common)
         )[0]
-        topk, blocks = SELECT(**select_args(scores, position, S, **common))
-    return topk.reshape(B, S, k), blocks.reshape(B, S, -1) if build_candidates else None
+        topk, blocks, listed = SELECT(**select_args(scores, position, S, **common))
+    return (
+        topk.reshape(B, S, k),
+        blocks.reshape(B, S, -1) if build_candidates else None,
+        listed if common["window"] is not None else None,
+    )
 
 
 def _example_inputs(B=1, S=1, Hi=32, Di=128, T=40):
@@ -223,6 +266,7 @@ def _examples():
         scores_args(q, w, keys, pos, counters, **common),
         scores_args(q, w, keys, pos, counters, build_candidates=True, **common),
         scores_args(q, w, keys, pos, counters, candidates=mask, **common),
+        scores_args(q, w, keys, pos, counters, window=(mx.zeros((1, 8), mx.int32), 12), **common),
         scores_args(
             q.astype(mx.float32)[:, :, :4, :64], w[..., :4], keys[..., :64], pos, counters, finish=False, **common
         ),
@@ -237,4 +281,5 @@ def _select_examples():
         select_args(scores, pos, 2, **common),
         select_args(scores, pos, 2, build_candidates=True, **common),
         select_args(scores, pos, 2, candidates=mx.ones((2, 5), mx.bool_), **common),
+        select_args(scores, pos, 2, window=(mx.zeros((2, 8), mx.int32), 12), **common),
     ]

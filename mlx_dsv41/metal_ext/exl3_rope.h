@@ -7,17 +7,18 @@
 // ROPE: a lane's 4 consecutive outputs y (fp32 before their rounding) at columns c0 .. c0 + 3 of row
 // `row` (c0 a multiple of 4: two whole pairs) stored at out + i .. + 3 as the rope kernel would store
 // them after reading the linear's output: each rounded to the output dtype (exl3_out_value), the pair
-// turned at position offset + s with rope_row's expressions (rope_value), the period of pair k of
-// the row's D = 2 · (periods) columns at period[k]; no norm, no quantization.
+// turned at position offset + s with rope_row's expressions (rope_turn once for the pair, as the
+// unrotated attention output does, then rope_value), the period of pair k of the row's D = 2 ·
+// (periods) columns at period[k]; no norm, no quantization.
 template <int OUT, typename TO, typename TP>
 KX_INLINE void exl3_store_roped(KX_DEVICE TO* out, u64 i, const float y[4], i32 offset, u32 s,
                                 const KX_DEVICE TP* period, u32 D, u32 c0) {
   const float L = rope_angle<1, 0>(offset, s);
   for (int p = 0; p < 2; p++) {
     const float x1 = exl3_out_value<OUT>(y[2 * p]), x2 = exl3_out_value<OUT>(y[2 * p + 1]);
-    const float per = KX_TO_F32(period[((c0 % D) >> 1) + p]);
-    exl3_store_out<OUT>(out, i + 2 * p, rope_value<TO>(x1, x2, L, per, 0u));
-    exl3_store_out<OUT>(out, i + 2 * p + 1, rope_value<TO>(x1, x2, L, per, 1u));
+    const RopeTurn t = rope_turn(L, KX_TO_F32(period[((c0 % D) >> 1) + p]));  // once for the pair
+    exl3_store_out<OUT>(out, i + 2 * p, rope_value<TO>(x1, x2, t, 0u));
+    exl3_store_out<OUT>(out, i + 2 * p + 1, rope_value<TO>(x1, x2, t, 1u));
   }
 }
 

@@ -218,10 +218,12 @@ KX_INLINE bool ix_chosen(u32 u, IxCut cut, u32 seen, IxScan e) {
 }
 
 // The row's top-k (docs/model.md#two-level-selection): the best K entries of n by (score, lower
-// index), written ascending to topk[0..); picks at or past `visible` become the trailing -1s.
-template <int K, typename Src>
-KX_INLINE void ix_topk(Src src, u32 n, i32 visible, KX_DEVICE int* topk, KX_THREADGROUP u32* tmp, u32 lid, u32 lane,
-                       u32 warp) {
+// index), written ascending to topk[0..); picks at or past `visible` become the trailing -1s. With
+// LIST the same picks also go to list[0..) plus `plus` (the -1s as they are): the attention's
+// entries past the window rows (docs/design.md#index-list).
+template <int K, bool LIST, typename Src>
+KX_INLINE void ix_topk(Src src, u32 n, i32 visible, KX_DEVICE int* topk, KX_DEVICE int* list, int plus,
+                       KX_THREADGROUP u32* tmp, u32 lid, u32 lane, u32 warp) {
   const IxCut cut = ix_cut(src, n, (u32)K, tmp, lid, lane, warp);
   u32 seen = 0u, out = 0u;
   for (u32 c = 0; c < n; c += IX_THREADS) {
@@ -231,10 +233,14 @@ KX_INLINE void ix_topk(Src src, u32 n, i32 visible, KX_DEVICE int* topk, KX_THRE
     const bool kept = i < n && (i32)i < visible && ix_chosen(u, cut, seen, e);
     const IxScan o = ix_scan(kept ? 1u : 0u, tmp, lane, warp);
     if (kept) topk[out + o.before] = (int)i;
+    if (LIST && kept) list[out + o.before] = (int)i + plus;
     seen += e.total;
     out += o.total;
   }
-  for (u32 p = out + lid; p < (u32)K; p += IX_THREADS) topk[p] = -1;
+  for (u32 p = out + lid; p < (u32)K; p += IX_THREADS) {
+    topk[p] = -1;
+    if (LIST) list[p] = -1;
+  }
 }
 
 // The candidate source's block mask: the best `keep` of nb blocks by (block score, lower block),
@@ -257,14 +263,20 @@ KX_INLINE void ix_block_mask(Src src, u32 nb, u32 keep, KX_DEVICE bool* mask, KX
 // Query row r's selection from its stored scores (row r of scores [R, T]): the top-k into topk
 // [R, K]; with MODE 1 (the candidate source) also its block mask into blocks [R, ceil(T / BLOCK)];
 // with MODE 2 the top-k only inside the blocks of cand [R, nc] (docs/model.md#two-level-selection).
-template <int K, int MODE, int BLOCK, int KEEP>
+// With LEAD > 0, also the attention's index list of the row into list [R, LEAD + K]: the row's
+// window rows (rows [S, LEAD], of query s = r % S), then the picks plus PLUS, the -1s kept
+// (docs/design.md#index-list).
+template <int K, int MODE, int BLOCK, int KEEP, int LEAD, int PLUS>
 KX_INLINE void ix_select_row(const KX_DEVICE float* scores, const KX_DEVICE bool* cand, u32 nc, KX_DEVICE int* topk,
-                             KX_DEVICE bool* blocks, u32 T, u32 S, i32 position, u32 ratio, u32 r,
-                             KX_THREADGROUP u32* tmp, u32 lid, u32 lane, u32 warp) {
+                             KX_DEVICE bool* blocks, const KX_DEVICE int* rows, KX_DEVICE int* list, u32 T, u32 S,
+                             i32 position, u32 ratio, u32 r, KX_THREADGROUP u32* tmp, u32 lid, u32 lane, u32 warp) {
   const i32 visible = ix_visible(position, r % S, ratio);
   const KX_DEVICE float* row = scores + (u64)r * T;
   const IxEntries<MODE, BLOCK> entries = {row, cand + (MODE == 2 ? (u64)r * nc : 0ull)};
-  ix_topk<K>(entries, T, visible, topk + (u64)r * K, tmp, lid, lane, warp);
+  KX_DEVICE int* listed = list + (u64)r * (LEAD + K);
+  if (LEAD > 0)
+    for (u32 p = lid; p < (u32)LEAD; p += IX_THREADS) listed[p] = rows[(u64)(r % S) * LEAD + p];
+  ix_topk<K, (LEAD > 0)>(entries, T, visible, topk + (u64)r * K, listed + LEAD, PLUS, tmp, lid, lane, warp);
   if (MODE == 1) {
     const u32 nb = (T + BLOCK - 1) / BLOCK;
     const IxBlocks<BLOCK> blocks_of_row = {row, T, visible > 0 ? (visible - 1) / BLOCK : -1};

@@ -31,11 +31,12 @@ KX_INLINE float rope_turned(float x1, float x2, RopeTurn t, u32 odd) {
 }
 
 // The value rope_row stores for element `odd` of pair (x1, x2) (each already rounded to T) before
-// its fake quantization: the turn by angle L over the pair's period, rounded to T, in fp32. Also
+// its fake quantization: the pair turned by t (rope_turn of its angle and period), rounded to T, in
+// fp32. Also
 // exl3_gemv's ROPE, which turns the rows it stores with it (docs/design.md#roped-linears).
 template <typename T>
-KX_INLINE float rope_value(float x1, float x2, float L, float period, u32 odd) {
-  return KX_TO_F32(static_cast<T>(rope_turned(x1, x2, rope_turn(L, period), odd)));
+KX_INLINE float rope_value(float x1, float x2, RopeTurn t, u32 odd) {
+  return KX_TO_F32(static_cast<T>(rope_turned(x1, x2, t, odd)));
 }
 
 // With a ring: row s of the new rows that slot `slot` of a ring of R receives when rows are written at
@@ -81,7 +82,7 @@ KX_INLINE void rope_row(const KX_DEVICE TX* x, i32 offset, const KX_DEVICE TP* p
     if (NORM) v = KX_TO_F32(static_cast<T>(v * inv * KX_TO_F32(weight[d])));
     const float other = KX_SHUFFLE_XOR(v, 1);
     const float x1 = (d & 1u) ? other : v, x2 = (d & 1u) ? v : other;
-    float q = rope_value<T>(x1, x2, L, KX_TO_F32(period[d >> 1]), d & 1u);
+    float q = rope_value<T>(x1, x2, rope_turn(L, KX_TO_F32(period[d >> 1])), d & 1u);
     if (QUANT) q = fq_quantize(q, BLOCK, MODE);
     out[dst + d] = static_cast<T>(q);
   }

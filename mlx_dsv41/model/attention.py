@@ -33,6 +33,15 @@ from mlx_dsv41.model.rope import make_rope
 from mlx_dsv41.quant import GroupedLinear, grouped_flat, linear_into, normed_linear, paired_linears, windowed_linears
 
 
+def index_list(rows: mx.array, topk: mx.array, R: int) -> mx.array:
+    """The attention's indices [B, S, W + k]: each query's window rows [S, W], then its picks of the
+    compressed entries plus R (index i >= R reads pool[i - R]), the -1s kept. A scoring layer's
+    index kernel writes the same list itself (docs/design.md#index-list)."""
+    B, S, _ = topk.shape
+    picks = mx.where(topk >= 0, topk + R, -1)
+    return mx.concatenate([mx.broadcast_to(rows, (B, S, rows.shape[1])), picks], axis=-1)
+
+
 def _read(shared: dict, kind: str, source: int, reader: int):
     key = f"{kind}.{source}"
     if key not in shared:
@@ -84,15 +93,14 @@ class Attention(nn.Module):
         cache.reserve(B, S, self.head_dim, self.indexer.head_dim if self.role.owns_kv else 0, x.dtype)
         position = cache.position  # an int32 array: a compiled step is not specialised on it
         q, qr, (window, rows) = self.queries_and_window(x, position, cache)
-        indices = mx.broadcast_to(rows, (B, S, rows.shape[1]))
-        pool = window[:, :0]
+        indices, pool = None, window[:, :0]
         if self.role.ratio:
-            selected, topk = self._compressed(x, qr, position, cache, shared)
+            selected, topk, listed = self._compressed(x, qr, position, cache, shared, (rows, window.shape[1]))
             if self.attend_compressed:
                 pool = selected  # index i >= window rows reads pool[i - window rows]
-                picks = mx.where(topk >= 0, topk + window.shape[1], -1)
-                indices = mx.concatenate([indices, picks], axis=-1)
-
+                indices = listed if listed is not None else index_list(rows, topk, window.shape[1])
+        if indices is None:
+            indices = mx.broadcast_to(rows, (B, S, rows.shape[1]))
         o = self.attend(q, window, pool, indices, position, x.dtype)
         cache.advance(S)
         return self.output(o)
@@ -176,10 +184,11 @@ class Attention(nn.Module):
         """The output projection of the unrotated attention output [B, S, H, head_dim] -> [B, S, hidden]."""
         return self.wo_b(grouped_flat(self.wo_a, o, 2))
 
-    def _compressed(self, x, qr, position: mx.array, cache: LayerCache, shared: dict):
+    def _compressed(self, x, qr, position: mx.array, cache: LayerCache, shared: dict, window: tuple):
         """Update / publish the shared state this layer owns; return (the compressed-KV buffer of
-        its KV source [B, capacity, D], the top-k it attends to [B, S, k]; entries that are not yet
-        visible are never picked)."""
+        its KV source [B, capacity, D], the top-k it attends to [B, S, k] (entries that are not yet
+        visible are never picked), its index list for window = (rows [S, W], R) where the index
+        source's kernel wrote one for the same window, else None)."""
         role, me = self.role, self.layer_id
         if role.owns_kv:
             latent, first = self.compressor(x, cache)
@@ -191,15 +200,20 @@ class Attention(nn.Module):
         pool = _read(shared, "kv", role.kv_source, me)
         if role.runs_indexer:
             candidates = _read(shared, "candidates", self.candidate_source, me) if role.uses_candidates else None
-            topk, blocks = self.indexer(
+            topk, blocks, listed = self.indexer(
                 x,
                 qr,
                 _read(shared, "index_keys", role.kv_source, me),
                 position,
                 candidates=candidates,
                 build_candidates=role.builds_candidates,
+                window=window,
             )
             shared[f"topk.{me}"] = topk
+            # the list and the window it holds: (R, W) fix the rows of one forward
+            shared[f"index_list.{me}"] = (window[1], window[0].shape[1], listed)
             if role.builds_candidates:
                 shared[f"candidates.{me}"] = blocks
-        return pool, _read(shared, "topk", role.index_source, me)
+        R, W, listed = shared.get(f"index_list.{role.index_source}", (None, None, None))
+        listed = listed if (R, W) == (window[1], window[0].shape[1]) else None
+        return pool, _read(shared, "topk", role.index_source, me), listed

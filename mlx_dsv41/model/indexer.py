@@ -131,16 +131,19 @@ class Indexer(nn.Module):
         *,
         candidates: mx.array | None = None,
         build_candidates: bool = False,
-    ) -> tuple[mx.array, mx.array | None]:
+        window: tuple | None = None,
+    ) -> tuple[mx.array, mx.array | None, mx.array | None]:
         """x [B, S, D_model], qr [B, S, q_lora_rank] (the q_norm output), keys [B, T, Di] or None.
 
         Returns (top-k [B, S, min(index_topk, T)] int32, -1 = none; the candidate block mask
-        [B, S, nb] when build_candidates). `candidates` (a mask from the candidate source of this
-        forward) restricts the scores before the top-k.
+        [B, S, nb] when build_candidates; the attention's index list [B, S, W + k] where the kernel
+        wrote it for window = (rows [S, W], R), else None: docs/design.md#index-list).
+        `candidates` (a mask from the candidate source of this forward) restricts the scores
+        before the top-k.
         """
         B, S, _ = x.shape
         if keys is None:
-            return mx.zeros((B, S, 0), mx.int32), None
+            return mx.zeros((B, S, 0), mx.int32), None, None
         T = keys.shape[1]
         q = linear_into(self.wq_b, qr, (B, S, self.n_heads, self.head_dim))
         q = self.rope(q, position, then=INDEXER)
@@ -160,11 +163,18 @@ class Indexer(nn.Module):
             keep=self.topk_blocks,
             candidates=candidates,
             build_candidates=build_candidates,
+            window=window,
             owner=self,
         )
         if picked is not None:
             return picked
-        weights = projected.astype(mx.float32) * scale
+        return self._plain_selection(
+            q, projected.astype(mx.float32) * scale, keys, position, k, candidates, build_candidates
+        )
+
+    def _plain_selection(self, q, weights, keys, position, k: int, candidates, build_candidates: bool) -> tuple:
+        """__call__'s result from the plain-MLX path (the reference: the CPU, prefills), no index list."""
+        B, S, T = q.shape[0], q.shape[1], keys.shape[1]
         visible = visible_counts(position, S, self.ratio)
         rows = max(1, _SCORE_CHUNK_ELEMENTS // (B * self.n_heads * T))
         topks, blocks = [], []
@@ -179,5 +189,5 @@ class Indexer(nn.Module):
             topks.append(select_topk(scores, k, visible[s0:s1]))
         topk = topks[0] if len(topks) == 1 else mx.concatenate(topks, axis=1)
         if not build_candidates:
-            return topk, None
-        return topk, blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=1)
+            return topk, None, None
+        return topk, blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=1), None

@@ -49,7 +49,7 @@ def test_the_kernel_contract(name, mode):
     for run in runs[1:]:
         for a, b in zip(run, runs[0]):
             assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
-    scores, topk, blocks = runs[0]
+    scores, topk, blocks, _ = runs[0]
     assert np.all(scores[R:] == POISON) and np.all(topk[R:] == POISON)
     got = scores[:R].reshape(B, S, T)
     want, size, seen = float64_scores(name, mode)
@@ -73,7 +73,7 @@ def test_the_kernel_contract(name, mode):
     two = _launch(name, mode, grid_finish.no_counters(), finish=False)[0]
     assert np.array_equal(two[:R].view(np.uint32), scores[:R].view(np.uint32))
     call = ix.select_args(mx.array(two[:R]), pos, S, init_value=POISON, guard=GUARD, **common)
-    topk2, blocks2 = (np.array(o) for o in ix.SELECT(**call))
+    topk2, blocks2, _ = (np.array(o) for o in ix.SELECT(**call))
     assert np.array_equal(topk2, topk)
     if mode == "build":
         assert np.array_equal(blocks2, blocks)
@@ -111,3 +111,37 @@ def test_the_model_indexer_on_the_kernel_picks_what_its_reference_picks(monkeypa
     for got, want in zip(results[True], results[False]):
         for g, w in zip(got, want):
             assert np.array_equal(g, w)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["flash_decode", "verify_rows", "flash_all_picked"])
+def test_the_index_list_on_the_device(name, mode):
+    """docs/design.md#index-list on the device: with the attention's window rows (Flash's 128 of a
+    160-slot ring, the first two before the start) the one launch and index_select write the
+    list [B, S, W + k] = the rows, then the picks plus R with the -1s kept (model/attention.py's
+    index_list of the same picks), five launches byte-identical, the guard row untouched, the
+    counters back at 0, the picks as without the list."""
+    from mlx_dsv41.model.attention import index_list
+
+    q, w, keys, pos, scale, common = inputs(name, mode)
+    B, S = q.shape[:2]
+    rows = np.random.default_rng(5).integers(0, 160, (S, 128)).astype(np.int32)
+    rows[:, :2] = -1
+    rows = mx.array(rows)
+    counters = grid_finish.split_counters(B * S)
+    listed = dict(common, window=(rows, 160))
+    call = ix.scores_args(q, w, keys, pos, counters, scale=scale, init_value=POISON, guard=GUARD, **listed)
+    runs = []
+    for _ in range(5):
+        outs = ix.SCORES(**call)
+        mx.eval(outs)
+        runs.append([np.array(o) for o in outs])
+    assert all(np.array_equal(r[3], runs[0][3]) and np.array_equal(r[1], runs[0][1]) for r in runs[1:])
+    assert np.all(np.array(counters) == 0)
+    scores, topk, _, got = runs[0]
+    plain = ix.scores_args(q, w, keys, pos, counters, scale=scale, init_value=POISON, guard=GUARD, **common)
+    assert np.array_equal(np.array(ix.SCORES(**plain)[1]), topk)
+    want = np.array(index_list(rows, mx.array(topk[: B * S]).reshape(B, S, -1), 160)).reshape(B * S, -1)
+    assert np.array_equal(got[: B * S], want) and np.all(got[B * S :] == POISON)
+    select = ix.select_args(mx.array(scores[: B * S]), pos, S, init_value=POISON, guard=GUARD, **listed)
+    assert np.array_equal(np.array(ix.SELECT(**select)[2]), got)
