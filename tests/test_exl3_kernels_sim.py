@@ -987,3 +987,77 @@ def test_two_linears_of_one_input_take_one_launch_only_where_the_gemv_can_pair(m
         monkeypatch.setattr(launch, "TUNING", tuning or launch.Tuning())
         y, y2 = paired_linears(first, other, x, rms)
         assert seen == want and y.shape == (2, 384) and y2.shape == (2, 256)
+
+
+def test_the_moe_reads_and_writes_the_model_s_rows_as_they_are(monkeypatch):
+    """model/moe.py's MoE on the GPU path (the router's moe_gate, then the routed experts' launches
+    with the shared expert in them: docs/design.md#shared-in-routed), all on the simulator: x [B, S,
+    D] goes to the kernels as it is and the output comes back as [B, S, D] (no reshape node either
+    way), with the bytes of the same launches on the flattened rows [T, D]; the CPU path's bytes
+    (the model's reference) within the shared expert's own rounding of them is not asked here,
+    tests/gpu/test_model_gpu.py holds the GPU model."""
+    import mlx_dsv41.kernels as kernels
+    from mlx_dsv41.exl3 import ops
+    from mlx_dsv41.kernels import fp32_linear, grid_finish
+    from mlx_dsv41.kernels import moe_route as mr
+    from mlx_dsv41.model.moe import MoE
+    from mlx_dsv41.synthetic import tiny_args
+
+    args = tiny_args(hidden_size=256, moe_intermediate_size=384, n_routed_experts=4, num_experts_per_tok=2)
+    moe = MoE(args)
+    moe.experts = EXL3Experts.from_tensors(
+        random_experts_tensors(4, 256, 384, {"w1": 3, "w3": 3, "w2": 3}, "mul1", seed=7),
+        "experts",
+        4,
+        None,
+        256,
+        384,
+        swiglu_limit=args.swiglu_limit,
+    )
+    for i, name in enumerate(("w1", "w3", "w2")):
+        i_f, o_f = (384, 256) if name == "w2" else (256, 384)
+        setattr(
+            moe.shared_experts,
+            name,
+            EXL3Linear.from_stored(random_linear_tensors(i_f, o_f, 3, seed=20 + i, prefix="p"), "p"),
+        )
+    mx.eval(moe.parameters())
+    for module in (ops, launch, mr, fp32_linear):
+        monkeypatch.setattr(module, "backend", lambda: "cuda")
+    monkeypatch.setitem(grid_finish.GRID_FINISH, "cuda", True)
+    sims, seen = {}, []
+
+    def run_on_sim(self, **call):
+        seen.append((self.name, tuple(tuple(a.shape) for a in call["inputs"][:1]), tuple(call["output_shapes"][-1])))
+        sims.setdefault(self.name, {})
+        key = repr(exl3_sim._signature(self, call))
+        if key not in sims[self.name]:
+            sims[self.name][key] = exl3_sim.build([(self, call)], mma=True)
+        outs = sims[self.name][key].run(0, call)
+        return [
+            mx.array(o.view(np.uint16)).view(mx.bfloat16) if d == mx.bfloat16 else mx.array(o)
+            for o, d in zip(outs, call["output_dtypes"])
+        ]
+
+    monkeypatch.setattr(kernels.Kernel, "__call__", run_on_sim)
+    x = mx.array(np.random.default_rng(3).normal(0, 1, (2, 3, 256)).astype(np.float32)).astype(mx.bfloat16)
+    y = moe(x)
+    names = [s[0] for s in seen]
+    assert y.shape == (2, 3, 256) and "moe_gate" in names and "exl3_expert_down" in names
+    assert all(s[1] == ((2, 3, 256),) for s in seen if s[0] in ("moe_gate", "exl3_expert_gate_up"))
+    assert seen[-1][2] == (2, 3, 256)  # the MoE's output, written in x's shape
+    flat_indices, flat_weights = moe.gate(x.reshape(6, 256))
+    want = launch.run_moe(
+        x.reshape(6, 256),
+        flat_indices,
+        flat_weights,
+        moe.experts.w1,
+        moe.experts.w3,
+        moe.experts.w2,
+        0,
+        moe.experts.swiglu_limit,
+        tuple(w.as_single_expert() for w in (moe.shared_experts.w1, moe.shared_experts.w3, moe.shared_experts.w2)),
+    )
+    assert want.shape == (6, 256)
+    assert np.array_equal(np.array(y.view(mx.uint16)).reshape(6, 256), np.array(want.view(mx.uint16)))
+    assert np.count_nonzero(np.array(y.astype(mx.float32))) > y.size // 2

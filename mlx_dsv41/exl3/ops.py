@@ -368,9 +368,11 @@ def shared_fits(experts, w1, w3, w2, limit: float, tokens: int, dtype) -> bool:
 
 
 def moe(x, indices, weights, experts, w1, w3, w2) -> mx.array:
-    """The MoE's output [T, D] in x.dtype: the routed experts (EXL3Experts) and the shared expert
-    (w1, w3, w2) in one set of launches, where `shared_fits` (the caller checks)."""
-    _check_experts_args(x, indices, weights, experts.w1)
+    """The MoE's output in x's shape and dtype: x [..., D] the tokens' rows as the model holds them
+    (e.g. [B, S, D]; the kernels read and write them in order, no reshape node either way), indices
+    and weights [T, k]; the routed experts (EXL3Experts) and the shared expert (w1, w3, w2) in one
+    set of launches, where `shared_fits` (the caller checks)."""
+    _check_experts_args(x.reshape(-1, x.shape[-1]) if x.ndim > 2 else x, indices, weights, experts.w1)
     shared = tuple(w.as_single_expert() for w in (w1, w3, w2))
     return launch.run_moe(
         x, indices, weights, experts.w1, experts.w3, experts.w2, experts.expert_range[0], experts.swiglu_limit, shared

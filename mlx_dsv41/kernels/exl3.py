@@ -716,6 +716,7 @@ def swiglu_args(gu, weights, indices, w1, w3, w2, lo: int, limit: float, guard: 
     )
 
 
+# long: one launch's whole argument list (inputs, outputs, grid, template), read beside exl3_expert_down.metal
 def down_args(
     xh,
     indices,
@@ -729,6 +730,7 @@ def down_args(
     finish=None,
     shared=None,
     y_shape=None,
+    moe_shape=None,
 ) -> dict:
     """exl3_expert_down call kwargs (k-split partials) for one (k2, codebook) group of w2 (tests: as
     gate_up_args). ``xh``: w2's input xh [slots, k / 2] (uint32 fp16 pairs, formed earlier), or the
@@ -739,14 +741,16 @@ def down_args(
     with ``finish`` (float32, no add): its slots (one per token, xh rows after the routed ones) in
     the same launch (SHARED), y [slots + T, n] float32 and the MoE's output [T, n] in moe_dtype the
     third output. ``y_shape``: y in that shape (slots · n elements, e.g. a grouped linear's
-    [..., G · n]) instead of [slots, n]."""
+    [..., G · n]) instead of [slots, n]; ``moe_shape`` the MoE's output so (e.g. [B, S, n])."""
     t = tuning or TUNING
     slots = indices.size + (0 if shared is None else indices.shape[0])
     if xh.dtype != mx.uint32 and xh.size < indices.size * w2.in_features:
         raise ValueError(f"exl3 expert down: x {xh.shape} holds fewer than {indices.size} rows of {w2.in_features}")
     splits, per_split = down_plan(w2, t)
     out_dtype, add, counters, y_shape = _down_finish(finish, shared, slots, w2.n, guard, y_shape)
-    stack, moe_dtype, moe_shape = _down_shared(shared, xh, indices, w2, group, out_dtype, add, counters, guard)
+    stack, moe_dtype, moe_shape = _down_shared(
+        shared, xh, indices, w2, group, out_dtype, add, counters, guard, moe_shape
+    )
     return dict(
         inputs=[
             *(xh, indices, group.trellis, group.position, indices if prev is None else prev),
@@ -884,14 +888,15 @@ def run_experts(x, indices, weights, w1, w3, w2, lo, limit, add=None):
 
 
 def run_moe(x, indices, weights, w1, w3, w2, lo, limit, shared) -> mx.array:
-    """The MoE's output [T, n] in x.dtype from the routed experts and the shared expert in one set of
-    launches (docs/design.md#shared-in-routed): the last exl3_expert_gate_up and exl3_expert_down
+    """The MoE's output [..., n] in x.dtype (x [..., in]: the tokens' rows as the model holds them, no
+    reshape either way) from the routed experts and the shared expert in one set of launches
+    (docs/design.md#shared-in-routed): the last exl3_expert_gate_up and exl3_expert_down
     launches also serve the shared expert's slots, one per token after the routed ones, and the
     down launch adds the slots as the shared expert's ADD finish does (the same bytes as
     run_experts followed by the shared expert's run_experts with ``add``). ``shared`` = its (w1,
     w3, w2) as single experts, fitting the routed ones (ops.shared_fits); needs `expert_finish`."""
     xh = _gate_up(x, indices, weights, w1, w3, w2, lo, limit, True, shared)
-    return _down(xh, indices, w2, lo, mx.float32, None, True, (shared[2], x.dtype))
+    return _down(xh, indices, w2, lo, mx.float32, None, True, (shared[2], x.dtype), moe_shape=(*x.shape[:-1], w2.n))
 
 
 def _gate_up(x, indices, weights, w1, w3, w2, lo: int, limit: float, finish: bool, shared=None) -> mx.array:
@@ -911,9 +916,9 @@ def _gate_up(x, indices, weights, w1, w3, w2, lo: int, limit: float, finish: boo
     return xh
 
 
-def _down_shared(shared, xh, indices, w2, group, out_dtype, add, counters, guard: int) -> tuple:
-    """down_args' (the shared expert's stack inputs, the MoE output's dtype and shape; stand-ins
-    without ``shared``)."""
+def _down_shared(shared, xh, indices, w2, group, out_dtype, add, counters, guard: int, moe_shape=None) -> tuple:
+    """down_args' (the shared expert's stack inputs, the MoE output's dtype and shape: [T, n], or
+    moe_shape holding as many values; stand-ins without ``shared``)."""
     if shared is None:  # stand-ins, never read
         return (group.trellis, w2.svh, indices, counters), mx.float32, (1,)
     s2, moe_dtype, counters2 = shared
@@ -921,7 +926,11 @@ def _down_shared(shared, xh, indices, w2, group, out_dtype, add, counters, guard
         raise ValueError("exl3 expert down: the shared expert's slots take fp32 rows of a formed xh, no add")
     _check_counters(counters2, indices.shape[0], w2.n, "expert down (per token)")
     stack = (s2.groups[0].trellis, s2.svh, shared_routing(indices.shape[0])[0], counters2)
-    return stack, moe_dtype, (indices.shape[0] + guard, w2.n)
+    if moe_shape is None or guard:
+        return stack, moe_dtype, (indices.shape[0] + guard, w2.n)
+    if math.prod(moe_shape) != indices.shape[0] * w2.n:
+        raise ValueError(f"exl3 expert down: moe_shape {tuple(moe_shape)} must hold {indices.shape[0]} x {w2.n} values")
+    return stack, moe_dtype, tuple(moe_shape)
 
 
 def _down_finish(finish, shared, slots: int, n: int, guard: int, y_shape) -> tuple:
@@ -939,12 +948,14 @@ def _down_finish(finish, shared, slots: int, n: int, guard: int, y_shape) -> tup
     return out_dtype, add, counters, tuple(y_shape)
 
 
-def _down(xh, indices, w2, lo: int, out_dtype, add, finish: bool, shared=None, y_shape=None) -> mx.array:
+def _down(
+    xh, indices, w2, lo: int, out_dtype, add, finish: bool, shared=None, y_shape=None, moe_shape=None
+) -> mx.array:
     """exl3_expert_down per (K, codebook) group of w2 (xh: as down_args takes it), the last finishing
     itself where ``finish``, else exl3_expert_down_finish after them: y [slots, w2.n] in out_dtype
     (see down_finish_args). With ``shared`` = (the shared expert's w2 as a single expert, the MoE's
     dtype), the last launch also serves its slots and returns the MoE's output instead. ``y_shape``:
-    the finishing launch's y in that shape (down_args)."""
+    the finishing launch's y in that shape, ``moe_shape`` the MoE's output (down_args)."""
     T = indices.shape[0]
     slots = indices.size + (0 if shared is None else T)
     partial = y = moe = None
@@ -953,7 +964,18 @@ def _down(xh, indices, w2, lo: int, out_dtype, add, finish: bool, shared=None, y
         fin = (out_dtype, add, finish_counters(w2, slots)) if last else None
         per_token = (*shared, held_counters(shared[0], T * (w2.n // BLOCK))) if last and shared else None
         partial, y, moe = EXPERT_DOWN(
-            **down_args(xh, indices, w2, group, lo, prev=partial, finish=fin, shared=per_token, y_shape=y_shape)
+            **down_args(
+                xh,
+                indices,
+                w2,
+                group,
+                lo,
+                prev=partial,
+                finish=fin,
+                shared=per_token,
+                y_shape=y_shape,
+                moe_shape=moe_shape,
+            )
         )
     if shared is not None:
         return moe

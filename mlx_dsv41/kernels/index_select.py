@@ -123,10 +123,12 @@ def _selection_template(S: int, ratio: int, k: int, mode: int, block: int, keep:
 
 
 def _outputs(R: int, S: int, T: int, k: int, mode: int, block: int, lead: int, guard: int) -> tuple[list, list]:
+    # topk, blocks and the list as the model reads them, [B, S, ...] (no reshape node: each is a
+    # node a decode step replays), or [R + guard, ...] with guard rows (tests)
+    rows = (R + guard,) if guard else (R // S, S)
     nb = -(-T // block) if mode == 1 else 1
-    # the list as the attention reads it, [B, S, W + k] (no reshape node), or [R + guard, W + k]
-    listed = ((R + guard,) if guard else (R // S, S)) + (lead + k,) if lead else (1, 1)
-    return [(R + guard, k), (R + guard, nb), listed], [mx.int32, mx.bool_, mx.int32]
+    listed = (*rows, lead + k) if lead else (1, 1)
+    return [(*rows, k), (*rows, nb), listed], [mx.int32, mx.bool_, mx.int32]
 
 
 def scores_args(
@@ -160,7 +162,8 @@ def scores_args(
         shapes, dtypes = [(1, 1)] * 3, [mx.int32, mx.bool_, mx.int32]
     template = [("HI", Hi), ("DI", Di)] + _selection_template(S, ratio, k, mode, block, keep, lead, plus)
     return dict(
-        inputs=[q.reshape(R, Hi, Di), weights.reshape(R, Hi), keys, _position(position), cand, counters, rows],
+        # q and weights as the model holds them ([B, S, Hi, Di], [B, S, Hi]): the kernel reads row r
+        inputs=[q, weights, keys, _position(position), cand, counters, rows],
         output_shapes=[(R + guard, T)] + shapes,
         output_dtypes=[mx.float32] + dtypes,
         grid=(THREADS * -(-T // TILE), R, 1),
@@ -243,11 +246,7 @@ def select(
             **scores_args(q, weights, keys, position, grid_finish.no_counters(), scale=scale, finish=False, **common)
         )[0]
         topk, blocks, listed = SELECT(**select_args(scores, position, S, **common))
-    return (
-        topk.reshape(B, S, k),
-        blocks.reshape(B, S, -1) if build_candidates else None,
-        listed if common["window"] is not None else None,
-    )
+    return topk, blocks if build_candidates else None, listed if common["window"] is not None else None
 
 
 def _example_inputs(B=1, S=1, Hi=32, Di=128, T=40):

@@ -18,6 +18,8 @@ launch: fp32_gemv's threadgroups, the last of which does moe_route's work
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -78,10 +80,10 @@ def route_args(logits, bias, top_k: int, temperature: float, scale: float, init_
 def gate_args(
     x, w, bias, counters, top_k: int, temperature: float, scale: float, init_value=None, guard: int = 0
 ) -> dict:
-    """moe_gate call kwargs: fp32_gemv's launch of x [T, D] against w [E, D], finished by moe_route's
-    work for each token; outputs the fp32 logits [T, E] (fp32_gemv's), then moe_route's two.
-    counters: uint32 [>= 1] zeros (held_counters)."""
-    T, E = x.shape[0], w.shape[0]
+    """moe_gate call kwargs: fp32_gemv's launch of x [..., D] (T rows in order: the kernel reads them
+    as they are) against w [E, D], finished by moe_route's work for each token; outputs the fp32
+    logits [T, E] (fp32_gemv's), then moe_route's two. counters: uint32 [>= 1] zeros (held_counters)."""
+    T, E = math.prod(x.shape[:-1]), w.shape[0]
     grid_finish.check_counters(counters, 1, "moe gate")
     launch = fp32_linear.gemv_launch(T, w)
     return dict(
@@ -111,18 +113,19 @@ def route(logits, bias, top_k: int, temperature: float, scale: float):
 
 
 def gate(x, w, bias, top_k: int, temperature: float, scale: float, counters=None):
-    """The router from its input: logits = x [T, D] · w [E, D]ᵀ in fp32 (fp32_linear), then `route`.
-    One moe_gate launch where a launch may finish itself (kernels/grid_finish.py), given the
-    router's ``counters`` (held_counters); the same bytes."""
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+    """The router from its input: logits = x [T, D] · w [E, D]ᵀ in fp32 (fp32_linear), then `route`;
+    x may hold the T rows under any leading dims ([B, S, D]), indices and weights are [T, k]. One
+    moe_gate launch where a launch may finish itself (kernels/grid_finish.py), given the router's
+    ``counters`` (held_counters), reading x as it is; the same bytes."""
+    if x.ndim < 2 or w.ndim != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"moe gate: x [T, D] and w [E, D] expected, got {x.shape} and {w.shape}")
-    T, E = x.shape[0], w.shape[0]
+    T, E = math.prod(x.shape[:-1]), w.shape[0]
     _check(E, bias, top_k)
     one_launch = counters is not None and grid_finish.merges(backend())
     if one_launch and fp32_linear.takes_kernel(T, w) and _takes_kernel(T, E, top_k):
         _, indices, weights = GATE(**gate_args(x, w, bias, counters, top_k, temperature, scale))
         return indices, weights
-    return route(fp32_linear.linear(x, w), bias, top_k, temperature, scale)
+    return route(fp32_linear.linear(x.reshape(T, -1), w), bias, top_k, temperature, scale)
 
 
 def _check(E: int, bias, top_k: int) -> None:

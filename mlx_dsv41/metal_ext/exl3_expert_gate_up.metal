@@ -9,8 +9,9 @@
 // for that block (exl3_swiglu_block: the same bytes) into xh; counters[slot * blocks + block]
 // counts the arrivals and is left at 0 (scratch state of w1, as exl3_gemv's). Without FINISH, xh
 // is a 1-element stand-in and weights, svh1, svh3, suh2, counters are never read.
-// Inputs: x [T, in], indices [T, top_k] int32, suh1/suh3 [E, k], t1/t3 [G, k/16, n/16, 16K] int16
-// (this group's stacks), p1/p3 [E] int32 (local expert -> index in the stack, or EXL3_SLOT_*),
+// Inputs: x [T, in] (or its T rows under other leading dims), indices [T, top_k] int32, suh1/suh3 [E, k],
+// t1/t3 [G, k/16, n/16, 16K] int16 (this group's stacks), p1/p3 [E] int32 (local expert -> index in
+// the stack, or EXL3_SLOT_*),
 // prev [slots, 2, splits, n] float32, weights [T, top_k] float32, svh1/svh3/suh2 [E, n],
 // counters [>= slots * n / 128] uint32. Outputs: out [slots, 2, splits, n] float32, xh
 // [slots, n / 2] uint32. Template: K2, CB, NC, NW, STAGES, XSW, HAS_PREV, LO (first held expert),
@@ -25,7 +26,7 @@
 const u32 lane = KX_LANE, warp = KX_WARP;
 const u32 col_block = KX_TGID_X, split = KX_TGID_Y;
 const u32 slot = KX_TGID_Z >> 1, mat = KX_TGID_Z & 1u;
-const u32 top_k = indices_shape[1], in_features = x_shape[1];
+const u32 top_k = indices_shape[1], in_features = x_shape[x_ndim - 1];  // x: the tokens' rows, any leading dims
 const u32 n_local = p1_shape[0];
 const u32 tiles_k = t1_shape[1], tiles_n = t1_shape[2];
 const u32 n = tiles_n * 16, row_words = tiles_n * 4 * K2;

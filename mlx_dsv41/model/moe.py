@@ -9,7 +9,7 @@ import mlx.nn as nn
 from mlx_dsv41.config import ModelArgs
 from mlx_dsv41.kernels.grid_finish import held_counters
 from mlx_dsv41.kernels.moe_route import gate
-from mlx_dsv41.quant import DenseExperts, fused_moe, swiglu_mlp
+from mlx_dsv41.quant import DenseExperts, fused_moe, fused_moe_fits, swiglu_mlp
 
 
 class Gate(nn.Module):
@@ -25,7 +25,8 @@ class Gate(nn.Module):
         self.bias = mx.zeros((args.n_routed_experts,), dtype=mx.float32)
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        """x [T, D] -> indices [T, k] int32 (ascending expert id), weights [T, k] fp32."""
+        """x [T, D] (or the T rows under other leading dims) -> indices [T, k] int32 (ascending
+        expert id), weights [T, k] fp32."""
         # fp32 logits from the stored bf16 (docs/numerics.md#fp32-linears); on CUDA one launch with the route
         counters = held_counters(self, 1)
         return gate(x, self.weight, self.bias, self.top_k, self.temperature, self.route_scale, counters)
@@ -65,13 +66,15 @@ class MoE(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         """x [B, S, D] bf16 (ffn_norm-ed) -> [B, S, D] in x.dtype."""
+        sh = self.shared_experts
+        if self.exchange is None and fused_moe_fits(self.experts, sh.w1, sh.w3, sh.w2, sh.limit, x):
+            # the shared expert in the routed experts' launches (the same bytes), which read and
+            # write x's rows as they are: no reshape node either way
+            indices, weights = self.gate(x)
+            return fused_moe(self.experts, sh.w1, sh.w3, sh.w2, sh.limit, x, indices, weights)
         flat = x.reshape(-1, self.dim)
         indices, weights = self.gate(flat)
         if self.exchange is None:
-            sh = self.shared_experts
-            fused = fused_moe(self.experts, sh.w1, sh.w3, sh.w2, sh.limit, flat, indices, weights)
-            if fused is not None:  # the shared expert in the routed experts' launches (same bytes)
-                return fused.reshape(x.shape)
             slots = self.experts(flat, indices, weights)  # [T, k, D] fp32
         else:
             slots = self.exchange(self.experts, flat, indices, weights)

@@ -21,6 +21,7 @@ uint32 + `P.scales`).
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping
 
@@ -295,16 +296,24 @@ def swiglu_mlp(
     return combine_moe(routed, w2(swiglu(w1(x), w3(x), limit, dtype=x.dtype)))
 
 
-def fused_moe(experts, w1, w3, w2, limit: float, x: mx.array, indices: mx.array, weights: mx.array):
-    """The MoE's output [T, D] in x.dtype with the shared expert (w1, w3, w2) computed in the routed
-    experts' launches (EXL3 on a GPU: exl3.ops.moe, the same bytes as the two computed apart), or
-    None where the formats or the backend do not allow it (the caller computes them apart)."""
+def fused_moe_fits(experts, w1, w3, w2, limit: float, x: mx.array) -> bool:
+    """Whether `fused_moe` computes the MoE of x [..., D] (its leading dims the tokens) here."""
     if "mlx_dsv41.exl3" not in sys.modules:  # only a model holding EXL3 tensors has imported it
+        return False
+    from mlx_dsv41.exl3 import ops as exl3_ops
+
+    return exl3_ops.shared_fits(experts, w1, w3, w2, limit, math.prod(x.shape[:-1]), x.dtype)
+
+
+def fused_moe(experts, w1, w3, w2, limit: float, x: mx.array, indices: mx.array, weights: mx.array):
+    """The MoE's output in x's shape and dtype (x [..., D], indices and weights [T, k]) with the
+    shared expert (w1, w3, w2) computed in the routed experts' launches (EXL3 on a GPU:
+    exl3.ops.moe, the same bytes as the two computed apart; x read as it is), or None where the
+    formats or the backend do not allow it (`fused_moe_fits`; the caller computes them apart)."""
+    if not fused_moe_fits(experts, w1, w3, w2, limit, x):
         return None
     from mlx_dsv41.exl3 import ops as exl3_ops
 
-    if not exl3_ops.shared_fits(experts, w1, w3, w2, limit, x.shape[0], x.dtype):
-        return None
     return exl3_ops.moe(x, indices, weights, experts, w1, w3, w2)
 
 
