@@ -487,6 +487,9 @@ def test_the_shared_expert_in_the_routed_launches_gives_the_bytes_of_the_two_apa
     assert fused[0].dtype == mx.bfloat16 and fused[0].shape == (T, hidden)
     assert same_bytes([to_np(f) for f in fused] + [to_np(apart)])
     assert np.count_nonzero(to_np(apart)) > apart.size // 2
+    # x as the model holds it ([B, S, D]): read as it is, the output in its shape, the same bytes
+    rows = ops.moe(x.reshape(1, T, hidden), indices, weights, ex, *lin)
+    assert rows.shape == (1, T, hidden) and same_bytes([to_np(rows).reshape(T, hidden), to_np(apart)])
     # The launches themselves (the simulator test's chain) with a poisoned guard row on y and moe.
     shared = tuple(w.as_single_expert() for w in lin)
     chain = expert_chain(ex, x, indices, weights, None, finish=(mx.float32, None), shared=shared, init_value=NAN)
