@@ -169,10 +169,11 @@ def _split_counters(owner, size: int, name: str = ""):
     return launch.split_counters(size) if owner is None else launch.held_counters(owner, size, name)
 
 
-def _check_experts_args(x, indices, weights, w1):
-    if x.ndim != 2 or x.shape[1] != w1.in_features or x.dtype not in _X_DTYPES:
+def _check_experts_args(x, indices, weights, w1, any_lead: bool = False):
+    """check_routing's checks and x's dtype; `any_lead`: x's T rows under any leading dims (ops.moe)."""
+    if (x.ndim != 2 and not (any_lead and x.ndim > 2)) or x.shape[-1] != w1.in_features or x.dtype not in _X_DTYPES:
         raise ValueError(f"exl3 experts: x must be float [T, {w1.in_features}], got {x.dtype} {x.shape}")
-    check_routing(x, indices, weights, w1.in_features)
+    check_routing(x, indices, weights, w1.in_features, any_lead)
 
 
 def experts(x, indices, weights, w1, w3, w2, expert_range, limit: float):
@@ -372,7 +373,7 @@ def moe(x, indices, weights, experts, w1, w3, w2) -> mx.array:
     (e.g. [B, S, D]; the kernels read and write them in order, no reshape node either way), indices
     and weights [T, k]; the routed experts (EXL3Experts) and the shared expert (w1, w3, w2) in one
     set of launches, where `shared_fits` (the caller checks)."""
-    _check_experts_args(x.reshape(-1, x.shape[-1]) if x.ndim > 2 else x, indices, weights, experts.w1)
+    _check_experts_args(x, indices, weights, experts.w1, any_lead=True)
     shared = tuple(w.as_single_expert() for w in (w1, w3, w2))
     return launch.run_moe(
         x, indices, weights, experts.w1, experts.w3, experts.w2, experts.expert_range[0], experts.swiglu_limit, shared

@@ -50,6 +50,13 @@ def backend() -> str:
     return "cpu"
 
 
+def scalar_int32(value) -> mx.array:
+    """A kernel's position input as the bodies read it (KX_SCALAR): a 0-d int32. The model binds a
+    0-d int32 view (nothing is added to its graph); tests pass ints or [1] arrays."""
+    value = value if isinstance(value, mx.array) else mx.array(value)
+    return value.astype(mx.int32).reshape(()) if value.ndim else value.astype(mx.int32)
+
+
 @cache
 def float_bits(v: float) -> int:
     """The float32 bits of v as an int template value (bodies read KX_BITS_F32(bits)). MLX names a

@@ -36,9 +36,9 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dsv41 import graph_constants
-from mlx_dsv41.kernels import Kernel, backend, float_bits, grid_finish, register
+from mlx_dsv41.kernels import Kernel, backend, float_bits, grid_finish, register, scalar_int32
 from mlx_dsv41.kernels.grid_finish import held_counters, no_counters, split_counters
-from mlx_dsv41.kernels.rope import Turn, WindowWrite, scalar_offset
+from mlx_dsv41.kernels.rope import Turn, WindowWrite
 
 BLOCK = 128  # the kernels' column block: the format's Hadamard block (mlx_dsv41.exl3.hadamard.BLOCK)
 GEMV_MAX_ROWS = 8  # rows served by exl3_gemv (the M template: 1, 2, 4 or 8)
@@ -498,13 +498,13 @@ def _rope_inputs(rope, window, fused: bool, x, n: int, n2: int, out_dtype, svh) 
         why = _turn_refusal(x, n, rope.periods, out_dtype) or (None if fused else "its k is split")
         if why is not None:
             raise ValueError(f"exl3 gemv: ROPE cannot turn this launch's rows: {why} (roped_gemv_fits)")
-        inputs = [scalar_offset(rope.offset), rope.periods, svh, svh]
+        inputs = [scalar_int32(rope.offset), rope.periods, svh, svh]
         return inputs, (1,), _rope_template(1, 0)
     if window is not None:
         why = _window_refusal(x, n2, window, out_dtype)
         if why is not None:
             raise ValueError(f"exl3 gemv: RING cannot write this launch's rows: {why} (window_gemv_fits)")
-        inputs = [scalar_offset(window.offset), window.periods, window.weight, window.ring]
+        inputs = [scalar_int32(window.offset), window.periods, window.weight, window.ring]
         block, mode = window.quant
         return inputs, window.ring.shape, _rope_template(0, 1, float_bits(window.eps), block, mode)
     return [_no_offset(), svh, svh, svh], (1,), _rope_template(0, 0)

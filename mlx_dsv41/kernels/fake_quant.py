@@ -32,7 +32,12 @@ FAKE_QUANT = register(
 
 def takes(x: mx.array, block: int) -> bool:
     """Whether the kernel takes x (a float array whose last axis is whole blocks of 16 or 32)."""
-    return block in BLOCKS and x.ndim >= 1 and x.size > 0 and x.shape[-1] % block == 0
+    return takes_shape(x.shape, block)
+
+
+def takes_shape(shape: tuple, block: int) -> bool:
+    """`takes` for an array of this shape."""
+    return block in BLOCKS and len(shape) >= 1 and math.prod(shape) > 0 and shape[-1] % block == 0
 
 
 def args(x: mx.array, block: int, mode: int, init_value=None, guard: int = 0) -> dict:

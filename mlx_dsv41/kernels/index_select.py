@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dsv41 import graph_constants
-from mlx_dsv41.kernels import Kernel, backend, float_bits, grid_finish, register
+from mlx_dsv41.kernels import Kernel, backend, float_bits, grid_finish, register, scalar_int32
 
 THREADS = 256  # IX_THREADS
 TILE = 32  # IX_TILE: entries a threadgroup scores
@@ -115,20 +115,21 @@ def _window_input(window, S: int) -> tuple[mx.array, int, int]:
     return rows, rows.shape[1], int(plus)
 
 
-def _selection_template(S: int, ratio: int, k: int, mode: int, block: int, keep: int, lead: int, plus: int) -> list:
-    return [
+def _selection(R: int, S: int, T: int, k, ratio, block, keep, candidates, build_candidates, window, guard) -> tuple:
+    """What both launches that select (index_scores' finish, index_select) take: (the candidates
+    and rows inputs, the selection's template values, the shapes and dtypes of topk, blocks and
+    the list). Those outputs are [B, S, ...] as the model reads them (no reshape node: each is a
+    node a decode step replays), or [R + guard, ...] with guard rows (tests)."""
+    mode, cand = _mode_and_candidates(candidates, build_candidates, R)
+    rows, lead, plus = _window_input(window, S)
+    template = [
         *(("S", S), ("RATIO", ratio), ("K", k), ("MODE", mode), ("BLOCK", block), ("KEEP", keep)),
         *(("LEAD", lead), ("PLUS", plus)),
     ]
-
-
-def _outputs(R: int, S: int, T: int, k: int, mode: int, block: int, lead: int, guard: int) -> tuple[list, list]:
-    # topk, blocks and the list as the model reads them, [B, S, ...] (no reshape node: each is a
-    # node a decode step replays), or [R + guard, ...] with guard rows (tests)
-    rows = (R + guard,) if guard else (R // S, S)
+    lead_dims = (R + guard,) if guard else (R // S, S)
     nb = -(-T // block) if mode == 1 else 1
-    listed = (*rows, lead + k) if lead else (1, 1)
-    return [(*rows, k), (*rows, nb), listed], [mx.int32, mx.bool_, mx.int32]
+    listed = (*lead_dims, lead + k) if lead else (1, 1)
+    return cand, rows, template, [(*lead_dims, k), (*lead_dims, nb), listed], [mx.int32, mx.bool_, mx.int32]
 
 
 def scores_args(
@@ -153,17 +154,16 @@ def scores_args(
     """index_scores call kwargs (see the body's comment); `guard` extra rows of every output (tests)."""
     B, S, Hi, Di = q.shape
     R, T = B * S, keys.shape[1]
-    mode, cand = _mode_and_candidates(candidates, build_candidates, R)
-    rows, lead, plus = _window_input(window, S)
+    cand, rows, selection, shapes, dtypes = _selection(
+        R, S, T, k, ratio, block, keep, candidates, build_candidates, window, guard
+    )
     grid_finish.check_counters(counters, R if finish else 1, "index scores")
-    if finish:
-        shapes, dtypes = _outputs(R, S, T, k, mode, block, lead, guard)
-    else:
-        shapes, dtypes = [(1, 1)] * 3, [mx.int32, mx.bool_, mx.int32]
-    template = [("HI", Hi), ("DI", Di)] + _selection_template(S, ratio, k, mode, block, keep, lead, plus)
+    if not finish:  # index_select selects: 1-element stand-ins
+        shapes = [(1, 1)] * 3
+    template = [("HI", Hi), ("DI", Di)] + selection
     return dict(
         # q and weights as the model holds them ([B, S, Hi, Di], [B, S, Hi]): the kernel reads row r
-        inputs=[q, weights, keys, _position(position), cand, counters, rows],
+        inputs=[q, weights, keys, scalar_int32(position), cand, counters, rows],
         output_shapes=[(R + guard, T)] + shapes,
         output_dtypes=[mx.float32] + dtypes,
         grid=(THREADS * -(-T // TILE), R, 1),
@@ -190,23 +190,18 @@ def select_args(
 ) -> dict:
     """index_select call kwargs: the selection of scores [R, T] (index_scores' first output)."""
     R, T = scores.shape
-    mode, cand = _mode_and_candidates(candidates, build_candidates, R)
-    rows, lead, plus = _window_input(window, S)
-    shapes, dtypes = _outputs(R, S, T, k, mode, block, lead, guard)
+    cand, rows, template, shapes, dtypes = _selection(
+        R, S, T, k, ratio, block, keep, candidates, build_candidates, window, guard
+    )
     return dict(
-        inputs=[scores, _position(position), cand, rows],
+        inputs=[scores, scalar_int32(position), cand, rows],
         output_shapes=shapes,
         output_dtypes=dtypes,
         grid=(THREADS * R, 1, 1),
         threadgroup=(THREADS, 1, 1),
-        template=_selection_template(S, ratio, k, mode, block, keep, lead, plus),
+        template=template,
         init_value=init_value,
     )
-
-
-def _position(position) -> mx.array:
-    position = position if isinstance(position, mx.array) else mx.array(position)
-    return position.astype(mx.int32).reshape(())
 
 
 def select(

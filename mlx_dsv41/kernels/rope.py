@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlx_dsv41.kernels import Kernel, fake_quant, float_bits, register
+from mlx_dsv41.kernels import Kernel, fake_quant, float_bits, register, scalar_int32
 
 _THREADS = 256
 
@@ -77,32 +77,33 @@ class WindowWrite:
 
     def refusal(self, rows: tuple) -> str | None:
         """Why the rope kernel could not write rows of this shape so (the writer takes what it takes)."""
-        why = refusal(mx.zeros(rows, self.ring.dtype), self.quant, self.ring)
+        why = shape_refusal(rows, self.quant, self.ring)
         D = rows[-1]
         if why is None and (self.weight.shape != (D,) or 2 * self.periods.shape[0] != D):
             why = f"a norm weight [{D}] and {D // 2} periods, got {self.weight.shape}, {self.periods.shape}"
         return why
 
 
-def scalar_offset(offset: mx.array) -> mx.array:
-    """The kernels' offset input: a 0-d int32 (the model binds a 0-d view; tests pass [1])."""
-    return offset.astype(mx.int32).reshape(()) if offset.ndim else offset.astype(mx.int32)
-
-
 def refusal(x: mx.array, quant: tuple[int, int] | None, ring: mx.array | None = None) -> str | None:
     """Why the kernel cannot take x (and write its rows into `ring`), or None (the offset is one
     position: a 0-d array)."""
-    if x.ndim not in (3, 4) or x.size == 0 or x.shape[-1] % 32:
-        return f"rows [B, S, D] or [B, S, H, D] of a width that is a multiple of 32, got {x.shape}"
-    size = max(x.size, 0 if ring is None else ring.size)
+    return shape_refusal(x.shape, quant, ring)
+
+
+def shape_refusal(shape: tuple, quant: tuple[int, int] | None, ring: mx.array | None = None) -> str | None:
+    """`refusal` for rows of this shape (a kernel that makes the rows itself: exl3_gemv's RING)."""
+    shape, size = tuple(shape), math.prod(shape)
+    if len(shape) not in (3, 4) or size == 0 or shape[-1] % 32:
+        return f"rows [B, S, D] or [B, S, H, D] of a width that is a multiple of 32, got {shape}"
+    size = max(size, 0 if ring is None else ring.size)
     if size >= 1 << 31:
         return f"{size} elements: the kernel indexes with 32 bits"
-    if quant is not None and not fake_quant.takes(x, quant[0]):
-        return f"fake quantization in blocks of {quant[0]} along a last axis of {x.shape[-1]}"
+    if quant is not None and not fake_quant.takes_shape(shape, quant[0]):
+        return f"fake quantization in blocks of {quant[0]} along a last axis of {shape[-1]}"
     if ring is not None and (
-        x.ndim != 3 or ring.ndim != 3 or ring.shape[::2] != x.shape[::2] or x.shape[1] > ring.shape[1]
+        len(shape) != 3 or ring.ndim != 3 or ring.shape[::2] != shape[::2] or shape[1] > ring.shape[1]
     ):
-        return f"rows [B, S, D] into a ring [B, R >= S, D], got {x.shape} into {ring.shape}"
+        return f"rows [B, S, D] into a ring [B, R >= S, D], got {shape} into {ring.shape}"
     return None
 
 
@@ -126,7 +127,7 @@ def args(
     shape = x.shape if ring is None else ring.shape
     rows = math.prod(shape[:-1])
     weight, eps = norm if norm is not None else (periods, 0.0)  # without NORM the weight is not read
-    offset = scalar_offset(offset)
+    offset = scalar_int32(offset)
     return dict(
         inputs=[x, offset, periods, weight, periods if ring is None else ring],  # without RING the ring is not read
         output_shapes=[shape if not guard else (rows + guard, shape[-1])],

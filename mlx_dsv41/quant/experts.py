@@ -11,6 +11,8 @@ experts lo..hi-1 (`expert_range`) returns exactly 0 for slots routed elsewhere.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -64,12 +66,14 @@ def zero_unheld(y: mx.array, inside: mx.array | None) -> mx.array:
     return y if inside is None else mx.where(inside[..., None], y, 0.0)
 
 
-def check_routing(x: mx.array, indices: mx.array, weights: mx.array, dim: int) -> None:
-    """Shape/dtype checks of one experts call (no evaluation)."""
-    if x.ndim != 2 or x.shape[1] != dim:
+def check_routing(x: mx.array, indices: mx.array, weights: mx.array, dim: int, any_lead: bool = False) -> None:
+    """Shape/dtype checks of one experts call (no evaluation); with `any_lead` x may hold its T rows
+    under any leading dims ([B, S, dim]: the fused MoE reads them as they are)."""
+    if (x.ndim != 2 and not (any_lead and x.ndim > 2)) or x.shape[-1] != dim:
         raise ValueError(f"experts: x must be [T, {dim}], got {x.shape}")
-    if indices.ndim != 2 or indices.shape[0] != x.shape[0]:
-        raise ValueError(f"experts: indices must be [T={x.shape[0]}, k], got {indices.shape}")
+    T = math.prod(x.shape[:-1])
+    if indices.ndim != 2 or indices.shape[0] != T:
+        raise ValueError(f"experts: indices must be [T={T}, k], got {indices.shape}")
     if indices.dtype != mx.int32:
         raise ValueError(f"experts: indices must be int32, got {indices.dtype}")
     if weights.shape != indices.shape or weights.dtype != mx.float32:
