@@ -206,13 +206,15 @@ def cuda_kernels(step) -> dict | None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         mx.synchronize()
-    names, times, spans = Counter(), Counter(), []
+    names, times, spans, order = Counter(), Counter(), [], []
     for name, us, e in kernel_events(prof):
         names[name] += 1
         times[name] += us / 1e3
         if getattr(e, "time_range", None) is not None:
             spans.append((e.time_range.start, e.time_range.end))
+            order.append((e.time_range.start, e.time_range.end, name))
     busy, span = kernel_timeline(spans)
+    order.sort()
     return {
         "kernels": sum(names.values()),
         "device_ms": sum(times.values()),
@@ -221,6 +223,9 @@ def cuda_kernels(step) -> dict | None:
         "top": names.most_common(12),
         "top_ms": [(n, round(ms, 3)) for n, ms in times.most_common(12)],
         "all": [(n, names[n], round(ms, 4)) for n, ms in times.most_common()],
+        # the step's kernels in the order they started: (name, start µs from the first, µs); the
+        # launches of one layer position side by side, and the gaps between them
+        "timeline": [(n, round(s - order[0][0], 1), round(e - s, 1)) for s, e, n in order],
     }
 
 

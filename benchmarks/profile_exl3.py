@@ -5,6 +5,8 @@ Two parts (CUDA):
   kernel (one thread copies one float), of the same kernel behind a 33 KB source, of chains of
   either under `mx.compile`, and of MLX's own ops, chained (each call consumes the previous
   output) and independent. A kernel faster than this is bound by the host.
+- ``--part inputs``: the same host cost split into the compiled graph's replay and its evaluation,
+  against the inputs and outputs a launch carries (`inputs_part`).
 Device time per call without a profiler (kernels plus the device's gaps, the anchor's method):
 bench_exl3.py's "device" column.
 - ``--part kernels``: each EXL3 case (m = 1 linears on the Flash shapes, the one-token MoE block)
@@ -121,6 +123,63 @@ def host_part(calls: int, repeats: int):
             )
 
 
+def _wide_kernel(inputs: int, outputs: int, name: str):
+    """A trivial kernel with `inputs` inputs (x first) and `outputs` outputs: one thread adds x[0] + 1
+    into each output (the others' bytes only travel as arguments, as a linear's weights do)."""
+    in_names = ["x", *(f"w{i}" for i in range(inputs - 1))]
+    out_names = ["y", *(f"z{i}" for i in range(outputs - 1))]
+    body = " ".join(f"{o}[0] = x[0] + 1.0f;" for o in out_names)
+    k = mx.fast.cuda_kernel(
+        name=name,
+        input_names=in_names,
+        output_names=out_names,
+        source=f"if (threadIdx.x == 0 && blockIdx.x == 0) {{ {body} }}",
+    )
+    return k
+
+
+def inputs_part(repeats: int, links: int = 16):
+    """MLX's host cost of a compiled chain of `links` custom kernels against the inputs and outputs
+    each launch carries: the graph's replay (calling the compiled function) and its evaluation
+    (queueing), µs per kernel. The extra inputs are weights the function holds (as the model's
+    linears hold theirs); `MiB` cases make each weight that large (MLX commits its CUDA graph every
+    MLX_MAX_MB_PER_BUFFER of inputs)."""
+    for n_in, n_out, mib in ((1, 1, 0), (4, 1, 0), (8, 1, 0), (16, 1, 0), (24, 1, 0), (8, 4, 0), (8, 1, 64)):
+        k = _wide_kernel(n_in, n_out, f"profile_wide_{n_in}_{n_out}")
+        size = (mib << 20) // 4 if mib else 64
+        weights = [[mx.random.normal((size,)) for _ in range(n_in - 1)] for _ in range(links)]
+        mx.eval(weights)
+
+        def chain(x, k=k, weights=weights, n_out=n_out):  # noqa: B023
+            for w in weights:
+                outs = k(
+                    inputs=[x, *w],
+                    output_shapes=[(1,)] * n_out,
+                    output_dtypes=[mx.float32] * n_out,
+                    grid=(32, 1, 1),
+                    threadgroup=(32, 1, 1),
+                )
+                x = outs[0]  # the other outputs are the launch's siblings: made, never read
+            return x
+
+        fn = mx.compile(chain)
+        build, queue = [], []
+        for _ in range(repeats + 1):
+            x = mx.zeros((1,))
+            mx.eval(fn(x))
+            t0 = time.perf_counter()
+            y = fn(x)
+            t1 = time.perf_counter()
+            mx.eval(y)
+            t2 = time.perf_counter()
+            build.append((t1 - t0) / links * 1e6)
+            queue.append((t2 - t1) / links * 1e6)
+        print(
+            f"inputs | {n_in} inputs, {n_out} outputs{f', {mib} MiB weights' if mib else ''} | "
+            f"build {statistics.median(build[1:]):.2f} µs | eval {statistics.median(queue[1:]):.2f} µs a kernel"
+        )
+
+
 def kernels_part(launches: int, rotate_mib: int, only: str):
     for name, bits in [c for c in CASES if only in f"{c[0]} K{c[1]}"]:
         k, n = SHAPE[name]
@@ -205,7 +264,7 @@ def hotspots_part(path: Path, top: int = 25):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("host", "kernels", "summary", "hotspots"), required=True)
+    ap.add_argument("--part", choices=("host", "inputs", "kernels", "summary", "hotspots"), required=True)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--launches", type=int, default=5)
@@ -230,6 +289,8 @@ def main() -> int:
         return 2
     if args.part == "host":
         host_part(args.calls, args.repeats)
+    elif args.part == "inputs":
+        inputs_part(max(args.repeats, 20))
     else:
         kernels_part(args.launches, args.rotate_mib, args.only)
     return 0
