@@ -907,6 +907,7 @@ def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
         (a.host_position, "position made on the host", [(compiled_step.CompiledStep, "carries_position")]),
         (a.indexer_reference, "the indexer's plain-MLX scores and top-k", [(index_select, "ENABLED")]),
         (a.attention_builds_index_list, "the attention's index list built by MLX", [(index_select, "LISTS")]),
+        (a.kernel_stand_ins, "unused kernel arguments passed as stand-ins", [(kernels, "LEAVES_OUT_ABSENT")]),
     ]
     for flag, what, off in switches:
         if flag:
@@ -1076,6 +1077,12 @@ def main() -> int:
         "--indexer-reference",
         action="store_true",
         help="also time our decode with the indexer's scores and top-k in plain MLX, not index_scores (the A/B)",
+    )
+    ap.add_argument(
+        "--kernel-stand-ins",
+        action="store_true",
+        help="also time our decode with the kernel arguments a launch does not use passed as stand-ins, not "
+        "left out of CUDA launches (the A/B; docs/design.md#absent-arguments)",
     )
     ap.add_argument(
         "--attention-builds-index-list",

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_dsv41 import kernels
 from mlx_dsv41.kernels import Kernel
 
 # Stand-in headers (not installed: they exist only to compile sources in CI).
@@ -76,8 +77,12 @@ def metal_source(kernel: Kernel, call: dict) -> str:
 
 def cuda_source(kernel: Kernel, call: dict, source: tuple[str, str] | None = None) -> str:
     """The CUDA source MLX 0.32 would JIT for one call (assembled as MLX's build_kernel does), from
-    the kernel's (header, body) or the given ones."""
+    the kernel's (header, body) or the given ones; without the arguments the call names ``absent``
+    (the launch leaves them out: kernels.absent_prelude)."""
+    left_out = kernel.left_out("cuda", call["inputs"], call["output_dtypes"], call.get("absent", ()))
     header, body = source or kernel.source("cuda")
+    if any(left_out):
+        body = kernels.absent_prelude(body, *left_out) + body
     lines = [
         '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
         "#define inf cuda::std::numeric_limits<float>::infinity()\n",
@@ -87,13 +92,16 @@ def cuda_source(kernel: Kernel, call: dict, source: tuple[str, str] | None = Non
     ]
     params = []
     for name, arr in zip(kernel.input_names, call["inputs"]):
+        if name in left_out[0]:
+            continue
         params.append(f"    const {_CUDA_TYPES[arr.dtype]}* {name}")
         if arr.ndim > 0:
             for suffix, ctype in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
                 if name + suffix in body:
                     params.append(f"    const __grid_constant__ {ctype} {name}{suffix}")
     for name, dtype in zip(kernel.output_names, call["output_dtypes"]):
-        params.append(f"    {_CUDA_TYPES[dtype]}* {name}")
+        if name not in left_out[1]:
+            params.append(f"    {_CUDA_TYPES[dtype]}* {name}")
     lines.append(",\n".join(params) + ") {")
     for tname, value in call.get("template") or []:
         if isinstance(value, bool):

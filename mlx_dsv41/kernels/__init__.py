@@ -68,6 +68,49 @@ def float_bits(v: float) -> int:
     return bits
 
 
+# The C types MLX's CUDA backend declares each input and output with (`const T* name`, `T* name`).
+_CUDA_TYPES = {
+    mx.float32: "float",
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.int32: "int32_t",
+    mx.uint32: "uint32_t",
+    mx.int16: "int16_t",
+    mx.uint16: "uint16_t",
+    mx.int8: "int8_t",
+    mx.uint8: "uint8_t",
+    mx.int64: "int64_t",
+    mx.uint64: "uint64_t",
+    mx.bool_: "bool",
+}
+# Whether CUDA launches leave out the arguments a call names absent (docs/design.md#absent-arguments);
+# bench_model.py's --kernel-stand-ins turns it off for an A/B in one process.
+LEAVES_OUT_ABSENT = True
+
+
+def absent_prelude(body: str, inputs: dict, outputs: dict) -> str:
+    """The lines a CUDA body is given for the arguments its launch leaves out (name -> dtype of the
+    stand-in a full launch would pass): a null pointer of the declared type, and where the body
+    names the argument's shape, ndim or strides, eight ones, 1 and eight ones. A template that
+    never reads or writes the argument compiles to what it did with the stand-in; one that did
+    would fault rather than read another argument's bytes."""
+    lines = []
+    # Locals of the body's outermost block, where a full launch has its parameters: the body never
+    # declares these names there, and shadows them in inner blocks as it does the parameters.
+    for name, dtype in inputs.items():
+        lines.append(f"const {_CUDA_TYPES[dtype]}* {name} = nullptr;")
+    for name, dtype in outputs.items():
+        lines.append(f"{_CUDA_TYPES[dtype]}* {name} = nullptr;")
+    for name in inputs:
+        if f"{name}_shape" in body:
+            lines.append(f"const int {name}_shape[8] = {{1, 1, 1, 1, 1, 1, 1, 1}};")
+        if f"{name}_strides" in body:
+            lines.append(f"const int64_t {name}_strides[8] = {{1, 1, 1, 1, 1, 1, 1, 1}};")
+        if f"{name}_ndim" in body:
+            lines.append(f"const int {name}_ndim = 1;")
+    return "".join(line + "\n" for line in lines)
+
+
 @dataclass
 class Kernel:
     """One kernel body, compiled for Metal or CUDA on first use.
@@ -104,23 +147,42 @@ class Kernel:
         """``defines`` as #define lines, put before the headers."""
         return "".join(f"#define {name} ({value})\n" for name, value in self.defines)
 
-    def _compiled(self, backend_name: str):
-        if backend_name not in self._built:
-            header, body = self.source(backend_name)
+    def left_out(self, backend_name: str, inputs, output_dtypes, absent) -> tuple[dict, dict]:
+        """(inputs, outputs) a launch on ``backend_name`` leaves out, name -> the stand-in's dtype:
+        the call's ``absent`` names on CUDA (docs/design.md#absent-arguments), none elsewhere (Metal
+        and the tests' simulator take the stand-ins)."""
+        if not absent or backend_name != "cuda" or not LEAVES_OUT_ABSENT:
+            return {}, {}
+        unknown = set(absent) - set(self.input_names) - set(self.output_names)
+        if unknown or self.input_names[0] in absent:
+            raise ValueError(f"kernel {self.name}: cannot leave out {sorted(unknown) or self.input_names[0]}")
+        ins = {n: a.dtype for n, a in zip(self.input_names, inputs) if n in absent}
+        outs = {n: d for n, d in zip(self.output_names, output_dtypes) if n in absent}
+        return ins, outs
+
+    def variant_source(self, backend_name: str, left_out: tuple[dict, dict]) -> tuple[str, str]:
+        """(header, body) of the launch that leaves out ``left_out`` (`left_out`'s value)."""
+        header, body = self.source(backend_name)
+        return header, absent_prelude(body, *left_out) + body if any(left_out) else body
+
+    def _compiled(self, backend_name: str, left_out: tuple[dict, dict] = ({}, {})):
+        key = (backend_name, tuple(left_out[0].items()), tuple(left_out[1].items()))
+        if key not in self._built:
+            header, body = self.variant_source(backend_name, left_out)
             common = dict(
                 name=self.name,
-                input_names=list(self.input_names),
-                output_names=list(self.output_names),
+                input_names=[n for n in self.input_names if n not in left_out[0]],
+                output_names=[n for n in self.output_names if n not in left_out[1]],
                 source=body,
                 header=header,
             )
             if backend_name == "metal":
-                self._built[backend_name] = mx.fast.metal_kernel(**common, compile_options={"math_mode": "safe"})
+                self._built[key] = mx.fast.metal_kernel(**common, compile_options={"math_mode": "safe"})
             elif backend_name == "cuda":  # the header as a file MLX does not hash (kernels/header_files.py)
-                self._built[backend_name] = mx.fast.cuda_kernel(**common | {"header": cuda_header(self.name, header)})
+                self._built[key] = mx.fast.cuda_kernel(**common | {"header": cuda_header(self.name, header)})
             else:
                 raise RuntimeError(f"kernel {self.name} needs a GPU backend, not {backend_name!r}")
-        return self._built[backend_name]
+        return self._built[key]
 
     def __call__(
         self,
@@ -132,26 +194,36 @@ class Kernel:
         threadgroup,
         template=None,
         init_value=None,
+        absent=(),
         backend_name: str | None = None,
         verbose: bool = False,
     ):
+        """The launch. ``absent``: names of inputs and outputs the template never reads or writes;
+        ``inputs`` and ``output_shapes`` still hold stand-ins for them (what Metal and the tests'
+        simulator are given), a CUDA launch leaves them out and returns None for such outputs."""
         threads = math.prod(threadgroup)
         if threads > self.max_threads:
             raise ValueError(
                 f"kernel {self.name}: threadgroup {tuple(threadgroup)} has {threads} threads, "
                 f"over its declared limit of {self.max_threads}"
             )
-        fn = self._compiled(backend_name or backend())
-        return fn(
-            inputs=list(inputs),
-            output_shapes=[tuple(s) for s in output_shapes],
-            output_dtypes=list(output_dtypes),
-            grid=tuple(grid),
-            threadgroup=tuple(threadgroup),
-            template=list(template or []),
-            init_value=init_value,
-            verbose=verbose,
+        backend_name = backend_name or backend()
+        left_out = self.left_out(backend_name, inputs, output_dtypes, absent)
+        fn = self._compiled(backend_name, left_out)
+        kept = [n not in left_out[1] for n in self.output_names]
+        outs = iter(
+            fn(
+                inputs=[a for n, a in zip(self.input_names, inputs) if n not in left_out[0]],
+                output_shapes=[tuple(s) for s, k in zip(output_shapes, kept) if k],
+                output_dtypes=[d for d, k in zip(output_dtypes, kept) if k],
+                grid=tuple(grid),
+                threadgroup=tuple(threadgroup),
+                template=list(template or []),
+                init_value=init_value,
+                verbose=verbose,
+            )
         )
+        return [next(outs) if k else None for k in kept]
 
 
 REGISTRY: dict[str, Kernel] = {}

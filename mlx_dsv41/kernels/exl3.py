@@ -431,10 +431,24 @@ def gemv_args(
             *rope_template,
         ],
         init_value=init_value,
+        absent=_gemv_absent(bias, finish_here, norm, pair, rope, window),
     )
     if fused or finish_here:
         return [gemv]
     return [gemv, _gemv_out_args(x, svh, bias, out_dtype, n_blocks, y_shape, init_value)]
+
+
+def _gemv_absent(bias, finish_here: bool, norm, pair, rope, window) -> tuple[str, ...]:
+    """The exl3_gemv arguments a launch's template never reads or writes (their stand-ins: see
+    _pair_inputs, _finish_inputs, _rope_inputs); a CUDA launch leaves them out."""
+    return (
+        *(("bias",) if bias is None else ()),
+        *(() if finish_here else ("counters", "y")),
+        *(("norm_w",) if norm is None else ()),
+        *(("suh2", "trellis2", "svh2", "y2") if pair is None else ()),
+        *(("offset", "period") if rope is None and window is None else ()),
+        *(("norm2_w", "window", "window_out") if window is None else ()),
+    )
 
 
 def _pair_inputs(pair, first: tuple, finish_here: bool, t: Tuning, x, guard_rows: int) -> tuple:
@@ -630,6 +644,21 @@ def _stacks_template(t: Tuning, warps: int, key, per_split: int, shared) -> list
     return [*values, ("K2S", group.k2), ("CBS", CODEBOOK_IDS[group.codebook]), ("STAGES_S", other["STAGES"])]
 
 
+_SHARED_GATE_UP = ("s1", "s3", "ssuh1", "ssuh3", "ssvh1", "ssvh3", "ssuh2", "sidx", "sw")
+_SHARED_DOWN = ("s2", "ssvh2", "sidx", "counters2", "moe")
+
+
+def _expert_absent(prev, finish, shared, finishing: tuple, sharing: tuple) -> tuple[str, ...]:
+    """The arguments of an expert launch its template never reads or writes (their stand-ins: prev
+    without HAS_PREV, the finishing part's without FINISH, the shared expert's without SHARED); a
+    CUDA launch leaves them out."""
+    return (
+        *(("prev",) if prev is None else ()),
+        *(finishing if finish is None else ()),
+        *(sharing if shared is None else ()),
+    )
+
+
 def gate_up_args(
     x, indices, w1, w3, key, lo: int, prev=None, tuning=None, guard: int = 0, init_value=None, finish=None, shared=None
 ) -> dict:
@@ -686,6 +715,7 @@ def gate_up_args(
             ("LIMIT_BITS", float_bits(limit if limit > 0 else 0.0)),
         ],
         init_value=init_value,
+        absent=_expert_absent(prev, finish, shared, ("weights", "suh2", "counters", "xh"), _SHARED_GATE_UP),
     )
 
 
@@ -779,6 +809,10 @@ def down_args(
             ("X_WIDTH", w2.in_features if xh.dtype != mx.uint32 else 0),
         ],
         init_value=init_value,
+        absent=(
+            *_expert_absent(prev, finish, shared, ("counters", "y"), _SHARED_DOWN),
+            *(("add",) if add is None else ()),
+        ),
     )
 
 

@@ -146,6 +146,7 @@ def args(
             ("RING", int(ring is not None)),
         ],
         init_value=init_value,
+        absent=(*(("weight",) if norm is None else ()), *(("ring",) if ring is None else ())),  # the stand-ins
     )
 
 

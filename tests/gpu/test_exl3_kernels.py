@@ -571,7 +571,7 @@ def test_expert_launches_that_finish_themselves_give_the_separate_bytes(case, mo
         init_value=NAN,
         finish=(mx.float32, None, counters),
     )
-    runs = [[to_np(o) for o in launch.EXPERT_DOWN(**call)] for _ in range(5)]
+    runs = [[to_np(o) for o in launch.EXPERT_DOWN(**call) if o is not None] for _ in range(5)]  # moe: absent
     assert all(same_bytes([r[i] for r in runs]) for i in range(2))
     assert all(np.all(np.isnan(o[-1])) and not np.any(np.isnan(o[:-1])) for o in runs[0])
     assert same_bytes([runs[0][0][:-1], to_np(partials[-1])]) and same_bytes([runs[0][1][:-1], to_np(y)])
