@@ -84,8 +84,8 @@ _CUDA_TYPES = {
     mx.bool_: "bool",
 }
 # Whether CUDA launches leave out the arguments a call names absent (docs/design.md#absent-arguments);
-# bench_model.py's --kernel-stand-ins turns it off for an A/B in one process.
-LEAVES_OUT_ABSENT = True
+# MLX_DSV41_KERNEL_STAND_INS=1 (a process) or bench_model.py's --kernel-stand-ins (a run) turns it off.
+LEAVES_OUT_ABSENT = os.environ.get("MLX_DSV41_KERNEL_STAND_INS", "").strip() != "1"
 
 
 def absent_prelude(body: str, inputs: dict, outputs: dict) -> str:
