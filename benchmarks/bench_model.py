@@ -111,6 +111,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -874,28 +875,45 @@ def prefill_main(a, info: dict) -> int:
 
 def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
     """Our model as the backend runs it by default (GPUs: the compiled step; the CPU: eagerly), or
-    with --compiled both ways, eager first."""
-    runs, saved = [], os.environ.get(compiled_step.ENV_VAR)
-    for setting in ("0", "1") if a.compiled else (saved,):
-        if setting is not None:
-            os.environ[compiled_step.ENV_VAR] = setting
-        mode = "compiled" if compiled_step.compiles(1) else "eager"
-        runs.append(measure(f"{label} {mode}", build, a, prompt_len))
-    if saved is None:
-        os.environ.pop(compiled_step.ENV_VAR, None)
-    else:
-        os.environ[compiled_step.ENV_VAR] = saved
-    if a.whole_kernel_sources:
-        with whole_kernel_sources():
-            runs.append(measure(f"{runs[-1]['label']}, whole kernel sources", build, a, prompt_len))
-    if a.inline_kernel_headers:
-        with inline_kernel_headers():
-            runs.append(measure(f"{runs[0]['label']}, kernel headers inline", build, a, prompt_len))
-    if a.exl3_tuning:
-        with exl3_tuning(a.exl3_tuning) as changed:
-            runs.append(measure(f"{runs[-1]['label']}, EXL3 {changed}", build, a, prompt_len))
+    with --compiled both ways, eager first; then each A/B run asked for (with --ab-first, the A/B
+    runs first: the second run of a process has measured slower in every A/B, docs/benchmarks.md)."""
+    base_runs, saved = [], os.environ.get(compiled_step.ENV_VAR)
+
+    def base():
+        for setting in ("0", "1") if a.compiled else (saved,):
+            if setting is not None:
+                os.environ[compiled_step.ENV_VAR] = setting
+            mode = "compiled" if compiled_step.compiles(1) else "eager"
+            base_runs.append(measure(f"{label} {mode}", build, a, prompt_len))
+        if saved is None:
+            os.environ.pop(compiled_step.ENV_VAR, None)
+        else:
+            os.environ[compiled_step.ENV_VAR] = saved
+
+    mode = "compiled" if compiled_step.compiles(1) else "eager"
+    ab = [(f"{label} {mode}, {what}", context) for what, context in ab_contexts(a)]
+    ab_runs = []
+    if not a.ab_first:
+        base()
+    for run_label, context in ab:
+        with context() as changed:
+            ab_runs.append(measure(run_label.format(changed=changed), build, a, prompt_len))
+    if a.ab_first:
+        base()
+    return base_runs + ab_runs if not a.ab_first else ab_runs + base_runs
+
+
+def ab_contexts(a) -> list[tuple[str, Callable]]:
+    """(what the run changes, a context manager factory doing it) of each A/B run asked for."""
     from mlx_dsv41.model import rope as rope_module
 
+    contexts = []
+    if a.whole_kernel_sources:
+        contexts.append(("whole kernel sources", whole_kernel_sources))
+    if a.inline_kernel_headers:
+        contexts.append(("kernel headers inline", inline_kernel_headers))
+    if a.exl3_tuning:
+        contexts.append(("EXL3 {changed}", functools.partial(exl3_tuning, a.exl3_tuning)))
     switches = [  # (flag, what the run turns off, the switches it sets)
         (a.separate_ring_writes, "ring writes apart from the rope", [(rope_module, "WRITES_RING")]),
         (
@@ -909,11 +927,8 @@ def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
         (a.attention_builds_index_list, "the attention's index list built by MLX", [(index_select, "LISTS")]),
         (a.kernel_stand_ins, "unused kernel arguments passed as stand-ins", [(kernels, "LEAVES_OUT_ABSENT")]),
     ]
-    for flag, what, off in switches:
-        if flag:
-            with switched_off(off):
-                runs.append(measure(f"{runs[0]['label']}, {what}", build, a, prompt_len))
-    return runs
+    contexts += [(what, functools.partial(switched_off, off)) for flag, what, off in switches if flag]
+    return contexts
 
 
 @contextlib.contextmanager
@@ -1077,6 +1092,11 @@ def main() -> int:
         "--indexer-reference",
         action="store_true",
         help="also time our decode with the indexer's scores and top-k in plain MLX, not index_scores (the A/B)",
+    )
+    ap.add_argument(
+        "--ab-first",
+        action="store_true",
+        help="run the A/B runs asked for before our default run (the other order; one process)",
     )
     ap.add_argument(
         "--kernel-stand-ins",
