@@ -27,20 +27,7 @@ from mlx_dsv41.kernels import Kernel
 # Stand-in headers (not installed: they exist only to compile sources in CI).
 STUBS = Path(__file__).resolve().parent / "kernel_stubs"
 
-_CUDA_TYPES = {
-    mx.float32: "float",
-    mx.float16: "__half",
-    mx.bfloat16: "__nv_bfloat16",
-    mx.int32: "int32_t",
-    mx.uint32: "uint32_t",
-    mx.int16: "int16_t",
-    mx.uint16: "uint16_t",
-    mx.int8: "int8_t",
-    mx.uint8: "uint8_t",
-    mx.int64: "int64_t",
-    mx.uint64: "uint64_t",
-    mx.bool_: "bool",
-}
+_CUDA_TYPES = kernels.CUDA_TYPES
 
 
 def _capture_fd1(fn) -> str:

@@ -69,7 +69,7 @@ def float_bits(v: float) -> int:
 
 
 # The C types MLX's CUDA backend declares each input and output with (`const T* name`, `T* name`).
-_CUDA_TYPES = {
+CUDA_TYPES = {
     mx.float32: "float",
     mx.float16: "__half",
     mx.bfloat16: "__nv_bfloat16",
@@ -98,9 +98,9 @@ def absent_prelude(body: str, inputs: dict, outputs: dict) -> str:
     # Locals of the body's outermost block, where a full launch has its parameters: the body never
     # declares these names there, and shadows them in inner blocks as it does the parameters.
     for name, dtype in inputs.items():
-        lines.append(f"const {_CUDA_TYPES[dtype]}* {name} = nullptr;")
+        lines.append(f"const {CUDA_TYPES[dtype]}* {name} = nullptr;")
     for name, dtype in outputs.items():
-        lines.append(f"{_CUDA_TYPES[dtype]}* {name} = nullptr;")
+        lines.append(f"{CUDA_TYPES[dtype]}* {name} = nullptr;")
     for name in inputs:
         if f"{name}_shape" in body:
             lines.append(f"const int {name}_shape[8] = {{1, 1, 1, 1, 1, 1, 1, 1}};")

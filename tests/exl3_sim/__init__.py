@@ -25,21 +25,10 @@ import ml_dtypes
 import mlx.core as mx
 import numpy as np
 
-from mlx_dsv41 import metal_ext
+from mlx_dsv41 import kernels, metal_ext
 
 HERE = Path(__file__).parent
-_C_TYPES = {
-    mx.float32: "float",
-    mx.float16: "sim_half",
-    mx.bfloat16: "sim_bf16",
-    mx.int32: "int32_t",
-    mx.uint32: "uint32_t",
-    mx.int16: "int16_t",
-    mx.uint16: "uint16_t",
-    mx.int8: "int8_t",
-    mx.uint8: "uint8_t",
-    mx.bool_: "bool",
-}
+_C_TYPES = kernels.CUDA_TYPES | {mx.float16: "sim_half", mx.bfloat16: "sim_bf16"}  # the simulator's 16-bit floats
 _NP_TYPES = {
     mx.float32: np.float32,
     mx.float16: np.float16,
