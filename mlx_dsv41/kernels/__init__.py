@@ -161,7 +161,7 @@ class Kernel:
         return ins, outs
 
     def variant_source(self, backend_name: str, left_out: tuple[dict, dict]) -> tuple[str, str]:
-        """(header, body) of the launch that leaves out ``left_out`` (`left_out`'s value)."""
+        """(header, body) of a launch that leaves out ``left_out`` (what `left_out` returns)."""
         header, body = self.source(backend_name)
         return header, absent_prelude(body, *left_out) + body if any(left_out) else body
 
