@@ -316,3 +316,27 @@ def test_the_kernel_timeline_counts_overlapping_launches_once():
     busy, span = bench_model.kernel_timeline([(20, 25), (0, 10), (5, 12), (24, 30), (40, 41)])
     assert (round(busy, 6), round(span, 6)) == (0.023, 0.041)
     assert bench_model.kernel_timeline([]) == (None, None)
+
+
+@pytest.mark.parametrize("ab_first", [False, True])
+def test_the_ab_runs_come_after_or_before_the_default_run_with_their_switch_set(monkeypatch, ab_first):
+    """--ab-first runs the A/B runs (here --kernel-stand-ins) before our default run; each run sees
+    its own setting of the switch, and the switch is back afterwards."""
+    from mlx_dsv41 import kernels
+
+    seen = []
+    monkeypatch.setattr(
+        bench_model,
+        "measure",
+        lambda label, build, a, n: seen.append((label, kernels.LEAVES_OUT_ABSENT)) or {"label": label},
+    )
+    flags = ("whole_kernel_sources", "inline_kernel_headers", "separate_ring_writes", "separate_launches")
+    flags += ("host_counters", "host_position", "indexer_reference", "attention_builds_index_list")
+    a = argparse.Namespace(
+        compiled=False, exl3_tuning=[], kernel_stand_ins=True, ab_first=ab_first, **dict.fromkeys(flags, False)
+    )
+    runs = bench_model.ours_runs("ours", None, a, 8)
+    base = [(label, True) for label, _ in seen if "stand-ins" not in label]
+    ab = [(label, False) for label, _ in seen if "stand-ins" in label]
+    assert len(base) == len(ab) == 1 and seen == (ab + base if ab_first else base + ab)
+    assert [r["label"] for r in runs] == [label for label, _ in seen] and kernels.LEAVES_OUT_ABSENT
