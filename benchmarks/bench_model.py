@@ -877,30 +877,31 @@ def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
     """Our model as the backend runs it by default (GPUs: the compiled step; the CPU: eagerly), or
     with --compiled both ways, eager first; then each A/B run asked for (with --ab-first, the A/B
     runs first: the second run of a process has measured slower in every A/B, docs/benchmarks.md)."""
-    base_runs, saved = [], os.environ.get(compiled_step.ENV_VAR)
+    runs, saved = [], os.environ.get(compiled_step.ENV_VAR)
+
+    def named() -> str:  # the label with the mode the environment sets now
+        return f"{label} {'compiled' if compiled_step.compiles(1) else 'eager'}"
+
+    default = named()
 
     def base():
         for setting in ("0", "1") if a.compiled else (saved,):
             if setting is not None:
                 os.environ[compiled_step.ENV_VAR] = setting
-            mode = "compiled" if compiled_step.compiles(1) else "eager"
-            base_runs.append(measure(f"{label} {mode}", build, a, prompt_len))
+            runs.append(measure(named(), build, a, prompt_len))
         if saved is None:
             os.environ.pop(compiled_step.ENV_VAR, None)
         else:
             os.environ[compiled_step.ENV_VAR] = saved
 
-    mode = "compiled" if compiled_step.compiles(1) else "eager"
-    ab = [(f"{label} {mode}, {what}", context) for what, context in ab_contexts(a)]
-    ab_runs = []
-    if not a.ab_first:
-        base()
-    for run_label, context in ab:
-        with context() as changed:
-            ab_runs.append(measure(run_label.format(changed=changed), build, a, prompt_len))
-    if a.ab_first:
-        base()
-    return base_runs + ab_runs if not a.ab_first else ab_runs + base_runs
+    def ab():
+        for what, context in ab_contexts(a):
+            with context() as changed:
+                runs.append(measure(f"{default}, {what}".format(changed=changed), build, a, prompt_len))
+
+    for part in (ab, base) if a.ab_first else (base, ab):
+        part()
+    return runs
 
 
 def ab_contexts(a) -> list[tuple[str, Callable]]:

@@ -129,13 +129,12 @@ def _wide_kernel(inputs: int, outputs: int, name: str):
     in_names = ["x", *(f"w{i}" for i in range(inputs - 1))]
     out_names = ["y", *(f"z{i}" for i in range(outputs - 1))]
     body = " ".join(f"{o}[0] = x[0] + 1.0f;" for o in out_names)
-    k = mx.fast.cuda_kernel(
+    return mx.fast.cuda_kernel(
         name=name,
         input_names=in_names,
         output_names=out_names,
         source=f"if (threadIdx.x == 0 && blockIdx.x == 0) {{ {body} }}",
     )
-    return k
 
 
 def inputs_part(repeats: int, links: int = 16):
@@ -150,7 +149,7 @@ def inputs_part(repeats: int, links: int = 16):
         weights = [[mx.random.normal((size,)) for _ in range(n_in - 1)] for _ in range(links)]
         mx.eval(weights)
 
-        def chain(x, k=k, weights=weights, n_out=n_out):  # noqa: B023
+        def chain(x, k=k, weights=weights, n_out=n_out):
             for w in weights:
                 outs = k(
                     inputs=[x, *w],

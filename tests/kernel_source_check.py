@@ -27,8 +27,6 @@ from mlx_dsv41.kernels import Kernel
 # Stand-in headers (not installed: they exist only to compile sources in CI).
 STUBS = Path(__file__).resolve().parent / "kernel_stubs"
 
-_CUDA_TYPES = kernels.CUDA_TYPES
-
 
 def _capture_fd1(fn) -> str:
     """Run fn() and return what C++ code wrote to file descriptor 1 meanwhile."""
@@ -68,8 +66,7 @@ def cuda_source(kernel: Kernel, call: dict, source: tuple[str, str] | None = Non
     (the launch leaves them out: kernels.absent_prelude)."""
     left_out = kernel.left_out("cuda", call["inputs"], call["output_dtypes"], call.get("absent", ()))
     header, body = source or kernel.source("cuda")
-    if any(left_out):
-        body = kernels.absent_prelude(body, *left_out) + body
+    body = kernels.absent_prelude(body, *left_out) + body
     lines = [
         '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
         "#define inf cuda::std::numeric_limits<float>::infinity()\n",
@@ -81,14 +78,14 @@ def cuda_source(kernel: Kernel, call: dict, source: tuple[str, str] | None = Non
     for name, arr in zip(kernel.input_names, call["inputs"]):
         if name in left_out[0]:
             continue
-        params.append(f"    const {_CUDA_TYPES[arr.dtype]}* {name}")
+        params.append(f"    const {kernels.CUDA_TYPES[arr.dtype]}* {name}")
         if arr.ndim > 0:
             for suffix, ctype in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
                 if name + suffix in body:
                     params.append(f"    const __grid_constant__ {ctype} {name}{suffix}")
     for name, dtype in zip(kernel.output_names, call["output_dtypes"]):
         if name not in left_out[1]:
-            params.append(f"    {_CUDA_TYPES[dtype]}* {name}")
+            params.append(f"    {kernels.CUDA_TYPES[dtype]}* {name}")
     lines.append(",\n".join(params) + ") {")
     for tname, value in call.get("template") or []:
         if isinstance(value, bool):
@@ -96,7 +93,7 @@ def cuda_source(kernel: Kernel, call: dict, source: tuple[str, str] | None = Non
         elif isinstance(value, int):
             lines.append(f"  constexpr int {tname} = {value};")
         else:
-            lines.append(f"  using {tname} = {_CUDA_TYPES[value]};")
+            lines.append(f"  using {tname} = {kernels.CUDA_TYPES[value]};")
     lines.append(body)
     lines.append("}\n}  // namespace mlx::core::cu\n")
     return "\n".join(lines)

@@ -90,7 +90,7 @@ LEAVES_OUT_ABSENT = os.environ.get("MLX_DSV41_KERNEL_STAND_INS", "").strip() != 
 
 def absent_prelude(body: str, inputs: dict, outputs: dict) -> str:
     """The lines a CUDA body is given for the arguments its launch leaves out (name -> dtype of the
-    stand-in a full launch would pass): a null pointer of the declared type, and where the body
+    stand-in a full launch would pass; none: ""): a null pointer of the declared type, and where the body
     names the argument's shape, ndim or strides, eight ones, 1 and eight ones. A template that
     never reads or writes the argument compiles to what it did with the stand-in; one that did
     would fault rather than read another argument's bytes."""
@@ -163,7 +163,7 @@ class Kernel:
     def variant_source(self, backend_name: str, left_out: tuple[dict, dict]) -> tuple[str, str]:
         """(header, body) of a launch that leaves out ``left_out`` (what `left_out` returns)."""
         header, body = self.source(backend_name)
-        return header, absent_prelude(body, *left_out) + body if any(left_out) else body
+        return header, absent_prelude(body, *left_out) + body
 
     def _compiled(self, backend_name: str, left_out: tuple[dict, dict] = ({}, {})):
         key = (backend_name, tuple(left_out[0].items()), tuple(left_out[1].items()))
