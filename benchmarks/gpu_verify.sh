@@ -97,6 +97,8 @@ run() {  # run NAME: one stage
     pool) stage pool 120 python3 benchmarks/scalar_pool.py --out "$LOGS" ;;
     # where the merged launches' device time goes: each beside its parts and ablated copies
     parts) stage parts 150 python3 benchmarks/kernel_parts.py --out "$LOGS" ;;
+    # the mHC site launches alone after a 512 MiB read each: as cold as in a decode step
+    parts_cold) stage parts_cold 120 python3 benchmarks/kernel_parts.py --cold --sites-only --out "$LOGS/cold" ;;
     # MLX's host cost a launch: trivial kernels, then against the inputs and outputs a launch carries
     # (the inputs part again with MLX_USE_CUDA_GRAPHS=0: each kernel launched directly)
     host) stage host 120 bash -c "python3 benchmarks/profile_exl3.py --part host && python3 benchmarks/profile_exl3.py --part inputs \

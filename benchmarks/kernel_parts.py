@@ -7,7 +7,7 @@ Nothing here is a correctness check (tests/gpu/ holds those).
 
 Times: each case launched `--repeats` times, one eval each, under CUPTI (torch.profiler, as
 bench_model.py counts kernels); the median device µs per launch of every kernel the case ran.
-Usage (GPU machine): python benchmarks/kernel_parts.py [--repeats 40] [--out DIR]
+Usage (GPU machine): python benchmarks/kernel_parts.py [--repeats 40] [--cold] [--sites-only] [--out DIR]
 """
 
 from __future__ import annotations
@@ -88,6 +88,17 @@ def _site_inputs(seed=0):
 
 
 _NO_FINISH = [("hc_mix_token<", "if (false) hc_mix_token<")]
+# fn's fp32 rows not read (each lane's values made from its chunk index): what the weights' reads cost
+_NO_FN_READ = [
+    (
+        "KX_LOAD_X4(float4, (const KX_DEVICE float*)w + (u64)n * K + c * 8, wf[u][j]);",
+        "for (int e = 0; e < 4; e++) wf[u][j][e] = (float)(c + e + n);",
+    ),
+    (
+        "KX_LOAD_X4(float4, (const KX_DEVICE float*)w + (u64)n * K + c * 8 + 4, wf[u][j] + 4);",
+        "for (int e = 4; e < 8; e++) wf[u][j][e] = (float)(c + e + n);",
+    ),
+]
 
 
 def site_cases() -> dict:
@@ -121,6 +132,7 @@ def site_cases() -> dict:
         "hc_expand_site": expand_site_call(hc.EXPAND_SITE),
         "hc_expand_site, 1 Sinkhorn iteration": expand_site_call(hc.EXPAND_SITE, 1),
         "hc_expand_site, no finish": expand_site_call(ablated(hc.EXPAND_SITE, "nofinish", _NO_FINISH)),
+        "hc_expand_site, fn not read": expand_site_call(ablated(hc.EXPAND_SITE, "nofn", _NO_FN_READ, "fp32_gemv.h")),
     }
 
 
@@ -167,22 +179,33 @@ def attention_cases() -> dict:
     return cases
 
 
-def device_times(cases: dict, repeats: int) -> dict:
-    """{case: {kernel: median µs}} under CUPTI, each case's launches `repeats` times."""
+def device_times(cases: dict, repeats: int, cold: bool = False) -> dict:
+    """{case: {kernel: median µs}} under CUPTI, each case's launches `repeats` times; `cold`: after
+    a read of 512 MiB before each (L2 and TLBs hold other data, as in a decode step, where a
+    layer's weights pass between one launch of a kind and the next), that read's kernels left out."""
     from torch.profiler import ProfilerActivity, profile
 
-    out = {}
+    flush = mx.ones((128 << 20,), mx.float32) if cold else None
+    out, skip = {}, set()
+    if cold:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            mx.eval(mx.sum(flush))
+            mx.synchronize()
+        skip = {name for name, _, _ in kernel_events(prof)}
     for label, call in cases.items():
         for _ in range(3):  # JIT, allocator
             mx.eval(call())
         mx.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(repeats):
+                if cold:
+                    mx.eval(mx.sum(flush))
                 mx.eval(call())
             mx.synchronize()
         times = defaultdict(list)
         for name, us, _ in kernel_events(prof):
-            times[name].append(us)
+            if name not in skip:
+                times[name].append(us)
         out[label] = {k: round(statistics.median(v), 2) for k, v in times.items() if len(v) >= repeats // 2}
         print(f"{label:45s} " + ", ".join(f"{k} {v:.2f} µs" for k, v in out[label].items()), flush=True)
     return out
@@ -192,11 +215,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--cold", action="store_true", help="each launch after a 512 MiB read (see device_times)")
+    p.add_argument("--sites-only", action="store_true", help="the mHC site launches only")
     args = p.parse_args()
     if backend() != "cuda":
         print("kernel_parts.py: needs MLX's CUDA backend (CUPTI times)", file=sys.stderr)
         return 2
-    result = device_times(site_cases() | attention_cases(), args.repeats)
+    cases = site_cases() if args.sites_only else site_cases() | attention_cases()
+    result = device_times(cases, args.repeats, args.cold)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "kernel_parts.json").write_text(json.dumps(result, indent=1))
