@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_grid_finish_gpu import EPS, HC, HC_EPS, ITERS, NORM_EPS, D, _bytes, _site_inputs
 
 from mlx_dsv41 import kernels
 from mlx_dsv41.exl3 import ops
@@ -18,6 +17,7 @@ from mlx_dsv41.kernels import exl3 as launch
 from mlx_dsv41.kernels import grid_finish
 from mlx_dsv41.kernels import hyper_connections as hc
 from mlx_dsv41.kernels import moe_route as mr
+from tests.gpu.test_grid_finish_gpu import EPS, HC, HC_EPS, ITERS, NORM_EPS, D, _bytes, _site_inputs
 
 pytestmark = pytest.mark.gpu
 SITE_KW = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
