@@ -64,8 +64,11 @@ def takes(x, wkv, wgate, kv) -> bool:
     return x is None or (wkv.dtype == wgate.dtype and fp32_linear.takes_kernel(rows, wkv))
 
 
-def args(position, pending: int, raw_kv, raw_gate, x=None, wkv=None, wgate=None, kv=None, gate=None, guard=0) -> dict:
-    """Launch kwargs (module docstring; `guard` rows past each output, flattened to rows: tests)."""
+def args(
+    position, pending: int, raw_kv, raw_gate, x=None, wkv=None, wgate=None, kv=None, gate=None, init_value=None, guard=0
+) -> dict:
+    """Launch kwargs (module docstring; `guard` rows past each output, flattened to rows, and
+    `init_value`: tests)."""
     _check(pending, raw_kv, raw_gate, x, wkv, wgate, kv, gate)
     B, Q, N = raw_kv.shape
     project = x is not None
@@ -87,6 +90,7 @@ def args(position, pending: int, raw_kv, raw_gate, x=None, wkv=None, wgate=None,
         output_dtypes=[mx.float32] * 4,
         grid=(fp32_linear.THREADS * 2 * (groups + tasks), 1, 1),
         threadgroup=(fp32_linear.THREADS, 1, 1),
+        init_value=init_value,
         template=[*template, ("S", S), ("P", pending), ("PROJECT", int(project)), ("ROWS", int(rows_out))],
         absent=(("kv", "gate") if project else ("x", "wkv", "wgate")) + (() if rows_out else ("kv_rows", "gate_rows")),
     )
