@@ -246,3 +246,44 @@ def test_the_compressor_gpu_path_gives_the_reference(monkeypatch, dense):
             # fp32 sums in another order than the CPU's matmul; the latents are bf16 (one rounding)
             bound = 2**-7 if gg is g[0] else 2e-6
             assert np.abs(gg - cc).max() <= bound * np.abs(cc).max(), step
+
+
+def test_an_exl3_compressor_takes_two_launches_with_the_bytes_of_its_launches_apart(monkeypatch):
+    """EXL3 weights (Flash's compressor, docs/checkpoint.md#exl3-quantized-tensors): one paired
+    exl3_gemv from bf16 x with fp32 outputs (no cast) and compressor_raw with the rows given, where
+    the step had a cast, two GEMVs and group_inputs' launches: the same latents and rings, byte for
+    byte, over every phase (the simulator runs both)."""
+    from mlx_dsv41.exl3 import EXL3Linear, ops
+    from mlx_dsv41.exl3.synthetic import random_linear_tensors
+    from mlx_dsv41.kernels import exl3 as launch
+    from mlx_dsv41.kernels import grid_finish
+
+    args = tiny_args(hidden_size=1024, head_dim=128)
+    comp = Compressor(args, 1)
+    for j, name in enumerate(("wkv", "wgate")):
+        setattr(
+            comp, name, EXL3Linear.from_stored(random_linear_tensors(1024, 128, 3, "mul1", seed=j, prefix="p"), "p")
+        )
+    sims = {k.name: exl3_sim.launcher(k, mma=False) for k in (cr.KERNEL, launch.GEMV)}
+    calls = []
+
+    def on_sim(self, **call):
+        calls.append((self.name, dict(call["template"]).get("PAIR", 0), call["inputs"][0].dtype))
+        return sims[self.name](**call)
+
+    monkeypatch.setattr(kernels.Kernel, "__call__", on_sim)
+    for module in (cr, ops, launch):
+        monkeypatch.setattr(module, "backend", lambda: "cuda")
+    monkeypatch.setitem(grid_finish.GRID_FINISH, "cuda", True)
+    chunks = [3, 1, 1, 2, 1]
+    one = _steps(comp, args, chunks, 4)
+    assert [c[0] for c in calls] == ["exl3_gemv", "compressor_raw"] * len(chunks)
+    assert all(pair > 0 and dtype == BF for name, pair, dtype in calls if name == "exl3_gemv")
+    calls.clear()
+    monkeypatch.setattr(cr, "backend", lambda: "cpu")  # the launches apart: cast, two GEMVs, group_inputs
+    monkeypatch.setattr(launch, "TUNING", launch.Tuning(paired_gemv=0))
+    apart = _steps(comp, args, chunks, 4)
+    assert {(name, pair, dtype) for name, pair, dtype in calls} == {("exl3_gemv", 0, F32)}
+    for step, (a, b) in enumerate(zip(one, apart)):
+        assert (a[0] is None) == (b[0] is None), step
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(a, b) if x is not None), step

@@ -18,7 +18,7 @@ from mlx_dsv41.cache import LayerCache
 from mlx_dsv41.config import ModelArgs
 from mlx_dsv41.kernels import compressor_raw
 from mlx_dsv41.model.norm import RMSNorm
-from mlx_dsv41.quant import DenseLinear, paired_linears
+from mlx_dsv41.quant import DenseLinear, fp32_pair
 
 
 def pool_groups(kv: mx.array, gate: mx.array, ratio: int) -> mx.array:
@@ -63,9 +63,7 @@ class Compressor(nn.Module):
         wkv, wgate = _dense_weight(self.wkv), _dense_weight(self.wgate)
         got = None if wkv is None or wgate is None else compressor_raw.open_group(*raw, x=x, wkv=wkv, wgate=wgate)
         if got is None:
-            # fp32 linears (docs/numerics.md#fp32-linears); pooling stays in fp32
-            xf = x.astype(mx.float32)
-            kv, gate = (y.astype(mx.float32) for y in paired_linears(self.wkv, self.wgate, xf))
+            kv, gate = fp32_pair(self.wkv, self.wgate, x)  # pooling stays in fp32
             got = compressor_raw.open_group(*raw, kv=kv, gate=gate)
             if got is None:
                 return cache.group_inputs(kv, gate)

@@ -7,7 +7,8 @@ compressor shapes (5,120 inputs, 512 outputs, a raw ring of 32 + 1 rows):
 - the projections within fp32 rounding of float64, NaN / inf where float64 puts them;
 - outputs poisoned (NaN) before launch, guard rows untouched, five repeats byte-identical, the
   launch limit declared;
-- a Compressor decodes several whole groups with the same latents and rings as without the kernel."""
+- a Compressor, with dense (bf16) and with EXL3 weights, decodes several whole groups with the same
+  latents and rings as with the launches apart."""
 
 import mlx.core as mx
 import numpy as np
@@ -118,29 +119,52 @@ def test_nonfinite_inputs_follow_float64():
     np.testing.assert_allclose(rows[finite], want[finite], rtol=0, atol=1e-4)
 
 
+def _decode(comp, args):
+    """Latents and the kv ring after each of several chunks (every phase, whole groups), batch 2."""
+    cache, rng, out = make_layer_cache(args, 1), np.random.default_rng(5), []
+    for S in [3, 1, 1, 1, 2, 1, 1, 3, 1, 1]:
+        x = mx.array(rng.standard_normal((2, S, args.hidden_size)).astype(np.float32)).astype(mx.bfloat16)
+        cache.bind(mx.array(cache.offset, mx.int32))
+        latent, _ = comp(x, cache)
+        cache.advance(S)
+        out.append([None if latent is None else np.array(latent.astype(mx.float32)), np.array(cache.raw_kv)])
+    return out
+
+
+def _same(one, apart):
+    for a, b in zip(one, apart):
+        assert (a[0] is None) == (b[0] is None)
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(a, b) if x is not None)
+
+
 def test_a_compressor_decodes_with_the_bytes_of_the_launches_apart(monkeypatch):
     from attention_stack import tiny_args
 
     args = tiny_args(hidden_size=K, head_dim=N)
     comp = Compressor(args, 1)
-    for name in ("wkv", "wgate"):
+    for j, name in enumerate(("wkv", "wgate")):
         lin = DenseLinear(K, N, bias=False)
-        lin.update({"weight": (mx.random.normal((N, K), key=mx.random.key(len(name))) * K**-0.5).astype(mx.bfloat16)})
+        lin.update({"weight": (mx.random.normal((N, K), key=mx.random.key(j)) * K**-0.5).astype(mx.bfloat16)})
         setattr(comp, name, lin)
-
-    def steps():
-        cache, rng, out = make_layer_cache(args, 1), np.random.default_rng(5), []
-        for S in [3, 1, 1, 1, 2, 1, 1, 3, 1, 1]:
-            x = mx.array(rng.standard_normal((2, S, K)).astype(np.float32)).astype(mx.bfloat16)
-            cache.bind(mx.array(cache.offset, mx.int32))
-            latent, _ = comp(x, cache)
-            cache.advance(S)
-            out.append([None if latent is None else np.array(latent.astype(mx.float32)), np.array(cache.raw_kv)])
-        return out
-
-    one = steps()
+    one = _decode(comp, args)
     monkeypatch.setattr(cr, "backend", lambda: "cpu")  # the compressor's launches apart
-    apart = steps()
-    for a, b in zip(one, apart):
-        assert (a[0] is None) == (b[0] is None)
-        assert all(x.tobytes() == y.tobytes() for x, y in zip(a, b) if x is not None)
+    _same(one, _decode(comp, args))
+
+
+def test_an_exl3_compressor_decodes_with_the_bytes_of_the_launches_apart(monkeypatch):
+    """Flash's compressor (EXL3, K = 5): the paired exl3_gemv from bf16 x with fp32 outputs and the
+    given-rows launch, against the cast, the two GEMVs and group_inputs' launches."""
+    from attention_stack import tiny_args
+
+    from mlx_dsv41.exl3 import EXL3Linear
+    from mlx_dsv41.exl3.synthetic import random_linear_tensors
+    from mlx_dsv41.kernels import exl3 as launch
+
+    args = tiny_args(hidden_size=K, head_dim=N)
+    comp = Compressor(args, 1)
+    for j, name in enumerate(("wkv", "wgate")):
+        setattr(comp, name, EXL3Linear.from_stored(random_linear_tensors(K, N, 5, "mul1", seed=j, prefix="p"), "p"))
+    one = _decode(comp, args)
+    monkeypatch.setattr(cr, "backend", lambda: "cpu")
+    monkeypatch.setattr(launch, "TUNING", launch.Tuning(paired_gemv=0))
+    _same(one, _decode(comp, args))
