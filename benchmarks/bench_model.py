@@ -124,7 +124,7 @@ import flash_model  # noqa: E402 (benchmarks/ is not a package)
 from count_ops import VIEWS  # noqa: E402
 
 from mlx_dsv41 import kernels  # noqa: E402
-from mlx_dsv41.kernels import backend, grid_finish, index_select, sparse_attention  # noqa: E402
+from mlx_dsv41.kernels import backend, compressor_raw, grid_finish, index_select, sparse_attention  # noqa: E402
 from mlx_dsv41.model import compiled_step  # noqa: E402
 from mlx_dsv41.synthetic import hf_config  # noqa: E402
 
@@ -928,6 +928,7 @@ def ab_contexts(a) -> list[tuple[str, Callable]]:
         (a.attention_builds_index_list, "the attention's index list built by MLX", [(index_select, "LISTS")]),
         (a.kernel_stand_ins, "unused kernel arguments passed as stand-ins", [(kernels, "LEAVES_OUT_ABSENT")]),
         (a.scratch_outputs, "scratch outputs allocated by MLX", [(kernels, "HOLDS_SCRATCH")]),
+        (a.separate_compressor, "the compressor's ring writes and rows by MLX", [(compressor_raw, "ENABLED")]),
     ]
     contexts += [(what, functools.partial(switched_off, off)) for flag, what, off in switches if flag]
     return contexts
@@ -1111,6 +1112,12 @@ def main() -> int:
         action="store_true",
         help="also time our decode with the finishing launches' scratch (part sums) allocated as MLX outputs, not "
         "written into buffers the model holds (the A/B; docs/design.md#held-scratch)",
+    )
+    ap.add_argument(
+        "--separate-compressor",
+        action="store_true",
+        help="also time our decode with the compressor's raw-ring writes and open-group rows made by MLX, not "
+        "by compressor_raw (the A/B; docs/design.md#compressor-raw)",
     )
     ap.add_argument(
         "--attention-builds-index-list",

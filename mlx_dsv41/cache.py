@@ -237,13 +237,7 @@ class LayerCache(_PositionalCache):
         """Ratio > 1 owners: record the new raw projections; return the rows from the start of the
         open group on (the carried partial group, then the new tokens), fp32 [B, pending + S, D]."""
         B, S, D = kv.shape
-        Q, pending = self.raw_capacity, self.offset % self.ratio
-        self._ensure_raw(B, D)
-        if pending > self.offset - self.raw_from:
-            raise ValueError(
-                f"LayerCache: the open group needs {pending} raw rows before offset "
-                f"{self.offset}, but only {self.offset - self.raw_from} are held"
-            )
+        Q, pending = self.raw_capacity, self.open_group(B, D)
         all_kv, all_gate = kv, gate
         if pending:
             held = ring_slots(self.position, -pending, pending, Q)
@@ -255,6 +249,23 @@ class LayerCache(_PositionalCache):
         self.raw_kv = store_rows(self.raw_kv, kv[:, S - keep :], self.position + (S - keep), Q)
         self.raw_gate = store_rows(self.raw_gate, gate[:, S - keep :], self.position + (S - keep), Q)
         return all_kv, all_gate
+
+    def open_group(self, batch: int, dim: int) -> int:
+        """Ratio > 1 owners: the rows of the open group held in the raw rings (offset mod ratio), the
+        rings made if new; a caller that writes the rings itself (kernels.compressor_raw, as
+        group_inputs does) hands them to `written_raw`."""
+        pending = self.offset % self.ratio
+        self._ensure_raw(batch, dim)
+        if pending > self.offset - self.raw_from:
+            raise ValueError(
+                f"LayerCache: the open group needs {pending} raw rows before offset "
+                f"{self.offset}, but only {self.offset - self.raw_from} are held"
+            )
+        return pending
+
+    def written_raw(self, raw_kv: mx.array, raw_gate: mx.array) -> None:
+        """The raw rings with this call's rows written (see open_group)."""
+        self.raw_kv, self.raw_gate = raw_kv, raw_gate
 
     def append_compressed(self, kv: mx.array | None, index_keys: mx.array | None) -> tuple[mx.array, mx.array]:
         """Owners: store the entries completed by this call (None: none); return the whole buffers

@@ -331,7 +331,14 @@ def test_the_ab_runs_come_after_or_before_the_default_run_with_their_switch_set(
         lambda label, build, a, n: seen.append((label, kernels.LEAVES_OUT_ABSENT)) or {"label": label},
     )
     flags = ("whole_kernel_sources", "inline_kernel_headers", "separate_ring_writes", "separate_launches")
-    flags += ("host_counters", "host_position", "indexer_reference", "attention_builds_index_list", "scratch_outputs")
+    flags += (
+        "host_counters",
+        "host_position",
+        "indexer_reference",
+        "attention_builds_index_list",
+        "scratch_outputs",
+        "separate_compressor",
+    )
     a = argparse.Namespace(
         compiled=False, exl3_tuning=[], kernel_stand_ins=True, ab_first=ab_first, **dict.fromkeys(flags, False)
     )

@@ -76,11 +76,14 @@ class EXL3Linear(nn.Module):
             x, self.trellis, self.suh, self.svh, self.codebook, weight, eps, self.get("bias"), self.out_features, self
         )
 
-    def paired(self, other: nn.Module, x: mx.array, norm: tuple | None = None, window=None) -> tuple | None:
+    def paired(
+        self, other: nn.Module, x: mx.array, norm: tuple | None = None, window=None, out_dtype=None
+    ) -> tuple | None:
         """(self(x), other(x)) from one launch where the kernel gives them here (two EXL3 linears of
         x alike enough: ops.paired_linear), self's output normed with norm = (weight, eps) where
         given; with window (a kernels.rope.WindowWrite) other's rows written into the window ring
-        instead (the ring returned); else None (quant.paired_linears, quant.windowed_linears)."""
+        instead (the ring returned); else None (quant.paired_linears, quant.windowed_linears). Outputs
+        in out_dtype (default x.dtype: quant.fp32_pair asks fp32 of bf16 x)."""
         if (
             not isinstance(other, EXL3Linear)
             or x.shape[-1] != self.in_features
@@ -88,7 +91,7 @@ class EXL3Linear(nn.Module):
         ):
             return None
         first, second = ((m.trellis, m.suh, m.svh, m.codebook, m.get("bias"), m.out_features) for m in (self, other))
-        return ops.paired_linear(x, first, second, norm, self, window)
+        return ops.paired_linear(x, first, second, norm, self, window, out_dtype)
 
     def as_single_expert(self) -> EXL3ExpertProjection:
         """This linear as a one-expert EXL3ExpertProjection over the same arrays (made once), so

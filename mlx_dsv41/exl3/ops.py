@@ -144,13 +144,15 @@ def roped_linear(x, trellis, suh, svh, codebook: str, rope, bias=None, out_featu
     return launch.run_gemv(x, trellis, suh, svh, codebook, bias, x.dtype, out_shape=out_shape, rope=rope)
 
 
-def paired_linear(x, first: tuple, second: tuple, norm=None, owner=None, window=None):
+def paired_linear(x, first: tuple, second: tuple, norm=None, owner=None, window=None, out_dtype=None):
     """(first's y, second's y) for two linears of x, first / second = (trellis, suh, svh, codebook,
     bias, out_features), from one exl3_gemv launch (PAIR, docs/design.md#paired-linears) where one
     gives them here; with norm = (weight, eps) the first's y is rms_norm(y) (NORM). With window (a
     kernels.rope.WindowWrite), (first's y, the window ring with second's rows written as the window
     keys: RING, docs/design.md#roped-linears), where the launch can write them. None otherwise (the
-    caller runs the linears apart). The bytes of the two launches (and of the norm, the rope)."""
+    caller runs the linears apart). The bytes of the two launches (and of the norm, the rope). The
+    outputs in `out_dtype` (default x.dtype; the kernel widens x to fp32 itself, so fp32 outputs of
+    bf16 x are those of its fp32 copy)."""
     ns = [_check_linear_args(x, *f[:5]) for f in (first, second)]
     gemv = [f[:5] for f in (first, second)]
     if backend() == "cpu" or any((f[5] or n) != n for f, n in zip((first, second), ns)):
@@ -162,7 +164,7 @@ def paired_linear(x, first: tuple, second: tuple, norm=None, owner=None, window=
     in_launch = norm if norm is not None and launch.normed_gemv_fits(x, first[0]) else None
     counters = _split_counters(owner, (ns[0] + ns[1]) // BLOCK + (in_launch is not None) + (window is not None), "pair")
     y, y2 = launch.run_gemv_pair(
-        x, first[:4], second[:4], x.dtype, counters, in_launch, window, _scratch(owner, "pair")
+        x, first[:4], second[:4], out_dtype or x.dtype, counters, in_launch, window, _scratch(owner, "pair")
     )
     return (y if norm is None or in_launch is not None else rms_norm(y, *norm)), y2
 

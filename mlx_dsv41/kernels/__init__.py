@@ -287,6 +287,7 @@ _OP_MODULES = (
     "f16_gemm",
     "mxfp4_gemv",
     "index_select",
+    "compressor_raw",
 )
 
 

@@ -103,11 +103,20 @@ KX_INLINE Fp32Sums<M, COLS> fp32_gemv_sums(XS x, const KX_DEVICE TW* w, u32 N, u
   return acc;
 }
 
-// Threadgroup `group`'s SIMD groups' sums, stored to y (SPLIT > 1: each output's SPLIT part sums
-// added in part order).
-template <int M, int COLS, int SPLIT, int W, int UMAX = 8, typename XS, typename TW>
-KX_INLINE void fp32_gemv_group(XS x, const KX_DEVICE TW* w, KX_DEVICE float* y, u32 N, u32 K,
-                               KX_THREADGROUP float* sums, u32 group, u32 warp, u32 lane) {
+// y [M, N] as fp32_gemv stores it, through the output-sink contract: store(m, n, v) puts output n
+// of row m. A launch that stores the outputs elsewhere passes its own sink (compressor_raw.h: the
+// open group's rows and the raw ring), with the same sums.
+struct Fp32Out {
+  KX_DEVICE float* y;
+  u32 N;
+  KX_INLINE void store(u32 m, u32 n, float v) const { y[(u64)m * N + n] = v; }
+};
+
+// Threadgroup `group`'s SIMD groups' sums, stored through `out` (SPLIT > 1: each output's SPLIT
+// part sums added in part order).
+template <int M, int COLS, int SPLIT, int W, int UMAX = 8, typename XS, typename TW, typename YS>
+KX_INLINE void fp32_gemv_group_into(XS x, const KX_DEVICE TW* w, YS out, u32 N, u32 K, KX_THREADGROUP float* sums,
+                                    u32 group, u32 warp, u32 lane) {
   const u32 part = warp % SPLIT;
   const u32 n0 = (group * (8 / SPLIT) + warp / SPLIT) * COLS;
   const bool live = n0 < N;
@@ -116,7 +125,7 @@ KX_INLINE void fp32_gemv_group(XS x, const KX_DEVICE TW* w, KX_DEVICE float* y, 
     if (live && lane == 0)
       for (int m = 0; m < M; m++)
         for (int j = 0; j < COLS; j++)
-          if (n0 + j < N) y[(u64)m * N + n0 + j] = acc.v[m][j];
+          if (n0 + j < N) out.store(m, n0 + j, acc.v[m][j]);
   } else {
     // The range sums of the threadgroup's SIMD groups, then the first group of each SPLIT adds its
     // outputs' SPLIT sums in range order.
@@ -128,9 +137,17 @@ KX_INLINE void fp32_gemv_group(XS x, const KX_DEVICE TW* w, KX_DEVICE float* y, 
       const u32 m = lane / COLS, j = lane % COLS;
       float v = sums[(warp * M + m) * COLS + j];
       for (u32 s = 1; s < SPLIT; s++) v += sums[((warp + s) * M + m) * COLS + j];
-      if (n0 + j < N) y[(u64)m * N + n0 + j] = v;
+      if (n0 + j < N) out.store(m, n0 + j, v);
     }
   }
+}
+
+// fp32_gemv_group_into y [M, N].
+template <int M, int COLS, int SPLIT, int W, int UMAX = 8, typename XS, typename TW>
+KX_INLINE void fp32_gemv_group(XS x, const KX_DEVICE TW* w, KX_DEVICE float* y, u32 N, u32 K,
+                               KX_THREADGROUP float* sums, u32 group, u32 warp, u32 lane) {
+  const Fp32Out out = {y, N};
+  fp32_gemv_group_into<M, COLS, SPLIT, W, UMAX>(x, w, out, N, K, sums, group, warp, lane);
 }
 
 // Threadgroups of an fp32_gemv launch over N outputs.

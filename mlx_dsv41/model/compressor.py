@@ -16,7 +16,9 @@ import mlx.nn as nn
 
 from mlx_dsv41.cache import LayerCache
 from mlx_dsv41.config import ModelArgs
+from mlx_dsv41.kernels import compressor_raw
 from mlx_dsv41.model.norm import RMSNorm
+from mlx_dsv41.quant import DenseLinear, fp32_pair
 
 
 def pool_groups(kv: mx.array, gate: mx.array, ratio: int) -> mx.array:
@@ -35,6 +37,7 @@ class Compressor(nn.Module):
         if self.ratio > 1:
             self.wgate = nn.Linear(args.hidden_size, args.head_dim, bias=False)
         self.norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        self.head_dim = args.head_dim
 
     def __call__(self, x: mx.array, cache: LayerCache) -> tuple[mx.array | None, mx.array]:
         """x [B, S, D_model] at positions cache.offset.. -> (latents [B, n, head_dim] of the groups
@@ -42,12 +45,34 @@ class Compressor(nn.Module):
         first = cache.position // self.ratio
         if self.ratio == 1:
             return self.norm(self.wkv(x)), first
-        # The loader stores these weights in fp32 (docs/numerics.md#dtypes); pooling stays in fp32.
-        xf = x.astype(mx.float32)
-        kv, gate = cache.group_inputs(self.wkv(xf).astype(mx.float32), self.wgate(xf).astype(mx.float32))
+        kv, gate = self.group_inputs(x, cache)
         n = kv.shape[1] // self.ratio
         if n == 0:
             return None, first
         full = n * self.ratio
         latent = pool_groups(kv[:, :full], gate[:, :full], self.ratio)
         return self.norm(latent.astype(x.dtype)), first
+
+    def group_inputs(self, x: mx.array, cache: LayerCache) -> tuple[mx.array, mx.array]:
+        """cache.group_inputs of the fp32 projections wkv(x), wgate(x): the open group's rows, the new
+        rows recorded. On a GPU the rings' write and the rows are one compressor_raw launch, which
+        also projects where both weights are dense (docs/design.md#compressor-raw); the CPU runs the
+        reference (compressor_raw.open_group gives None there)."""
+        pending = cache.open_group(x.shape[0], self.head_dim)
+        raw = (cache.position, pending, cache.raw_kv, cache.raw_gate)
+        wkv, wgate = _dense_weight(self.wkv), _dense_weight(self.wgate)
+        got = None if wkv is None or wgate is None else compressor_raw.open_group(*raw, x=x, wkv=wkv, wgate=wgate)
+        if got is None:
+            kv, gate = fp32_pair(self.wkv, self.wgate, x)  # pooling stays in fp32
+            got = compressor_raw.open_group(*raw, kv=kv, gate=gate)
+            if got is None:
+                return cache.group_inputs(kv, gate)
+        cache.written_raw(*got[2:])
+        return got[0], got[1]
+
+
+def _dense_weight(linear: nn.Module) -> mx.array | None:
+    """The weight of a plain linear (no bias; the one fp32_linear computes from x in fp32), else None."""
+    if type(linear) in (nn.Linear, DenseLinear) and "bias" not in linear:
+        return linear.weight
+    return None

@@ -110,6 +110,18 @@ def paired_linears(first: nn.Module, second: nn.Module, x: mx.array, norm: nn.Mo
     return (first(x) if norm is None else normed_linear(first, norm, x)), second(x)
 
 
+def fp32_pair(first: nn.Module, second: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
+    """(first(fp32(x)), second(fp32(x))) in fp32: two of the reference's fp32 linears of one input
+    (the ratio > 1 compressor's, docs/numerics.md#fp32-linears). Where the format pairs them from x
+    as it is with fp32 outputs (EXL3 on a GPU: its kernel widens x itself, so the bytes of fp32(x)'s)
+    one launch and no cast (docs/design.md#compressor-raw); else the cast, then paired_linears."""
+    paired = getattr(first, "paired", None)
+    ys = paired(second, x, out_dtype=mx.float32) if paired is not None and x.dtype != mx.float32 else None
+    if ys is None:
+        ys = paired_linears(first, second, x.astype(mx.float32))
+    return ys[0].astype(mx.float32), ys[1].astype(mx.float32)
+
+
 def windowed_linears(first: nn.Module, second: nn.Module, x: mx.array, norm: nn.Module, window) -> tuple | None:
     """(norm(first(x)), the window ring with second(x)'s rows written as `window` (a
     kernels.rope.WindowWrite) writes them) from one launch where the formats allow (EXL3 on a GPU
