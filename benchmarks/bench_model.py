@@ -927,7 +927,6 @@ def ab_contexts(a) -> list[tuple[str, Callable]]:
         (a.indexer_reference, "the indexer's plain-MLX scores and top-k", [(index_select, "ENABLED")]),
         (a.attention_builds_index_list, "the attention's index list built by MLX", [(index_select, "LISTS")]),
         (a.kernel_stand_ins, "unused kernel arguments passed as stand-ins", [(kernels, "LEAVES_OUT_ABSENT")]),
-        (a.scratch_outputs, "scratch outputs allocated by MLX", [(kernels, "HOLDS_SCRATCH")]),
         (a.separate_compressor, "the compressor's ring writes and rows by MLX", [(compressor_raw, "ENABLED")]),
     ]
     contexts += [(what, functools.partial(switched_off, off)) for flag, what, off in switches if flag]
@@ -1106,12 +1105,6 @@ def main() -> int:
         action="store_true",
         help="also time our decode with the kernel arguments a launch does not use passed as stand-ins, not "
         "left out of CUDA launches (the A/B; docs/design.md#absent-arguments)",
-    )
-    ap.add_argument(
-        "--scratch-outputs",
-        action="store_true",
-        help="also time our decode with the finishing launches' scratch (part sums) allocated as MLX outputs, not "
-        "written into buffers the model holds (the A/B; docs/design.md#held-scratch)",
     )
     ap.add_argument(
         "--separate-compressor",

@@ -50,7 +50,7 @@ def metal_source(kernel: Kernel, call: dict) -> str:
     rest = {k: v for k, v in call.items() if k != "inputs"}
 
     def traced(*arrays):
-        return [o for o in kernel(inputs=arrays, backend_name="metal", verbose=True, **rest) if o is not None]
+        return kernel(inputs=arrays, backend_name="metal", verbose=True, **rest)
 
     with tempfile.TemporaryDirectory() as tmp:
         out = _capture_fd1(lambda: mx.export_function(str(Path(tmp) / "k.mlxfn"), traced, *inputs))
@@ -63,11 +63,10 @@ def metal_source(kernel: Kernel, call: dict) -> str:
 def cuda_source(kernel: Kernel, call: dict, source: tuple[str, str] | None = None) -> str:
     """The CUDA source MLX 0.32 would JIT for one call (assembled as MLX's build_kernel does), from
     the kernel's (header, body) or the given ones; without the arguments the call names ``absent``
-    (the launch leaves them out: kernels.absent_prelude), its ``held`` outputs taken as inputs."""
+    (the launch leaves them out: kernels.absent_prelude)."""
     left_out = kernel.left_out("cuda", call["inputs"], call["output_dtypes"], call.get("absent", ()))
-    held = kernel.held_out("cuda", call["output_dtypes"], call.get("held"))
     header, body = source or kernel.source("cuda")
-    body = kernels.absent_prelude(body, *left_out, held) + body
+    body = kernels.absent_prelude(body, *left_out) + body
     lines = [
         '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
         "#define inf cuda::std::numeric_limits<float>::infinity()\n",
@@ -84,9 +83,8 @@ def cuda_source(kernel: Kernel, call: dict, source: tuple[str, str] | None = Non
             for suffix, ctype in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
                 if name + suffix in body:
                     params.append(f"    const __grid_constant__ {ctype} {name}{suffix}")
-    params += [f"    const {kernels.CUDA_TYPES[dtype]}* {name}{kernels.HELD_SUFFIX}" for name, dtype in held.items()]
     for name, dtype in zip(kernel.output_names, call["output_dtypes"]):
-        if name not in left_out[1] and name not in held:
+        if name not in left_out[1]:
             params.append(f"    {kernels.CUDA_TYPES[dtype]}* {name}")
     lines.append(",\n".join(params) + ") {")
     for tname, value in call.get("template") or []:

@@ -336,7 +336,6 @@ def test_the_ab_runs_come_after_or_before_the_default_run_with_their_switch_set(
         "host_position",
         "indexer_reference",
         "attention_builds_index_list",
-        "scratch_outputs",
         "separate_compressor",
     )
     a = argparse.Namespace(

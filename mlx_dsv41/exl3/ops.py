@@ -101,9 +101,8 @@ def _linear(x, trellis, suh, svh, codebook: str, bias, out_features, out_dtype, 
     if m <= GEMV_MAX_ROWS:
         if out_features != n:
             out_shape = None  # the padded outputs are sliced off first
-        counters = _split_counters(owner, n // BLOCK)
         y = launch.run_gemv(
-            x, trellis, suh, svh, codebook, bias, out_dtype, counters, out_shape, scratch=_scratch(owner)
+            x, trellis, suh, svh, codebook, bias, out_dtype, _split_counters(owner, n // BLOCK), out_shape
         )
         return y if out_features == n else y[..., :out_features]
     # Prefill: W̃ once per call, then the exact product with fp32 sums between the two transforms
@@ -128,9 +127,7 @@ def normed_linear(x, trellis, suh, svh, codebook: str, weight, eps: float, bias=
     if weight.shape != (n,):
         raise ValueError(f"exl3 normed linear: the norm's weight must be [{n}], got {weight.shape}")
     counters = _split_counters(owner, n // BLOCK + 1)  # NORM's count past the column blocks'
-    return launch.run_gemv(
-        x, trellis, suh, svh, codebook, bias, x.dtype, counters, norm=(weight, eps), scratch=_scratch(owner)
-    )
+    return launch.run_gemv(x, trellis, suh, svh, codebook, bias, x.dtype, counters, norm=(weight, eps))
 
 
 def roped_linear(x, trellis, suh, svh, codebook: str, rope, bias=None, out_features=None, out_shape=None):
@@ -163,9 +160,7 @@ def paired_linear(x, first: tuple, second: tuple, norm=None, owner=None, window=
         raise ValueError(f"exl3 paired linear: the norm's weight must be [{ns[0]}], got {norm[0].shape}")
     in_launch = norm if norm is not None and launch.normed_gemv_fits(x, first[0]) else None
     counters = _split_counters(owner, (ns[0] + ns[1]) // BLOCK + (in_launch is not None) + (window is not None), "pair")
-    y, y2 = launch.run_gemv_pair(
-        x, first[:4], second[:4], out_dtype or x.dtype, counters, in_launch, window, _scratch(owner, "pair")
-    )
+    y, y2 = launch.run_gemv_pair(x, first[:4], second[:4], out_dtype or x.dtype, counters, in_launch, window)
     return (y if norm is None or in_launch is not None else rms_norm(y, *norm)), y2
 
 
@@ -174,12 +169,6 @@ def _split_counters(owner, size: int, name: str = ""):
     it; fresh for a call without an owner): scratch that every launch leaves at 0
     (kernels.exl3.gemv_args)."""
     return launch.split_counters(size) if owner is None else launch.held_counters(owner, size, name)
-
-
-def _scratch(owner, name: str = ""):
-    """Where the linear ``owner``'s launches that finish themselves hold their part sums
-    (docs/design.md#held-scratch); none for a call without an owner."""
-    return None if owner is None else launch.Scratch(owner, name)
 
 
 def _check_experts_args(x, indices, weights, w1, any_lead: bool = False):

@@ -86,22 +86,15 @@ CUDA_TYPES = {
 # Whether CUDA launches leave out the arguments a call names absent (docs/design.md#absent-arguments);
 # MLX_DSV41_KERNEL_STAND_INS=1 (a process) or bench_model.py's --kernel-stand-ins (a run) turns it off.
 LEAVES_OUT_ABSENT = os.environ.get("MLX_DSV41_KERNEL_STAND_INS", "").strip() != "1"
-# Whether CUDA launches write their scratch outputs into buffers the caller holds
-# (docs/design.md#held-scratch); MLX_DSV41_SCRATCH_OUTPUTS=1 (a process) or bench_model.py's
-# --scratch-outputs (a run) leaves them MLX's outputs.
-HOLDS_SCRATCH = os.environ.get("MLX_DSV41_SCRATCH_OUTPUTS", "").strip() != "1"
-HELD_SUFFIX = "_held"  # the input a held output's buffer arrives as: `out` -> `out_held`
 
 
-def absent_prelude(body: str, inputs: dict, outputs: dict, held: dict | None = None) -> str:
+def absent_prelude(body: str, inputs: dict, outputs: dict) -> str:
     """The lines a CUDA body is given for the arguments its launch leaves out (name -> dtype of the
     stand-in a full launch would pass; none: ""): a null pointer of the declared type, and where the body
     names the argument's shape, ndim or strides, eight ones, 1 and eight ones. A template that
     never reads or writes the argument compiles to what it did with the stand-in; one that did
-    would fault rather than read another argument's bytes. ``held`` (name -> dtype): outputs whose
-    buffer arrives as the input `<name>_held` (docs/design.md#held-scratch): the output's pointer
-    into it, writable (MLX declares inputs const)."""
-    lines = [f"{CUDA_TYPES[d]}* {n} = const_cast<{CUDA_TYPES[d]}*>({n}{HELD_SUFFIX});" for n, d in (held or {}).items()]
+    would fault rather than read another argument's bytes."""
+    lines = []
     # Locals of the body's outermost block, where a full launch has its parameters: the body never
     # declares these names there, and shadows them in inner blocks as it does the parameters.
     for name, dtype in inputs.items():
@@ -167,37 +160,19 @@ class Kernel:
         outs = {n: d for n, d in zip(self.output_names, output_dtypes) if n in absent}
         return ins, outs
 
-    def held_out(self, backend_name: str, output_dtypes, held) -> dict:
-        """The outputs a launch on ``backend_name`` takes from buffers the caller holds, name ->
-        dtype: the call's ``held`` on CUDA (docs/design.md#held-scratch), none elsewhere (Metal and
-        the tests' simulator allocate them, as MLX outputs)."""
-        if not held or backend_name != "cuda" or not HOLDS_SCRATCH:
-            return {}
-        dtypes = dict(zip(self.output_names, output_dtypes))
-        if set(held) - set(dtypes):
-            raise ValueError(f"kernel {self.name}: cannot hold {sorted(set(held) - set(dtypes))}: not an output")
-        for name, buffer in held.items():
-            if buffer.dtype != dtypes[name]:
-                raise ValueError(f"kernel {self.name}: held {name} is {buffer.dtype}, the output is {dtypes[name]}")
-        return {n: dtypes[n] for n in self.output_names if n in held}
-
-    def variant_source(
-        self, backend_name: str, left_out: tuple[dict, dict], held: dict | None = None
-    ) -> tuple[str, str]:
-        """(header, body) of a launch that leaves out ``left_out`` (what `left_out` returns) and
-        takes ``held`` outputs from held buffers (what `held_out` returns)."""
+    def variant_source(self, backend_name: str, left_out: tuple[dict, dict]) -> tuple[str, str]:
+        """(header, body) of a launch that leaves out ``left_out`` (what `left_out` returns)."""
         header, body = self.source(backend_name)
-        return header, absent_prelude(body, *left_out, held) + body
+        return header, absent_prelude(body, *left_out) + body
 
-    def _compiled(self, backend_name: str, left_out: tuple[dict, dict] = ({}, {}), held: dict | None = None):
-        held = held or {}
-        key = (backend_name, tuple(left_out[0].items()), tuple(left_out[1].items()), tuple(held.items()))
+    def _compiled(self, backend_name: str, left_out: tuple[dict, dict] = ({}, {})):
+        key = (backend_name, tuple(left_out[0].items()), tuple(left_out[1].items()))
         if key not in self._built:
-            header, body = self.variant_source(backend_name, left_out, held)
+            header, body = self.variant_source(backend_name, left_out)
             common = dict(
                 name=self.name,
-                input_names=[n for n in self.input_names if n not in left_out[0]] + [n + HELD_SUFFIX for n in held],
-                output_names=[n for n in self.output_names if n not in left_out[1] and n not in held],
+                input_names=[n for n in self.input_names if n not in left_out[0]],
+                output_names=[n for n in self.output_names if n not in left_out[1]],
                 source=body,
                 header=header,
             )
@@ -220,16 +195,12 @@ class Kernel:
         template=None,
         init_value=None,
         absent=(),
-        held=None,
         backend_name: str | None = None,
         verbose: bool = False,
     ):
         """The launch. ``absent``: names of inputs and outputs the template never reads or writes;
         ``inputs`` and ``output_shapes`` still hold stand-ins for them (what Metal and the tests'
-        simulator are given), a CUDA launch leaves them out and returns None for such outputs.
-        ``held``: output name -> a buffer of its dtype and at least its size that the caller keeps,
-        for scratch only the launch reads back (docs/design.md#held-scratch); a CUDA launch writes
-        there instead of allocating the output. Such outputs are returned as None everywhere."""
+        simulator are given), a CUDA launch leaves them out and returns None for such outputs."""
         threads = math.prod(threadgroup)
         if threads > self.max_threads:
             raise ValueError(
@@ -238,20 +209,11 @@ class Kernel:
             )
         backend_name = backend_name or backend()
         left_out = self.left_out(backend_name, inputs, output_dtypes, absent)
-        held_out = self.held_out(backend_name, output_dtypes, held)
-        if held_out and init_value is not None:
-            raise ValueError(f"kernel {self.name}: held outputs take no init_value")
-        for name, shape in zip(self.output_names, output_shapes):
-            if name in held_out and held[name].size < math.prod(shape):
-                raise ValueError(
-                    f"kernel {self.name}: held {name} holds {held[name].size} of {math.prod(shape)} values"
-                )
-        fn = self._compiled(backend_name, left_out, held_out)
-        kept = [n not in left_out[1] and n not in held_out for n in self.output_names]
+        fn = self._compiled(backend_name, left_out)
+        kept = [n not in left_out[1] for n in self.output_names]
         outs = iter(
             fn(
-                inputs=[a for n, a in zip(self.input_names, inputs) if n not in left_out[0]]
-                + [held[n] for n in held_out],
+                inputs=[a for n, a in zip(self.input_names, inputs) if n not in left_out[0]],
                 output_shapes=[tuple(s) for s, k in zip(output_shapes, kept) if k],
                 output_dtypes=[d for d, k in zip(output_dtypes, kept) if k],
                 grid=tuple(grid),
@@ -261,8 +223,7 @@ class Kernel:
                 verbose=verbose,
             )
         )
-        results = [next(outs) if k else None for k in kept]
-        return [None if n in (held or {}) else r for n, r in zip(self.output_names, results)]
+        return [next(outs) if k else None for k in kept]
 
 
 REGISTRY: dict[str, Kernel] = {}

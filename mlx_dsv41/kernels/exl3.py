@@ -37,7 +37,7 @@ import numpy as np
 
 from mlx_dsv41 import graph_constants
 from mlx_dsv41.kernels import Kernel, backend, float_bits, grid_finish, register, scalar_int32
-from mlx_dsv41.kernels.grid_finish import Scratch, held_counters, no_counters, split_counters
+from mlx_dsv41.kernels.grid_finish import held_counters, no_counters, split_counters
 from mlx_dsv41.kernels.rope import Turn, WindowWrite
 
 BLOCK = 128  # the kernels' column block: the format's Hadamard block (mlx_dsv41.exl3.hadamard.BLOCK)
@@ -875,50 +875,33 @@ def _group(proj, key):
 
 
 def run_gemv(
-    x,
-    trellis,
-    suh,
-    svh,
-    codebook: str,
-    bias,
-    out_dtype,
-    counters=None,
-    out_shape=None,
-    norm=None,
-    rope=None,
-    scratch=None,
+    x, trellis, suh, svh, codebook: str, bias, out_dtype, counters=None, out_shape=None, norm=None, rope=None
 ) -> mx.array:
     """exl3_gemv, and exl3_gemv_out when k is split and the launch does not finish itself (see
     gemv_args): y [..., n] (or out_shape) for x [..., in] of at most GEMV_MAX_ROWS rows (bias, if
     any, padded to n); with norm = (weight, eps), rms_norm(y) (NORM: see normed_gemv_fits); with
-    rope (a Turn), y turned by it (ROPE: see roped_gemv_fits). ``scratch`` (a grid_finish.Scratch):
-    where a launch that finishes itself holds its part sums."""
+    rope (a Turn), y turned by it (ROPE: see roped_gemv_fits)."""
     calls = gemv_args(
         x, trellis, suh, svh, codebook, bias, out_dtype, counters=counters, out_shape=out_shape, norm=norm, rope=rope
     )
+    out, y, _, _ = GEMV(**calls[0])
     if dict(calls[0]["template"])["FINISH"]:
-        return GEMV(**_held_parts(calls[0], scratch))[1]
-    out = GEMV(**calls[0])[0]
+        return y
     if len(calls) == 2:
         calls[1]["inputs"][0] = out
         out = GEMV_OUT(**calls[1])[0]
     return out
 
 
-def run_gemv_pair(x, first: tuple, second: tuple, out_dtype, counters, norm=None, window=None, scratch=None) -> tuple:
+def run_gemv_pair(x, first: tuple, second: tuple, out_dtype, counters, norm=None, window=None) -> tuple:
     """(y, y2): two linears of x [..., in] in one exl3_gemv launch (PAIR; see paired_gemv_fits),
     first / second = (trellis, suh, svh, codebook); with norm = (weight, eps) y is rms_norm of the
     first's output (NORM). With window (a WindowWrite; see window_gemv_fits), (y, the window ring
     with y2's rows written: RING). counters: both linears' column blocks (+ 1 with norm, + 1 with
-    window); scratch: as run_gemv's."""
+    window)."""
     (call,) = gemv_args(x, *first, None, out_dtype, counters=counters, norm=norm, pair=second, window=window)
-    _, y, y2, ring = GEMV(**_held_parts(call, scratch))
+    _, y, y2, ring = GEMV(**call)
     return y, (y2 if window is None else ring)
-
-
-def _held_parts(call: dict, scratch) -> dict:
-    """An exl3_gemv launch that finishes itself, its part sums (`out`) held by ``scratch``."""
-    return call if scratch is None else scratch.hold(GEMV, call, ("out",))
 
 
 def run_experts(x, indices, weights, w1, w3, w2, lo, limit, add=None):
@@ -961,8 +944,6 @@ def _gate_up(x, indices, weights, w1, w3, w2, lo: int, limit: float, finish: boo
         last = i == len(keys) - 1
         fin = (weights, w2, limit, finish_counters(w1, slots)) if finish and last else None
         call = gate_up_args(x, indices, w1, w3, key, lo, prev=gu, finish=fin, shared=shared if last else None)
-        if fin is not None:  # its part sums are scratch (docs/design.md#held-scratch)
-            call = Scratch(w1, "gate_up").hold(EXPERT_GATE_UP, call, ("out",))
         gu, xh = EXPERT_GATE_UP(**call)
     if not finish:
         xh = EXPERT_SWIGLU(**swiglu_args(gu, weights, indices, w1, w3, w2, lo, limit))[0]
@@ -1016,12 +997,20 @@ def _down(
         last = finish and i == len(w2.groups) - 1
         fin = (out_dtype, add, finish_counters(w2, slots)) if last else None
         per_token = (*shared, held_counters(shared[0], T * (w2.n // BLOCK))) if last and shared else None
-        call = down_args(
-            xh, indices, w2, group, lo, prev=partial, finish=fin, shared=per_token, y_shape=y_shape, moe_shape=moe_shape
+        partial, y, moe = EXPERT_DOWN(
+            **down_args(
+                xh,
+                indices,
+                w2,
+                group,
+                lo,
+                prev=partial,
+                finish=fin,
+                shared=per_token,
+                y_shape=y_shape,
+                moe_shape=moe_shape,
+            )
         )
-        if fin is not None:  # its part sums are scratch (docs/design.md#held-scratch)
-            call = Scratch(w2, "down").hold(EXPERT_DOWN, call, ("out",))
-        partial, y, moe = EXPERT_DOWN(**call)
     if shared is not None:
         return moe
     if finish:
@@ -1139,19 +1128,15 @@ def _example_gate_up():
         first,
         gate_up_args(x, indices, ex.w1, ex.w3, key, 1, prev=prev),
         gate_up_args(x, indices, ex.w1, ex.w3, key, 1, tuning=Tuning(gate_up_warps=4, nc=8)),
-        # the last launch finishing itself (FINISH: the SwiGLU's work into xh), its part sums held
-        grid_finish.held_example(
-            EXPERT_GATE_UP,
-            gate_up_args(
-                x,
-                indices,
-                ex.w1,
-                ex.w3,
-                key,
-                1,
-                finish=(weights, ex.w2, 10.0, split_counters(indices.size * ex.w1.n // BLOCK)),
-            ),
-            ("out",),
+        # the last launch finishing itself (FINISH: the SwiGLU's work into xh)
+        gate_up_args(
+            x,
+            indices,
+            ex.w1,
+            ex.w3,
+            key,
+            1,
+            finish=(weights, ex.w2, 10.0, split_counters(indices.size * ex.w1.n // BLOCK)),
         ),
         # the MoE's last launch: the shared expert's slots beside the routed ones (SHARED)
         gate_up_args(
@@ -1200,10 +1185,7 @@ def _example_down():
     def counters(slots):
         return split_counters(slots * ex.w2.n // BLOCK)
 
-    routed_finish = down_args(
-        xh, indices, ex.w2, ex.w2.groups[-1], 1, finish=(mx.float32, None, counters(indices.size))
-    )
-    calls.append(grid_finish.held_example(EXPERT_DOWN, routed_finish, ("out",)))
+    calls.append(down_args(xh, indices, ex.w2, ex.w2.groups[-1], 1, finish=(mx.float32, None, counters(indices.size))))
     calls.append(down_args(x, indices, ex.w2, ex.w2.groups[-1], 1, finish=(mx.bfloat16, None, counters(indices.size))))
     one = indices[:, :1]
     routed = mx.zeros((one.shape[0], indices.shape[1], ex.w2.n), mx.float32)

@@ -11,14 +11,10 @@ two launches that may run at once never share one.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from types import SimpleNamespace
-
 import mlx.core as mx
 import numpy as np
 
-from mlx_dsv41 import graph_constants, kernels
+from mlx_dsv41 import graph_constants
 
 # Backends on which a launch's last threadgroup may finish the others' work (KX_HAS_GRID_FINISH).
 GRID_FINISH = {"cuda": True, "metal": False}
@@ -71,45 +67,6 @@ def check_counters(counters: mx.array, size: int, what: str) -> None:
     """A launch's counters are uint32 and hold at least `size` words, or a one-line error."""
     if counters.dtype != mx.uint32 or counters.size < size:
         raise ValueError(f"{what}: counters must be uint32 [>= {size}], got {counters.dtype} {counters.shape}")
-
-
-# The largest scratch output held for a launch (`held_scratch`); larger ones (many-row launches)
-# stay MLX outputs, so a prefill never pins their memory.
-SCRATCH_MAX_BYTES = 4 << 20
-
-
-def held_scratch(owner, shape: tuple, dtype: mx.Dtype, name: str = "") -> mx.array | None:
-    """A finishing launch's scratch output (part sums only the launch itself reads back) as a buffer
-    kept on ``owner``, the module that keeps the launch's counters (`held_counters`), one per
-    (name, shape, dtype) (docs/design.md#held-scratch); None where the launch allocates it as an
-    output: no owner, outputs kept MLX's (kernels.HOLDS_SCRATCH), or over SCRATCH_MAX_BYTES. Asked
-    only for launches that finish themselves, so on a backend that has grid finish."""
-    nbytes = math.prod(shape) * dtype.size
-    if owner is None or not kernels.HOLDS_SCRATCH or nbytes > SCRATCH_MAX_BYTES:
-        return None
-    return graph_constants.held(owner, "_finish_scratch", (name, tuple(shape), dtype), lambda: mx.zeros(shape, dtype))
-
-
-@dataclass(frozen=True)
-class Scratch:
-    """Where a finishing launch's scratch outputs are held: on ``owner``, the module that keeps the
-    launch's counters, under ``name`` (docs/design.md#held-scratch)."""
-
-    owner: object
-    name: str = ""
-
-    def hold(self, kernel, call: dict, outputs: tuple[str, ...]) -> dict:
-        """``call`` (kernel's kwargs) with ``held`` for those of ``outputs`` that `held_scratch`
-        keeps, in the shapes and dtypes the call gives them."""
-        shapes = dict(zip(kernel.output_names, zip(call["output_shapes"], call["output_dtypes"])))
-        held = {o: held_scratch(self.owner, tuple(shapes[o][0]), shapes[o][1], f"{self.name}.{o}") for o in outputs}
-        held = {o: b for o, b in held.items() if b is not None}
-        return call | {"held": held} if held else call
-
-
-def held_example(kernel, call: dict, outputs: tuple[str, ...]) -> dict:
-    """``call`` with ``outputs`` held in fresh buffers: the form a kernel's `examples` show CI."""
-    return Scratch(SimpleNamespace()).hold(kernel, call, outputs)
 
 
 @graph_constants.constant

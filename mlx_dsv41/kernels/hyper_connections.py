@@ -195,25 +195,12 @@ def mixes(streams, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: floa
 
 
 def site(
-    streams,
-    prev,
-    weight,
-    eps: float,
-    fn,
-    base,
-    scale,
-    *,
-    iters: int,
-    hc_eps: float,
-    norm_eps: float,
-    counters=None,
-    scratch=None,
+    streams, prev, weight, eps: float, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: float, counters=None
 ):
     """One Block site: (its input collapse_norm(streams, prev, weight, eps) [..., D], its mixes m
     [..., (2+HC)·HC]); prev: the previous site's m (or any [..., >= HC] array whose first HC columns
     are the pre). On a GPU: fp32_gemv and hc_mix, two launches; one hc_site launch where a launch
-    may finish itself (kernels/grid_finish.py), given the site's ``counters`` (held_counters);
-    ``scratch`` (a grid_finish.Scratch) then holds its mm (docs/design.md#held-scratch)."""
+    may finish itself (kernels/grid_finish.py), given the site's ``counters`` (held_counters)."""
     hc, dim = _check_site(streams, fn, base, scale, iters)
     _check_collapse(streams, prev, weight, "hc site")
     if backend() == "cpu":
@@ -222,8 +209,7 @@ def site(
         return x, mx.concatenate([pre, post, comb.reshape(*comb.shape[:-2], hc * hc)], axis=-1)
     one_launch = counters is not None and grid_finish.merges(backend())
     if one_launch and fp32_linear.takes_kernel(_rows(streams.shape[:-2]), fn):
-        call = site_args(streams, fn, base, scale, prev, weight, counters, iters, hc_eps, norm_eps, eps)
-        _, out, x = SITE(**_held(SITE, call, scratch, ("mm",)))
+        _, out, x = SITE(**site_args(streams, fn, base, scale, prev, weight, counters, iters, hc_eps, norm_eps, eps))
         return x, out
     mm = fp32_linear.linear(streams.reshape(*streams.shape[:-2], hc * dim), fn)  # fp32 (docs/numerics.md#fp32-linears)
     out, x = MIX(**mix_args(mm, streams, base, scale, prev, weight, iters, hc_eps, norm_eps, eps))
@@ -309,12 +295,11 @@ def expand_site(
     hc_eps: float,
     norm_eps: float,
     counters=None,
-    scratch=None,
 ):
     """An expand and the next site: (streams = expand(y, residual, m), then that site's input and
     mixes as `site` gives them for streams). One hc_expand_site launch where a launch may finish
-    itself and the site's fp32_gemv takes its rows, given the site's ``counters`` (``scratch``
-    holding its mm and part sums); else `expand`, then `site` (the same bytes)."""
+    itself and the site's fp32_gemv takes its rows, given the site's ``counters``; else `expand`,
+    then `site` (the same bytes)."""
     if counters is not None and backend() != "cpu" and grid_finish.merges(backend()):
         hc, dim = _check_site(residual, fn, base, scale, iters)
         if dim % 8 == 0 and fp32_linear.takes_kernel(_rows(residual.shape[:-2]), fn):
@@ -323,17 +308,13 @@ def expand_site(
             site_rest = (fn, base, scale, prev, weight, counters, iters, hc_eps, norm_eps, eps)
             call = expand_site_args(y, residual, m, *site_rest)
             if call is not None:
-                _, out, x, streams, _ = EXPAND_SITE(**_held(EXPAND_SITE, call, scratch, ("mm", "parts")))
+                _, out, x, streams, _ = EXPAND_SITE(**call)
                 return streams, x, out
     streams = expand(y, residual, m)
-    site_kw = dict(iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, counters=counters, scratch=scratch)
-    x, out = site(streams, prev, weight, eps, fn, base, scale, **site_kw)
+    x, out = site(
+        streams, prev, weight, eps, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, counters=counters
+    )
     return streams, x, out
-
-
-def _held(kernel, call: dict, scratch, outputs: tuple[str, ...]) -> dict:
-    """A site launch that finishes itself, its scratch ``outputs`` held by ``scratch`` (if any)."""
-    return call if scratch is None else scratch.hold(kernel, call, outputs)
 
 
 # ------------------------------------------------------------------------------- launch kwargs
@@ -512,9 +493,7 @@ def _example_site():
     fn = mx.random.normal((mix, hc * dim), key=mx.random.key(3))
     prev, w, counters = mx.ones((T, mix)), mx.ones((dim,)), grid_finish.split_counters(1)
     return [
-        grid_finish.held_example(
-            SITE, site_args(s, fn, mx.zeros((mix,)), mx.ones((3,)), prev, w, counters, 20, 1e-6, 1e-20, 1e-20), ("mm",)
-        ),
+        site_args(s, fn, mx.zeros((mix,)), mx.ones((3,)), prev, w, counters, 20, 1e-6, 1e-20, 1e-20),
         site_args(
             s[:1].astype(mx.float32), fn, mx.zeros((mix,)), mx.ones((3,)), prev[:1], w, counters, 3, 1e-6, 1e-20, 1e-6
         ),
@@ -529,11 +508,7 @@ def _example_expand_site():
     m, w, counters = mx.ones((T, mix)), mx.ones((dim,)), grid_finish.split_counters(1)
     y = mx.zeros((T, dim), mx.bfloat16)
     return [
-        grid_finish.held_example(
-            EXPAND_SITE,
-            expand_site_args(y, s, m, fn, mx.zeros((mix,)), mx.ones((3,)), m, w, counters, 20, 1e-6, 1e-20, 1e-20),
-            ("mm", "parts"),
-        ),
+        expand_site_args(y, s, m, fn, mx.zeros((mix,)), mx.ones((3,)), m, w, counters, 20, 1e-6, 1e-20, 1e-20),
         expand_site_args(
             y[:1].astype(mx.float32),
             s[:1].astype(mx.float32),

@@ -112,20 +112,18 @@ def route(logits, bias, top_k: int, temperature: float, scale: float):
     return indices, weights
 
 
-def gate(x, w, bias, top_k: int, temperature: float, scale: float, counters=None, scratch=None):
+def gate(x, w, bias, top_k: int, temperature: float, scale: float, counters=None):
     """The router from its input: logits = x [T, D] · w [E, D]ᵀ in fp32 (fp32_linear), then `route`;
     x may hold the T rows under any leading dims ([B, S, D]), indices and weights are [T, k]. One
     moe_gate launch where a launch may finish itself (kernels/grid_finish.py), given the router's
-    ``counters`` (held_counters), reading x as it is; the same bytes. ``scratch`` (a
-    grid_finish.Scratch) then holds its logits (docs/design.md#held-scratch)."""
+    ``counters`` (held_counters), reading x as it is; the same bytes."""
     if x.ndim < 2 or w.ndim != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"moe gate: x [T, D] and w [E, D] expected, got {x.shape} and {w.shape}")
     T, E = math.prod(x.shape[:-1]), w.shape[0]
     _check(E, bias, top_k)
     one_launch = counters is not None and grid_finish.merges(backend())
     if one_launch and fp32_linear.takes_kernel(T, w) and _takes_kernel(T, E, top_k):
-        call = gate_args(x, w, bias, counters, top_k, temperature, scale)
-        _, indices, weights = GATE(**(call if scratch is None else scratch.hold(GATE, call, ("logits",))))
+        _, indices, weights = GATE(**gate_args(x, w, bias, counters, top_k, temperature, scale))
         return indices, weights
     return route(fp32_linear.linear(x.reshape(T, -1), w), bias, top_k, temperature, scale)
 
@@ -151,6 +149,6 @@ def _gate_examples():
     w = mx.random.normal((384, 256), key=mx.random.key(4)).astype(mx.bfloat16)
     counters = grid_finish.split_counters(1)
     return [
-        grid_finish.held_example(GATE, gate_args(x, w, mx.zeros((384,)), counters, 6, 1.0, 1.5), ("logits",)),
+        gate_args(x, w, mx.zeros((384,)), counters, 6, 1.0, 1.5),
         gate_args(x[:1].astype(mx.float32), w[:8], mx.zeros((8,)), counters, 2, 0.5, 1.0),
     ]

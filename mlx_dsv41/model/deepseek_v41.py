@@ -34,7 +34,7 @@ from mlx_dsv41.cache import (
     make_layer_cache,
 )
 from mlx_dsv41.config import ModelArgs
-from mlx_dsv41.kernels.grid_finish import Scratch, held_counters
+from mlx_dsv41.kernels.grid_finish import held_counters
 from mlx_dsv41.model import compiled_step
 from mlx_dsv41.model.attention import Attention
 from mlx_dsv41.model.engram import Engram, RowSource
@@ -79,9 +79,8 @@ class Block(nn.Module):
             getattr(self, f"hc_{site}_scale"),
         )
         # On CUDA the site, with the expand before it, is one launch (kernels/grid_finish.py).
-        counters, scratch = held_counters(self, 1, site), Scratch(self, site)
         kwargs = dict(
-            iters=self.hc_iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps, counters=counters, scratch=scratch
+            iters=self.hc_iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps, counters=held_counters(self, 1, site)
         )
         if isinstance(streams, Expansion):
             return expand_site(*streams, *args, **kwargs)

@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dsv41.config import ModelArgs
-from mlx_dsv41.kernels.grid_finish import Scratch, held_counters
+from mlx_dsv41.kernels.grid_finish import held_counters
 from mlx_dsv41.kernels.moe_route import gate
 from mlx_dsv41.quant import DenseExperts, fused_moe, fused_moe_fits, swiglu_mlp
 
@@ -28,8 +28,8 @@ class Gate(nn.Module):
         """x [T, D] (or the T rows under other leading dims) -> indices [T, k] int32 (ascending
         expert id), weights [T, k] fp32."""
         # fp32 logits from the stored bf16 (docs/numerics.md#fp32-linears); on CUDA one launch with the route
-        counters, scratch = held_counters(self, 1), Scratch(self)
-        return gate(x, self.weight, self.bias, self.top_k, self.temperature, self.route_scale, counters, scratch)
+        counters = held_counters(self, 1)
+        return gate(x, self.weight, self.bias, self.top_k, self.temperature, self.route_scale, counters)
 
 
 class SharedExpert(nn.Module):

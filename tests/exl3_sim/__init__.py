@@ -228,25 +228,15 @@ def launcher(kernel, mma: bool = True):
         # (every byte 0xFF), the outputs checked untouched and returned as None, as CUDA returns them.
         absent = set(call.get("absent", ()))
         inputs = [_poisoned(a) if n in absent else a for n, a in zip(kernel.input_names, call["inputs"])]
-        # Held outputs (kernels.Kernel: `held`) run as outputs, poisoned as a fresh one starts (a held
-        # buffer holds the last launch's scratch: poison shows any read of what this launch did not
-        # write), and come back None as they do everywhere.
-        held = set(call.get("held") or ())
         outs = programs[sig].run(0, call | {"inputs": inputs})
         for name, o in zip(kernel.output_names, outs):
             if name in absent and call.get("init_value") is None and (o.view(np.uint8) != 0xFF).any():
                 raise RuntimeError(f"simulated {kernel.name} wrote {name}, an output its call names absent")
         return [
-            None
-            if n in absent or n in held
-            else mx.array(o.view(np.uint16)).view(mx.bfloat16)
-            if d == mx.bfloat16
-            else mx.array(o)
+            None if n in absent else mx.array(o.view(np.uint16)).view(mx.bfloat16) if d == mx.bfloat16 else mx.array(o)
             for n, o, d in zip(kernel.output_names, outs, call["output_dtypes"])
         ]
 
-    # the kernel's names, for code that reads them off the launch it is given (grid_finish.Scratch)
-    launch.name, launch.input_names, launch.output_names = kernel.name, kernel.input_names, kernel.output_names
     return launch
 
 
