@@ -73,6 +73,11 @@ def args(
     """Launch kwargs (module docstring; `guard` rows past each output, flattened to rows, and
     `init_value`: tests)."""
     _check(pending, raw_kv, raw_gate, x, wkv, wgate, kv, gate)
+    return _launch(position, pending, raw_kv, raw_gate, x, wkv, wgate, kv, gate, init_value, guard)
+
+
+def _launch(position, pending: int, raw_kv, raw_gate, x, wkv, wgate, kv, gate, init_value=None, guard=0) -> dict:
+    """`args` for inputs `_check` has passed."""
     B, Q, N = raw_kv.shape
     project = x is not None
     S = (x if project else kv).shape[1]
@@ -105,7 +110,7 @@ def open_group(position, pending: int, raw_kv, raw_gate, *, x=None, wkv=None, wg
     _check(pending, raw_kv, raw_gate, x, wkv, wgate, kv, gate)
     if not takes(x, wkv, wgate, kv):
         return None
-    outs = KERNEL(**args(position, pending, raw_kv, raw_gate, x, wkv, wgate, kv, gate))
+    outs = KERNEL(**_launch(position, pending, raw_kv, raw_gate, x, wkv, wgate, kv, gate))
     # without rows to write the launch leaves them out (Metal: unwritten stand-ins)
     return tuple(outs) if x is not None or pending else (kv, gate, *outs[2:])
 
