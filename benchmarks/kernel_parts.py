@@ -36,7 +36,7 @@ from mlx_dsv41.kernels import rope as rope_kernel  # noqa: E402
 from mlx_dsv41.kernels import sparse_attention as sa  # noqa: E402
 from mlx_dsv41.model.rope import RoPE  # noqa: E402
 
-HC, D, ITERS, HC_EPS, NORM_EPS, EPS = 4, 4096, 20, 1e-6, 1e-20, 1e-6  # Flash's mHC site
+HC, D, ITERS, HC_EPS, NORM_EPS, EPS = 4, 5120, 20, 1e-6, 1e-20, 1e-6  # Flash's mHC site (hidden size 5,120)
 H, HEAD, W, POOL, PICKS = 64, 512, 128, 300, 640  # Flash's attention
 
 _EDITS: dict[str, tuple[str, list[tuple[str, str]]]] = {}  # ablated file -> (its source file, edits)
@@ -88,6 +88,9 @@ def _site_inputs(seed=0):
 
 
 _NO_FINISH = [("hc_mix_token<", "if (false) hc_mix_token<")]
+_NO_EXPAND_FINISH = [("hc_expand_site_token<", "if (false) hc_expand_site_token<")]
+# the site's sums of squares not spread over the launch (its chains not run: the finish sums garbage)
+_NO_CHAINS = [("hc_expanded_chain<", "if (false) hc_expanded_chain<")]
 # fn's fp32 rows not read (each lane's values made from its chunk index): what the weights' reads cost
 _NO_FN_READ = [
     (
@@ -131,7 +134,8 @@ def site_cases() -> dict:
         "hc_site, no finish": site_call(ablated(hc.SITE, "nofinish", _NO_FINISH)),
         "hc_expand_site": expand_site_call(hc.EXPAND_SITE),
         "hc_expand_site, 1 Sinkhorn iteration": expand_site_call(hc.EXPAND_SITE, 1),
-        "hc_expand_site, no finish": expand_site_call(ablated(hc.EXPAND_SITE, "nofinish", _NO_FINISH)),
+        "hc_expand_site, no finish": expand_site_call(ablated(hc.EXPAND_SITE, "nofinish", _NO_EXPAND_FINISH)),
+        "hc_expand_site, no chains": expand_site_call(ablated(hc.EXPAND_SITE, "nochains", _NO_CHAINS)),
         "hc_expand_site, fn not read": expand_site_call(ablated(hc.EXPAND_SITE, "nofn", _NO_FN_READ, "fp32_gemv.h")),
     }
 

@@ -65,8 +65,17 @@ def test_a_site_in_one_launch_gives_the_two_launch_bytes(case):
 
 
 # (tokens, dtype, D): D = 4,160 is past one block of hc_mix_token's dims (4 · 1,024): the output
-# reloads the second block's streams instead of keeping them in registers.
-EXPAND_SITES = [(1, mx.bfloat16, D), (3, mx.bfloat16, D), (2, mx.float32, D), (1, mx.bfloat16, 4160)]
+# reloads the second block's streams instead of keeping them in registers; 5,120 is Flash's (each
+# summing thread's chain five dims long); 5,632 is past one pass of hc_expand_site_token's x stores
+# (24 values a thread on 224 threads).
+EXPAND_SITES = [
+    (1, mx.bfloat16, D),
+    (3, mx.bfloat16, D),
+    (2, mx.float32, D),
+    (1, mx.bfloat16, 4160),
+    (2, mx.bfloat16, 5120),
+    (1, mx.bfloat16, 5632),
+]
 
 
 @pytest.mark.parametrize("case", range(len(EXPAND_SITES)))
@@ -86,7 +95,7 @@ def test_an_expand_and_the_next_site_in_one_launch_give_the_three_launch_bytes(c
     # the site's own arguments after its streams: fn, base, scale, pre (the expanding mixes), ...
     rest = (fn, base, scale, m, weight, grid_finish.split_counters(1), ITERS, HC_EPS, NORM_EPS, EPS)
     one = hc.expand_site_args(y, residual, m, *rest, guard=GUARD)
-    mm, out, x, streams, _ = exl3_sim.build([(hc.EXPAND_SITE, one)], mma=True).run(0)  # then the part sums
+    mm, out, x, streams, _ = exl3_sim.build([(hc.EXPAND_SITE, one)], mma=True).run(0)  # then the scratch
     (streams2,) = exl3_sim.build([(hc.EXPAND, hc.expand_args(y, residual, m, guard=GUARD))], mma=True).run(0)
     assert streams.tobytes() == streams2.tobytes()
     site = hc.site_args(mx.array(streams2[:T]), *rest, guard=GUARD)

@@ -96,7 +96,7 @@ EXPAND_SITE = register(
     Kernel(
         "hc_expand_site",
         ("y", "residual", "mixes", "fn", "base", "scale", "pre", "weight", "counters"),
-        ("mm", "out", "x", "streams", "parts"),
+        ("mm", "out", "x", "streams", "scratch"),
         includes=("grid_finish.h", "fp32_gemv.h", "hc.h"),
         max_threads=fp32_linear.THREADS,
         examples=lambda: _example_expand_site(),
@@ -388,7 +388,8 @@ def expand_site_args(y, residual, m, *site, init_value=None, guard: int = 0) -> 
     """hc_expand_site call kwargs: hc_site's launch whose streams are expand(y, residual, m) (y [..., D],
     residual [..., HC, D], m the expanding site's mixes [..., (2+HC)·HC]; `site`: site_args'
     arguments after the streams, fn .. eps), a threadgroup per (part of K, 8 outputs); outputs
-    hc_site's three, the streams [..., HC, D] (or [rows + guard, HC, D]) and the part sums. None
+    hc_site's three, the streams [..., HC, D] (or [rows + guard, HC, D]) and the scratch (the part
+    sums, the site's sums of squares by summing thread, the rounded collapse). None
     where its threadgroup memory would not hold a part's streams, or fn's outputs are not split
     (fp32_gemv's SPLIT 1: the launch is built on the split)."""
     args = site_args(residual, *site, init_value=init_value, guard=guard)
@@ -400,7 +401,8 @@ def expand_site_args(y, residual, m, *site, init_value=None, guard: int = 0) -> 
         return None
     args["inputs"][:1] = [y, residual, m.astype(mx.float32)]
     streams = tuple(residual.shape) if not guard else (rows + guard, hc, dim)
-    args["output_shapes"] += [streams, (rows * outputs * split,)]
+    # the part sums, the summing threads' chains (z², x²) and the rounded collapse (hc_expand_site.metal)
+    args["output_shapes"] += [streams, (rows * (outputs * split + 2 * _MIX_ORDER + dim),)]
     args["output_dtypes"] += [residual.dtype, mx.float32]
     warps = fp32_linear.THREADS // 32  # a threadgroup's outputs, one a SIMD group
     args["grid"] = (fp32_linear.THREADS * split * -(-outputs // warps), 1, 1)

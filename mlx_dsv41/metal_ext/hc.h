@@ -48,6 +48,33 @@ KX_INLINE float hc_collapse_value(HcVals<HC> p, HcVals<HC> s) {
   return KX_TO_F32(static_cast<T>(c));
 }
 
+// One link of a summing thread's chain (hc_mix_token's order; hc_expanded_chain keeps it): the
+// collapse c of one dim's stream values v (hc_collapse_value), then x² += c², then z² += v[i]² in
+// stream order, each an FMA.
+struct HcLink {
+  float c, z, x;
+};
+template <typename T, int HC>
+KX_INLINE HcLink hc_link(HcVals<HC> p, HcVals<HC> v, float z, float x) {
+  HcLink l;
+  l.c = hc_collapse_value<T, HC>(p, v);
+  l.x = KX_FMA(l.c, l.c, x);
+  l.z = z;
+  KX_UNROLL for (int i = 0; i < HC; i++) l.z = KX_FMA(v.v[i], v.v[i], l.z);
+  return l;
+}
+
+// 1 / sqrt(sumsq / n + eps): the RMS statistics of an mHC site (hc_mix_token, hc_expand_site_token).
+KX_INLINE float hc_inv_rms(float sumsq, u32 n, u32 eps_bits) {
+  return 1.0f / KX_SQRT(sumsq / (float)n + KX_BITS_F32(eps_bits));
+}
+
+// A site's input at one dim: the rounded collapse c scaled by the RMS statistic and the weight.
+template <typename T, typename TW>
+KX_INLINE T hc_x_value(float c, float inv, TW w) {
+  return static_cast<T>(c * inv * KX_TO_F32(w));
+}
+
 // One row's collapse Σ_i p[i] · stream_i as hc_collapse_value gives it, at any dim: a row source
 // of hc_rms_norm_row (hc_collapse_norm). streams: the token's HC streams of D values each.
 template <typename T, int HC, typename TS>
@@ -194,6 +221,23 @@ struct HcExpander {
     }
     return made;
   }
+  // Row m's old streams at dim d, in fp32.
+  KX_INLINE HcVals<HC> old_at(u32 m, u32 d) const {
+    HcVals<HC> s;
+    KX_UNROLL for (int i = 0; i < HC; i++) s.v[i] = KX_TO_F32(residual[((u64)m * HC + i) * D + d]);
+    return s;
+  }
+  // The new streams at a dim of row m from its old streams s and y's value there, in fp32: each
+  // make8's value (hc_expand_value, rounded to T).
+  KX_INLINE HcVals<HC> new_at(u32 m, HcVals<HC> s, float yv) const {
+    const KX_DEVICE float* row = mixes + (u64)m * (2 + HC) * HC;
+    HcVals<HC> made;
+    KX_UNROLL for (int j = 0; j < HC; j++) {
+      const T v = hc_expand_value<T, HC>(s, yv, hc_comb_column<HC>(row, j), row[HC + j]);
+      made.v[j] = KX_TO_F32(v);
+    }
+    return made;
+  }
 };
 
 template <typename T, int HC, typename TY>
@@ -226,17 +270,56 @@ KX_INLINE HcPartRows<T> hc_part_rows(const KX_THREADGROUP HcEight<T>* rows, u32 
   return r;
 }
 
+// SIMD group 0's share of an mHC site (hc_mix.metal: what it computes, in which order): token row
+// `row`'s mixes pre' | post | comb into out from mm's values (mm_pre, mm_post: lanes < HC; mm_comb:
+// lane L's comb[L % HC·HC]) and the streams' Σ z² over HC·D values. Shared by hc_mix_token and
+// hc_expand_site_token, so both give the same bytes.
+template <int HC, int ITERS>
+KX_INLINE void hc_mixes(float mm_pre, float mm_post, float mm_comb, float z_sumsq, u32 D, const KX_DEVICE float* base,
+                        const KX_DEVICE float* scale, KX_DEVICE float* out, u64 row, u32 hc_eps_bits,
+                        u32 norm_eps_bits, u32 lane) {
+  const float inv = hc_inv_rms(z_sumsq, HC * D, norm_eps_bits);
+  const float hc_eps = KX_BITS_F32(hc_eps_bits);
+  if (lane < HC) {
+    const float a = KX_FMA(mm_pre * inv, scale[0], base[lane]);
+    const float b = KX_FMA(mm_post * inv, scale[1], base[HC + lane]);
+    out[row + lane] = 1.0f / (1.0f + KX_EXP(-a)) + hc_eps;
+    out[row + HC + lane] = 2.0f / (1.0f + KX_EXP(-b));
+  }
+  const u32 k = lane % (HC * HC);
+  float c = KX_FMA(mm_comb * inv, scale[2], base[2 * HC + k]);
+  float top = c;
+  for (u32 m = 1; m < HC; m <<= 1) top = KX_FMAX(top, KX_SHUFFLE_XOR(top, m));
+  c = KX_EXP(c - top);
+  float s = c;
+  for (u32 m = 1; m < HC; m <<= 1) s += KX_SHUFFLE_XOR(s, m);
+  c = c / s + hc_eps;
+  s = c;
+  for (u32 m = HC; m < HC * HC; m <<= 1) s += KX_SHUFFLE_XOR(s, m);
+  c = c / (s + hc_eps);
+  for (int it = 1; it < ITERS; it++) {
+    s = c;
+    for (u32 m = 1; m < HC; m <<= 1) s += KX_SHUFFLE_XOR(s, m);
+    c = c / (s + hc_eps);
+    s = c;
+    for (u32 m = HC; m < HC * HC; m <<= 1) s += KX_SHUFFLE_XOR(s, m);
+    c = c / (s + hc_eps);
+  }
+  if (lane < HC * HC) out[row + 2 * HC + lane] = c;
+}
+
 // hc_mix's work for token t (hc_mix.metal: what it computes, in which order) by a threadgroup of
 // THREADS threads, summing in the order of ORDER threads (1,024: thread l keeps the sums of
 // threads l, l + THREADS, .. of that order, ORDER / THREADS of them, in 1, 2 or 4 accumulators);
 // partials: 32 floats of threadgroup memory. mm is read through L2: in hc_site the other
-// threadgroups of the launch wrote it; so are the streams where CG (hc_expand_site). Shared by
-// hc_mix (1,024 threads) and hc_site / hc_expand_site (fp32_gemv's 256), so all give the same bytes.
-// The dims come in blocks of 4 · ORDER (Flash's D: one block), thread lid's of a block in R = ORDER /
+// threadgroups of the launch wrote it. Shared by hc_mix (1,024 threads) and hc_site (fp32_gemv's
+// 256), so both give the same bytes; hc_expand_site keeps the same chains (hc_link, hc_expanded_chain)
+// and mixes (hc_mixes). The dims come in blocks of 4 · ORDER (Flash's D, 5,120: a block and a
+// quarter), thread lid's of a block in R = ORDER /
 // THREADS passes of four: every load of a block is issued before its sums (one memory round trip),
 // and the first block's rounded collapse stays in registers for the output (later blocks load again:
 // the same operations give the same bits).
-template <typename T, int HC, int ITERS, int THREADS, int ORDER, bool CG, typename TS, typename TW>
+template <typename T, int HC, int ITERS, int THREADS, int ORDER, typename TS, typename TW>
 KX_INLINE void hc_mix_token(const KX_DEVICE float* mm, const KX_DEVICE TS* streams, const KX_DEVICE float* base,
                             const KX_DEVICE float* scale, const KX_DEVICE float* pre, u32 pre_w,
                             const KX_DEVICE TW* weight, KX_DEVICE float* out, KX_DEVICE T* x, u32 D, u32 t,
@@ -268,52 +351,25 @@ KX_INLINE void hc_mix_token(const KX_DEVICE float* mm, const KX_DEVICE TS* strea
     HcVals<HC> v[R][4];
     KX_UNROLL for (int r = 0; r < R; r++) KX_UNROLL for (u32 u = 0; u < 4; u++) {
       const u32 d = b0 + (4 * r + u) * THREADS;
-      KX_UNROLL for (int i = 0; i < HC; i++) v[r][u].v[i] = d < D ? hc_load<CG>(streams + first + (u64)i * D + d) : 0.0f;
+      KX_UNROLL for (int i = 0; i < HC; i++) v[r][u].v[i] = d < D ? hc_load<false>(streams + first + (u64)i * D + d) : 0.0f;
     }
     KX_UNROLL for (int r = 0; r < R; r++) KX_UNROLL for (u32 u = 0; u < 4; u++) {
       float c = 0.0f;
       if (b0 + (4 * r + u) * THREADS < D) {
-        c = hc_collapse_value<T, HC>(p, v[r][u]);
-        xsq.v[u % V] = KX_FMA(c, c, xsq.v[u % V]);
-        KX_UNROLL for (int i = 0; i < HC; i++) zsq.v[u % V] = KX_FMA(v[r][u].v[i], v[r][u].v[i], zsq.v[u % V]);
+        const HcLink l = hc_link<T, HC>(p, v[r][u], zsq.v[u % V], xsq.v[u % V]);
+        c = l.c;
+        zsq.v[u % V] = l.z;
+        xsq.v[u % V] = l.x;
       }
       if (b0 == lid) kept[r][u] = c;
     }
   }
   const float z_sumsq = hc_threadgroup_sums<V>(zsq, partials, lane, warp, THREADS / 32);
   const float x_sumsq = hc_threadgroup_sums<V>(xsq, partials, lane, warp, THREADS / 32);
-  const float x_inv = 1.0f / KX_SQRT(x_sumsq / (float)D + KX_BITS_F32(eps_bits));
+  const float x_inv = hc_inv_rms(x_sumsq, D, eps_bits);
   // SIMD group 0 makes the mixes (the Sinkhorn's chain) while the others store x; then its share of x.
-  if (warp == 0) {
-    const float inv = 1.0f / KX_SQRT(z_sumsq / (float)(HC * D) + KX_BITS_F32(norm_eps_bits));
-    const float hc_eps = KX_BITS_F32(hc_eps_bits);
-    if (lane < HC) {
-      const float a = KX_FMA(mm_pre * inv, scale[0], base[lane]);
-      const float b = KX_FMA(mm_post * inv, scale[1], base[HC + lane]);
-      out[row + lane] = 1.0f / (1.0f + KX_EXP(-a)) + hc_eps;
-      out[row + HC + lane] = 2.0f / (1.0f + KX_EXP(-b));
-    }
-    const u32 k = lane % (HC * HC);
-    float c = KX_FMA(mm_comb * inv, scale[2], base[2 * HC + k]);
-    float top = c;
-    for (u32 m = 1; m < HC; m <<= 1) top = KX_FMAX(top, KX_SHUFFLE_XOR(top, m));
-    c = KX_EXP(c - top);
-    float s = c;
-    for (u32 m = 1; m < HC; m <<= 1) s += KX_SHUFFLE_XOR(s, m);
-    c = c / s + hc_eps;
-    s = c;
-    for (u32 m = HC; m < HC * HC; m <<= 1) s += KX_SHUFFLE_XOR(s, m);
-    c = c / (s + hc_eps);
-    for (int it = 1; it < ITERS; it++) {
-      s = c;
-      for (u32 m = 1; m < HC; m <<= 1) s += KX_SHUFFLE_XOR(s, m);
-      c = c / (s + hc_eps);
-      s = c;
-      for (u32 m = HC; m < HC * HC; m <<= 1) s += KX_SHUFFLE_XOR(s, m);
-      c = c / (s + hc_eps);
-    }
-    if (lane < HC * HC) out[row + 2 * HC + lane] = c;
-  }
+  if (warp == 0)
+    hc_mixes<HC, ITERS>(mm_pre, mm_post, mm_comb, z_sumsq, D, base, scale, out, row, hc_eps_bits, norm_eps_bits, lane);
   for (u32 b0 = lid; b0 < D; b0 += BLOCK) {
     float c[R][4];
     KX_UNROLL for (int r = 0; r < R; r++) KX_UNROLL for (u32 u = 0; u < 4; u++) {
@@ -322,13 +378,120 @@ KX_INLINE void hc_mix_token(const KX_DEVICE float* mm, const KX_DEVICE TS* strea
         c[r][u] = kept[r][u];
       } else {
         HcVals<HC> s;
-        KX_UNROLL for (int i = 0; i < HC; i++) s.v[i] = d < D ? hc_load<CG>(streams + first + (u64)i * D + d) : 0.0f;
+        KX_UNROLL for (int i = 0; i < HC; i++) s.v[i] = d < D ? hc_load<false>(streams + first + (u64)i * D + d) : 0.0f;
         c[r][u] = hc_collapse_value<T, HC>(p, s);
       }
     }
     KX_UNROLL for (int r = 0; r < R; r++) KX_UNROLL for (u32 u = 0; u < 4; u++) {
       const u32 d = b0 + (4 * r + u) * THREADS;
-      if (d < D) x[(u64)t * D + d] = static_cast<T>(c[r][u] * x_inv * KX_TO_F32(weight[d]));
+      if (d < D) x[(u64)t * D + d] = hc_x_value<T>(c[r][u], x_inv, weight[d]);
+    }
+  }
+}
+
+// Summing thread o's chain of hc_mix_token for token t, on streams an expand makes (hc_expand_site):
+// dims o, o + ORDER, .. below D, each dim's new streams made as HcExpander makes them, each linked as
+// hc_mix_token links it (hc_link): the same operations in the same order, so the same z² and x².
+// Stores them to chains[(t · 2 + 0 | 1) · ORDER + o], and each dim's rounded collapse (hc_x_value's
+// c) to collapse[t · D + d]. The loads of 8 dims are issued before their links (one round trip at
+// Flash's D).
+template <typename T, int HC, int ORDER, typename TY>
+KX_INLINE void hc_expanded_chain(HcExpander<T, HC, TY> e, const KX_DEVICE float* pre, u32 pre_w, u32 t, u32 o,
+                                 KX_DEVICE float* chains, KX_DEVICE float* collapse) {
+  HcVals<HC> p;
+  KX_UNROLL for (int i = 0; i < HC; i++) p.v[i] = pre[(u64)t * pre_w + i];
+  constexpr u32 B = 8;
+  float z = 0.0f, x = 0.0f;
+  for (u32 d0 = o; d0 < e.D; d0 += B * ORDER) {
+    HcVals<HC> s[B];
+    float yv[B];
+    KX_UNROLL for (u32 k = 0; k < B; k++) {
+      const u32 d = d0 + k * ORDER;
+      if (d < e.D) {
+        s[k] = e.old_at(t, d);
+        yv[k] = KX_TO_F32(e.y[(u64)t * e.D + d]);
+      }
+    }
+    KX_UNROLL for (u32 k = 0; k < B; k++) {
+      const u32 d = d0 + k * ORDER;
+      if (d < e.D) {
+        const HcLink l = hc_link<T, HC>(p, e.new_at(t, s[k], yv[k]), z, x);
+        z = l.z;
+        x = l.x;
+        collapse[(u64)t * e.D + d] = l.c;
+      }
+    }
+  }
+  chains[(u64)t * 2 * ORDER + o] = z;
+  chains[((u64)t * 2 + 1) * ORDER + o] = x;
+}
+
+// mm[i] from its SPLIT part sums (parts[i · SPLIT + s], another threadgroup's: through L2), added in
+// part order as fp32_gemv adds them.
+template <int SPLIT>
+KX_INLINE float hc_part_sum(const KX_DEVICE float* parts, u64 i) {
+  float v = KX_LOAD_CG(parts + i * SPLIT);
+  for (u32 s = 1; s < SPLIT; s++) v += KX_LOAD_CG(parts + i * SPLIT + s);
+  return v;
+}
+
+// hc_mix's work for token t once a launch's threadgroups have made its sums (hc_expand_site, after
+// the count): mm's values from the part sums (hc_part_sum), z² and x² from the ORDER chains
+// (hc_expanded_chain) summed as hc_mix_token sums its threads' (hc_threadgroup_sums); SIMD group 0
+// makes the mixes (hc_mixes) while the others write x from the rounded collapse (hc_x_value). The
+// bytes of hc_mix_token on the streams; no stream is read again. Every load of the others' x values
+// (XB a thread: Flash's D in one round trip) is issued before the sums. partials: 32 floats.
+template <typename T, int HC, int ITERS, int THREADS, int ORDER, int SPLIT, typename TW>
+KX_INLINE void hc_expand_site_token(const KX_DEVICE float* parts, const KX_DEVICE float* chains,
+                                    const KX_DEVICE float* collapse, const KX_DEVICE float* base,
+                                    const KX_DEVICE float* scale, const KX_DEVICE TW* weight, KX_DEVICE float* out,
+                                    KX_DEVICE T* x, u32 D, u32 t, u32 hc_eps_bits, u32 norm_eps_bits, u32 eps_bits,
+                                    KX_THREADGROUP float* partials, u32 lid, u32 lane, u32 warp) {
+  constexpr int V = ORDER / THREADS;
+  constexpr u32 XB = 24, XT = THREADS - 32;  // x by SIMD groups 1 ..: XB values a thread a pass
+  const u64 row = (u64)t * (2 + HC) * HC;
+  HcVals<V> zsq, xsq;
+  KX_UNROLL for (int j = 0; j < V; j++) {
+    zsq.v[j] = KX_LOAD_CG(chains + (u64)t * 2 * ORDER + lid + j * THREADS);
+    xsq.v[j] = KX_LOAD_CG(chains + ((u64)t * 2 + 1) * ORDER + lid + j * THREADS);
+  }
+  float mm_pre = 0.0f, mm_post = 0.0f, mm_comb = 0.0f, cv[XB], wv[XB];
+  const u32 xt = lid - 32;
+  if (warp == 0) {
+    if (lane < HC) {
+      mm_pre = hc_part_sum<SPLIT>(parts, row + lane);
+      mm_post = hc_part_sum<SPLIT>(parts, row + HC + lane);
+    }
+    mm_comb = hc_part_sum<SPLIT>(parts, row + 2 * HC + lane % (HC * HC));
+  } else {
+    KX_UNROLL for (u32 k = 0; k < XB; k++) {
+      const u32 d = xt + k * XT;
+      if (d < D) {
+        cv[k] = KX_LOAD_CG(collapse + (u64)t * D + d);
+        wv[k] = KX_TO_F32(weight[d]);
+      }
+    }
+  }
+  const float z_sumsq = hc_threadgroup_sums<V>(zsq, partials, lane, warp, THREADS / 32);
+  const float x_sumsq = hc_threadgroup_sums<V>(xsq, partials, lane, warp, THREADS / 32);
+  if (warp == 0) {
+    hc_mixes<HC, ITERS>(mm_pre, mm_post, mm_comb, z_sumsq, D, base, scale, out, row, hc_eps_bits, norm_eps_bits, lane);
+    return;
+  }
+  const float x_inv = hc_inv_rms(x_sumsq, D, eps_bits);
+  for (u32 d0 = xt; d0 < D; d0 += XB * XT) {
+    if (d0 != xt) {
+      KX_UNROLL for (u32 k = 0; k < XB; k++) {
+        const u32 d = d0 + k * XT;
+        if (d < D) {
+          cv[k] = KX_LOAD_CG(collapse + (u64)t * D + d);
+          wv[k] = KX_TO_F32(weight[d]);
+        }
+      }
+    }
+    KX_UNROLL for (u32 k = 0; k < XB; k++) {
+      const u32 d = d0 + k * XT;
+      if (d < D) x[(u64)t * D + d] = hc_x_value<T>(cv[k], x_inv, wv[k]);
     }
   }
 }

@@ -17,6 +17,6 @@
 // HC·HC/2 (HC a power of two, HC·HC <= 32). Template: T, HC, ITERS, HC_EPS_BITS, NORM_EPS_BITS,
 // EPS_BITS, THREADS, ORDER (the sums are those of ORDER threads: hc.h, hc_mix_token).
 KX_SHARED(float, partials, 32);
-hc_mix_token<T, HC, ITERS, THREADS, ORDER, false>(mm, streams, base, scale, pre, pre_shape[pre_ndim - 1], weight, out, x,
+hc_mix_token<T, HC, ITERS, THREADS, ORDER>(mm, streams, base, scale, pre, pre_shape[pre_ndim - 1], weight, out, x,
                                            streams_shape[streams_ndim - 1], KX_TGID_X, HC_EPS_BITS, NORM_EPS_BITS,
                                            EPS_BITS, partials, KX_LID_X, KX_LANE, KX_WARP);

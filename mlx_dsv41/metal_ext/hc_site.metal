@@ -15,7 +15,7 @@ fp32_gemv_group<M, COLS, SPLIT, W>(fp32_rows(streams, K), fn, mm, N, K, sums, KX
 if (grid_finish_arrival(counters, 0, fp32_gemv_groups<COLS, SPLIT>(N), last, KX_LID_X)) {
   for (u32 t = 0; t < M; t++) {
     KX_BARRIER();  // the previous token's threadgroup memory is read
-    hc_mix_token<T, HC, ITERS, THREADS, ORDER, false>(mm, streams, base, scale, pre, pre_shape[pre_ndim - 1], weight, out, x,
+    hc_mix_token<T, HC, ITERS, THREADS, ORDER>(mm, streams, base, scale, pre, pre_shape[pre_ndim - 1], weight, out, x,
                                                K / HC, t, HC_EPS_BITS, NORM_EPS_BITS, EPS_BITS, partials, KX_LID_X,
                                                KX_LANE, KX_WARP);
   }

@@ -1,6 +1,6 @@
 """Launches that finish themselves (docs/design.md#grid-finish) on the device: hc_site gives the bytes
-of fp32_gemv then hc_mix at Flash's site (HC 4, D 4096: fn 24 x 16384), hc_expand_site those of
-hc_expand then hc_site there, moe_gate those of fp32_gemv then moe_route at Flash's router (384
+of fp32_gemv then hc_mix at a site of HC 4, D 4096 (fn 24 x 16384), hc_expand_site those of
+hc_expand then hc_site there and at Flash's D 5120, moe_gate those of fp32_gemv then moe_route at Flash's router (384
 experts, D 4096, top-6), for 1, 3 and 8 tokens, with the kernel contract: outputs poisoned (NaN)
 before launch, guard rows untouched; five repeats byte-identical (each launch leaves its counters at
 0: a counter left over would finish the next launch early or never); nonfinite inputs where float64
@@ -20,6 +20,7 @@ from mlx_dsv41.kernels import moe_route as mr
 
 pytestmark = pytest.mark.gpu
 HC, D, ITERS, HC_EPS, NORM_EPS, EPS = 4, 4096, 20, 1e-6, 1e-20, 1e-6
+FLASH_D = 5120  # Flash's hidden size: hc_mix's summing threads take five dims each
 NAN = float("nan")
 
 
@@ -31,7 +32,7 @@ def _bytes(arrays):
     return [np.ascontiguousarray(_np(a)).tobytes() for a in arrays]
 
 
-def _site_inputs(T, seed, nonfinite=False):
+def _site_inputs(T, seed, nonfinite=False, D=D):
     rng = np.random.default_rng(seed)
     mix = (2 + HC) * HC
     raw = rng.standard_normal((T, HC, D)).astype(np.float32)
@@ -87,15 +88,16 @@ def test_a_site_in_one_launch_gives_the_two_launch_bytes_and_keeps_the_contract(
         assert T < 3 or np.isfinite(out[1 : T - 1]).all()
 
 
-@pytest.mark.parametrize("T", [1, 3, 8])
+@pytest.mark.parametrize("T,dim", [(1, D), (3, D), (8, D), (1, FLASH_D), (8, FLASH_D)])
 @pytest.mark.parametrize("nonfinite", [False, True])
-def test_an_expand_and_the_next_site_in_one_launch_give_the_three_launch_bytes(T, nonfinite):
+def test_an_expand_and_the_next_site_in_one_launch_give_the_three_launch_bytes(T, dim, nonfinite):
     """hc_expand_site (docs/design.md#expand-site) == hc_expand, then hc_site (whose bytes are the two
-    launches': the test above), at Flash's site; outputs poisoned, guard rows untouched, five repeats
-    byte-identical, a NaN / inf of y or of the old streams in the tokens that hold them only."""
-    residual, fn, base, scale, m, weight = _site_inputs(T, 100 + T)
+    launches': the test above), at D 4,096 and Flash's 5,120; outputs poisoned, guard rows untouched,
+    five repeats byte-identical, a NaN / inf of y or of the old streams in the tokens that hold them
+    only."""
+    residual, fn, base, scale, m, weight = _site_inputs(T, 100 + T, D=dim)
     rng = np.random.default_rng(200 + T)
-    raw = rng.standard_normal((T, D)).astype(np.float32)
+    raw = rng.standard_normal((T, dim)).astype(np.float32)
     if nonfinite:
         raw[0, 7] = np.nan
         bad = np.array(_np(residual))
@@ -107,7 +109,7 @@ def test_an_expand_and_the_next_site_in_one_launch_give_the_three_launch_bytes(T
     call = hc.expand_site_args(y, residual, m, *rest, init_value=NAN, guard=2)
     runs = [_bytes(hc.EXPAND_SITE(**call)) for _ in range(5)]
     assert all(r == runs[0] for r in runs)
-    mm, out, x, streams, _ = (_np(a) for a in hc.EXPAND_SITE(**call))  # then the part sums
+    mm, out, x, streams, _ = (_np(a) for a in hc.EXPAND_SITE(**call))  # then the scratch
     for a in (mm, out, x, streams):
         assert np.all(np.isnan(a[T:]))  # guard rows as poisoned
     (streams2,) = hc.EXPAND(**hc.expand_args(y, residual, m))
