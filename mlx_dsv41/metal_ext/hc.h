@@ -270,6 +270,20 @@ KX_INLINE HcPartRows<T> hc_part_rows(const KX_THREADGROUP HcEight<T>* rows, u32 
   return r;
 }
 
+// The sum of v over the HC lanes L ^ (k · stride), k < HC (a row of comb: stride 1; a column: HC),
+// as an xor butterfly over masks stride, 2 · stride, .. adds it: each lane's value plus its
+// partner's, then pairs plus pairs (the same additions, so the same bits on every lane), from the
+// HC - 1 values shuffled at once (one shuffle's wait instead of log2 HC: the Sinkhorn's chain).
+template <int HC>
+KX_INLINE float hc_lane_sum(float v, u32 stride) {
+  float w[HC];
+  w[0] = v;
+  KX_UNROLL for (int k = 1; k < HC; k++) w[k] = KX_SHUFFLE_XOR(v, (u32)k * stride);
+  KX_UNROLL for (int width = 1; width < HC; width *= 2)
+    KX_UNROLL for (int k = 0; k < HC; k += 2 * width) w[k] = w[k] + w[k + width];
+  return w[0];
+}
+
 // SIMD group 0's share of an mHC site (hc_mix.metal: what it computes, in which order): token row
 // `row`'s mixes pre' | post | comb into out from mm's values (mm_pre, mm_post: lanes < HC; mm_comb:
 // lane L's comb[L % HC·HC]) and the streams' Σ z² over HC·D values. Shared by hc_mix_token and
@@ -291,19 +305,11 @@ KX_INLINE void hc_mixes(float mm_pre, float mm_post, float mm_comb, float z_sums
   float top = c;
   for (u32 m = 1; m < HC; m <<= 1) top = KX_FMAX(top, KX_SHUFFLE_XOR(top, m));
   c = KX_EXP(c - top);
-  float s = c;
-  for (u32 m = 1; m < HC; m <<= 1) s += KX_SHUFFLE_XOR(s, m);
-  c = c / s + hc_eps;
-  s = c;
-  for (u32 m = HC; m < HC * HC; m <<= 1) s += KX_SHUFFLE_XOR(s, m);
-  c = c / (s + hc_eps);
+  c = c / hc_lane_sum<HC>(c, 1) + hc_eps;
+  c = c / (hc_lane_sum<HC>(c, HC) + hc_eps);
   for (int it = 1; it < ITERS; it++) {
-    s = c;
-    for (u32 m = 1; m < HC; m <<= 1) s += KX_SHUFFLE_XOR(s, m);
-    c = c / (s + hc_eps);
-    s = c;
-    for (u32 m = HC; m < HC * HC; m <<= 1) s += KX_SHUFFLE_XOR(s, m);
-    c = c / (s + hc_eps);
+    c = c / (hc_lane_sum<HC>(c, 1) + hc_eps);  // rows
+    c = c / (hc_lane_sum<HC>(c, HC) + hc_eps);  // columns
   }
   if (lane < HC * HC) out[row + 2 * HC + lane] = c;
 }

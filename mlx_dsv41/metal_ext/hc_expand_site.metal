@@ -31,7 +31,9 @@ const bool aligned = KX_ALIGNED16(y) && KX_ALIGNED16(residual) && KX_ALIGNED16(s
 const auto made = hc_expander<T, HC>(y, residual, mixes, streams, D, first_out == 0, aligned);
 for (u32 c = c0 + KX_LID_X; c < c1; c += THREADS)
   for (u32 m = 0; m < M; m++) part_rows[m * CAP + c - c0] = made.make8(m, c * 8);
-for (u32 ch = KX_TGID_X + groups * KX_WARP; ch < M * (ORDER / 32); ch += groups * WARPS) {
+// the chains on the last SIMD groups: the first ones form a part's extra chunks (its C / SPLIT is
+// over THREADS), so no SIMD group waits on two round trips of loads before the others
+for (u32 ch = KX_TGID_X + groups * (WARPS - 1 - KX_WARP); ch < M * (ORDER / 32); ch += groups * WARPS) {
   const u32 q = ch * 32 + KX_LANE;  // summing thread q % ORDER of token q / ORDER
   hc_expanded_chain<T, HC, ORDER>(made, pre, pre_shape[pre_ndim - 1], q / ORDER, q % ORDER, chains, collapse);
 }
