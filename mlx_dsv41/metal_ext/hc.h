@@ -462,7 +462,7 @@ KX_INLINE void hc_expand_site_token(const KX_DEVICE float* parts, const KX_DEVIC
     xsq.v[j] = KX_LOAD_CG(chains + ((u64)t * 2 + 1) * ORDER + lid + j * THREADS);
   }
   float mm_pre = 0.0f, mm_post = 0.0f, mm_comb = 0.0f, cv[XB], wv[XB];
-  const u32 xt = lid - 32;
+  const u32 xt = lid - 32;  // x's thread index (SIMD groups 1 ..; unused in SIMD group 0)
   if (warp == 0) {
     if (lane < HC) {
       mm_pre = hc_part_sum<SPLIT>(parts, row + lane);
