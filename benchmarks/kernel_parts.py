@@ -87,10 +87,15 @@ def _site_inputs(seed=0):
     return streams, fn, base, scale, prev, weight, y, m
 
 
-_NO_FINISH = [("hc_mix_token<", "if (false) hc_mix_token<")]
-_NO_EXPAND_FINISH = [("hc_expand_site_token<", "if (false) hc_expand_site_token<")]
+def _not_called(function: str) -> list[tuple[str, str]]:
+    """The edit that skips every call of a template `function` in a kernel body."""
+    return [(f"{function}<", f"if (false) {function}<")]
+
+
+_NO_FINISH = _not_called("hc_mix_token")
+_NO_EXPAND_FINISH = _not_called("hc_expand_site_token")
 # the site's sums of squares not spread over the launch (its chains not run: the finish sums garbage)
-_NO_CHAINS = [("hc_expanded_chain<", "if (false) hc_expanded_chain<")]
+_NO_CHAINS = _not_called("hc_expanded_chain")
 # fn's fp32 rows not read (each lane's values made from its chunk index): what the weights' reads cost
 _NO_FN_READ = [
     (

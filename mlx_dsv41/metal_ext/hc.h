@@ -442,7 +442,8 @@ KX_INLINE float hc_part_sum(const KX_DEVICE float* parts, u64 i) {
 }
 
 // hc_mix's work for token t once a launch's threadgroups have made its sums (hc_expand_site, after
-// the count): mm's values from the part sums (hc_part_sum), z² and x² from the ORDER chains
+// the count): mm's values from the part sums (hc_part_sum, in SIMD group 0's lanes: the adds that
+// give the stored mm, made again so as not to wait on its store), z² and x² from the ORDER chains
 // (hc_expanded_chain) summed as hc_mix_token sums its threads' (hc_threadgroup_sums); SIMD group 0
 // makes the mixes (hc_mixes) while the others write x from the rounded collapse (hc_x_value). The
 // bytes of hc_mix_token on the streams; no stream is read again. Every load of the others' x values
