@@ -441,6 +441,25 @@ KX_INLINE float hc_part_sum(const KX_DEVICE float* parts, u64 i) {
   return v;
 }
 
+// One pass of hc_expand_site_token's x loads: the rounded collapse and the weight at dims d0 + k · XT
+// (k < XB) below D, issued together so that a pass waits on one round trip (by value, as HcVals).
+template <int XB>
+struct HcXPass {
+  float c[XB], w[XB];
+};
+template <int XB, int XT, typename TW>
+KX_INLINE HcXPass<XB> hc_x_loads(const KX_DEVICE float* collapse, const KX_DEVICE TW* weight, u32 d0, u32 D) {
+  HcXPass<XB> p;
+  KX_UNROLL for (u32 k = 0; k < XB; k++) {
+    const u32 d = d0 + k * XT;
+    if (d < D) {
+      p.c[k] = KX_LOAD_CG(collapse + d);
+      p.w[k] = KX_TO_F32(weight[d]);
+    }
+  }
+  return p;
+}
+
 // hc_mix's work for token t once a launch's threadgroups have made its sums (hc_expand_site, after
 // the count): mm's values from the part sums (hc_part_sum, in SIMD group 0's lanes: the adds that
 // give the stored mm, made again so as not to wait on its store), z² and x² from the ORDER chains
@@ -462,7 +481,8 @@ KX_INLINE void hc_expand_site_token(const KX_DEVICE float* parts, const KX_DEVIC
     zsq.v[j] = KX_LOAD_CG(chains + (u64)t * 2 * ORDER + lid + j * THREADS);
     xsq.v[j] = KX_LOAD_CG(chains + ((u64)t * 2 + 1) * ORDER + lid + j * THREADS);
   }
-  float mm_pre = 0.0f, mm_post = 0.0f, mm_comb = 0.0f, cv[XB], wv[XB];
+  float mm_pre = 0.0f, mm_post = 0.0f, mm_comb = 0.0f;
+  HcXPass<XB> xp;
   const u32 xt = lid - 32;  // x's thread index (SIMD groups 1 ..; unused in SIMD group 0)
   if (warp == 0) {
     if (lane < HC) {
@@ -471,13 +491,7 @@ KX_INLINE void hc_expand_site_token(const KX_DEVICE float* parts, const KX_DEVIC
     }
     mm_comb = hc_part_sum<SPLIT>(parts, row + 2 * HC + lane % (HC * HC));
   } else {
-    KX_UNROLL for (u32 k = 0; k < XB; k++) {
-      const u32 d = xt + k * XT;
-      if (d < D) {
-        cv[k] = KX_LOAD_CG(collapse + (u64)t * D + d);
-        wv[k] = KX_TO_F32(weight[d]);
-      }
-    }
+    xp = hc_x_loads<XB, XT>(collapse + (u64)t * D, weight, xt, D);
   }
   const float z_sumsq = hc_threadgroup_sums<V>(zsq, partials, lane, warp, THREADS / 32);
   const float x_sumsq = hc_threadgroup_sums<V>(xsq, partials, lane, warp, THREADS / 32);
@@ -487,18 +501,10 @@ KX_INLINE void hc_expand_site_token(const KX_DEVICE float* parts, const KX_DEVIC
   }
   const float x_inv = hc_inv_rms(x_sumsq, D, eps_bits);
   for (u32 d0 = xt; d0 < D; d0 += XB * XT) {
-    if (d0 != xt) {
-      KX_UNROLL for (u32 k = 0; k < XB; k++) {
-        const u32 d = d0 + k * XT;
-        if (d < D) {
-          cv[k] = KX_LOAD_CG(collapse + (u64)t * D + d);
-          wv[k] = KX_TO_F32(weight[d]);
-        }
-      }
-    }
+    if (d0 != xt) xp = hc_x_loads<XB, XT>(collapse + (u64)t * D, weight, d0, D);
     KX_UNROLL for (u32 k = 0; k < XB; k++) {
       const u32 d = d0 + k * XT;
-      if (d < D) x[(u64)t * D + d] = hc_x_value<T>(cv[k], x_inv, wv[k]);
+      if (d < D) x[(u64)t * D + d] = hc_x_value<T>(xp.c[k], x_inv, xp.w[k]);
     }
   }
 }
