@@ -91,6 +91,13 @@ shared expert, head), the MoE router, the routed experts, the rest of the MoE, m
 "other" (the pass less the parts). All three passes run eagerly (a compiled step cannot
 synchronise inside), and the synchronisation itself makes the profiled pass slower (reported).
 
+Alternating rounds (CPU and --demo, after the runs above; --rounds R, default 6, 0: none): the demo
+(eagerly; with --compiled also compiled) and mlx-lm decode --round-steps tokens each in turn, R
+times, in one process (benchmarks/paired_rounds.py): median ms/token synchronous and pipelined,
+each thread's CPU ms per token (the main thread apart from MLX's stream and BLAS threads), and the
+median of the rounds' ratios to mlx-lm. The host's drift falls on both alike, as it does not on
+runs one after the other (a shared 2-core machine's pace moves by 1.5x within a minute).
+
 Results: a markdown table on stdout and bench_model.json in --out (prefill: each row printed and
 saved as it is measured, bench_model_prefill.md and bench_model_prefill.json).
 """
@@ -122,6 +129,7 @@ from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flash_model  # noqa: E402 (benchmarks/ is not a package)
+import paired_rounds  # noqa: E402
 from count_ops import VIEWS  # noqa: E402
 
 from mlx_dsv41 import kernels  # noqa: E402
@@ -1138,6 +1146,13 @@ def main() -> int:
     )
     ap.add_argument("--compiled", action="store_true", help="time our step both eagerly and compiled")
     ap.add_argument(
+        "--rounds",
+        type=int,
+        default=6,
+        help="CPU / --demo: then ours and mlx-lm in this many alternating rounds (paired_rounds.py; 0: none)",
+    )
+    ap.add_argument("--round-steps", type=int, default=8, help="tokens per model per round (--rounds)")
+    ap.add_argument(
         "--dspark",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -1225,9 +1240,28 @@ def main() -> int:
                 measure("mlx-lm deepseek_v41 affine 4-bit", lambda: (mlx_lm_model(args, 4, a.seed), args), a, a.prompt)
             )
     text = table(runs)
+    result = {"info": info, "runs": runs, "table": text}
+    if (a.cpu or a.demo) and not a.flash and not a.skip_mlx_lm and a.rounds:
+        result["rounds"] = demo_rounds(a)
+        text += "\n\n" + paired_rounds.table(result["rounds"])
     print(text)
-    (a.out / "bench_model.json").write_text(json.dumps({"info": info, "runs": runs, "table": text}, indent=1))
+    (a.out / "bench_model.json").write_text(json.dumps(result | {"table": text}, indent=1))
     return 0
+
+
+def demo_rounds(a) -> dict:
+    """The demo (eagerly; with --compiled also compiled, a second instance) and mlx-lm at its dims
+    in alternating rounds (paired_rounds.py)."""
+    contenders = []
+    for setting in ("0", "1") if a.compiled else ("0",):
+        model, args = ours_demo(a)
+        mode = "compiled" if setting == "1" else "eager"
+        env = {compiled_step.ENV_VAR: setting}
+        contenders.append(paired_rounds.Contender(f"mlx_dsv41 demo {mode}", model, model.make_cache(), env))
+    ref = mlx_lm_model(args, 4, a.seed)
+    contenders.append(paired_rounds.Contender("mlx-lm deepseek_v41 affine 4-bit (demo dims)", ref, ref.make_cache()))
+    prompt = mx.array(np.random.default_rng(7).integers(3, args.vocab_size - 200, (1, min(a.prompt, 32))), mx.int32)
+    return paired_rounds.run(contenders, prompt, a.rounds, a.round_steps)
 
 
 if __name__ == "__main__":

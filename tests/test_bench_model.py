@@ -346,3 +346,43 @@ def test_the_ab_runs_come_after_or_before_the_default_run_with_their_switch_set(
     ab = [(label, False) for label, _ in seen if "stand-ins" in label]
     assert len(base) == len(ab) == 1 and seen == (ab + base if ab_first else base + ab)
     assert [r["label"] for r in runs] == [label for label, _ in seen] and kernels.LEAVES_OUT_ABSENT
+
+
+def test_paired_rounds_alternate_the_models_each_under_its_own_environment(monkeypatch):
+    """paired_rounds.run: after each model's prefill and warm-up, round after round every model
+    decodes its block in turn (sync, then pipelined) with its own environment set only meanwhile;
+    each ratio is the median of the rounds' reference ms over the model's, and the main thread's CPU
+    time is counted apart from the others'."""
+    import threading
+
+    import paired_rounds
+
+    monkeypatch.delenv("PAIRED_ROUNDS_PROBE", raising=False)
+    calls = []
+
+    def model(name):
+        def forward(ids, cache):
+            calls.append((name, ids.shape[1], paired_rounds.os.environ.get("PAIRED_ROUNDS_PROBE")))
+            cache.append(ids.shape[1])
+            return mx.random.normal((1, ids.shape[1], 16))
+
+        return forward
+
+    a = paired_rounds.Contender("a", model("a"), [], {"PAIRED_ROUNDS_PROBE": "1"})
+    b = paired_rounds.Contender("b", model("b"), [])
+    prompt = mx.zeros((1, 5), mx.int32)
+    out = paired_rounds.run([a, b], prompt, rounds=3, steps=2, warmup=1)
+    assert "PAIRED_ROUNDS_PROBE" not in paired_rounds.os.environ
+    assert calls[:4] == [("a", 5, "1"), ("a", 1, "1"), ("b", 5, None), ("b", 1, None)]
+    # each round: a's 2 sync steps and 1 + 2 pipelined, then b's
+    per_round = [("a", 1, "1")] * 5 + [("b", 1, None)] * 5
+    assert calls[4:] == per_round * 3
+    for c in (a, b):
+        assert all(len(v) == 3 for v in c.runs.values())
+        for mode in ("sync", "pipelined"):
+            ratios = sorted(r / m for m, r in zip(c.runs[mode], b.runs[mode]))
+            assert out["models"][c.name][f"{mode}_ratio_median"] == pytest.approx(ratios[1])
+    assert out["models"]["b"]["pipelined_ratio_median"] == pytest.approx(1.0)
+    assert threading.get_native_id() in paired_rounds.thread_cpu_s()
+    text = paired_rounds.table(out)
+    assert text.count("\n| a |") == 1 and text.count("\n| b |") == 1 and "3 x 2 tokens" in text
