@@ -386,3 +386,21 @@ def test_paired_rounds_alternate_the_models_each_under_its_own_environment(monke
     assert threading.get_native_id() in paired_rounds.thread_cpu_s()
     text = paired_rounds.table(out)
     assert text.count("\n| a |") == 1 and text.count("\n| b |") == 1 and "3 x 2 tokens" in text
+
+
+def test_cpu_time_split_classes_and_its_refusal_without_perf(monkeypatch, capsys):
+    """cpu_time_split.py puts a perf sample in the first class whose library or symbol it names, and
+    refuses in one line, exit 2, where `perf` is not installed."""
+    import cpu_time_split
+
+    assert cpu_time_split.classify("7f00 mlx::core::detail::compile_replace (/x/libmlx.so)") == "MLX compiled replay"
+    assert cpu_time_split.classify("7f00 mlx::core::eval_impl (/x/libmlx.so)").startswith("MLX (graph walk")
+    assert cpu_time_split.classify("7f00 _int_malloc (/lib/libc.so.6)").startswith("libc")
+    assert cpu_time_split.classify("7f00 sgemm_ (/x/libblas-1.so.3)") == "BLAS"
+    assert cpu_time_split.classify("7f00 _PyEval_EvalFrameDefault (/x/libpython3.11.so)") == "Python"
+    assert cpu_time_split.classify("7f00 Bf2IAsType (/tmp/libBf2IAsType_contiguous.so)").startswith("fused")
+    monkeypatch.setattr(cpu_time_split.shutil, "which", lambda name: None)
+    monkeypatch.setattr(sys, "argv", ["cpu_time_split.py"])
+    assert cpu_time_split.main() == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "perf" in err
