@@ -92,11 +92,12 @@ shared expert, head), the MoE router, the routed experts, the rest of the MoE, m
 synchronise inside), and the synchronisation itself makes the profiled pass slower (reported).
 
 Alternating rounds (CPU and --demo, after the runs above; --rounds R, default 6, 0: none): the demo
-(eagerly; with --compiled also compiled) and mlx-lm decode --round-steps tokens each in turn, R
-times, in one process (benchmarks/paired_rounds.py): median ms/token synchronous and pipelined,
-each thread's CPU ms per token (the main thread apart from MLX's stream and BLAS threads), and the
-median of the rounds' ratios to mlx-lm. The host's drift falls on both alike, as it does not on
-runs one after the other (a shared 2-core machine's pace moves by 1.5x within a minute).
+(as the backend runs it by default; with --compiled eagerly and compiled) and mlx-lm decode
+--round-steps tokens each in turn, R times, in one process (benchmarks/paired_rounds.py): median
+ms/token synchronous and pipelined, each thread's CPU ms per token (the main thread apart from
+MLX's stream and BLAS threads), and the median of the rounds' ratios to mlx-lm. The host's drift
+falls on both alike, as it does not on runs one after the other (a shared 2-core machine's pace
+moves by 1.5x within a minute).
 
 Results: a markdown table on stdout and bench_model.json in --out (prefill: each row printed and
 saved as it is measured, bench_model_prefill.md and bench_model_prefill.json).
@@ -1189,6 +1190,8 @@ def main() -> int:
         a.steps, a.warmup = min(a.steps, 12), min(a.warmup, 2)
     if a.steps < 1 or a.warmup < 0 or a.prompt < 1:
         ap.error("--steps and --prompt must be >= 1, --warmup >= 0")
+    if a.rounds < 0 or a.round_steps < 1:
+        ap.error("--rounds must be >= 0 and --round-steps >= 1")
     if not 0 <= a.acceptance <= 1:
         ap.error("--acceptance must be in 0..1")
     if a.dspark_only:
@@ -1250,13 +1253,14 @@ def main() -> int:
 
 
 def demo_rounds(a) -> dict:
-    """The demo (eagerly; with --compiled also compiled, a second instance) and mlx-lm at its dims
-    in alternating rounds (paired_rounds.py)."""
+    """The demo as the backend runs it by default (with --compiled eagerly and compiled, a second
+    instance) and mlx-lm at its dims in alternating rounds (paired_rounds.py)."""
     contenders = []
-    for setting in ("0", "1") if a.compiled else ("0",):
+    for setting in ("0", "1") if a.compiled else (os.environ.get(compiled_step.ENV_VAR, ""),):
         model, args = ours_demo(a)
-        mode = "compiled" if setting == "1" else "eager"
         env = {compiled_step.ENV_VAR: setting}
+        with paired_rounds.environment(env):  # the backend's default where not set (GPUs compile)
+            mode = "compiled" if compiled_step.compiles(1) else "eager"
         contenders.append(paired_rounds.Contender(f"mlx_dsv41 demo {mode}", model, model.make_cache(), env))
     ref = mlx_lm_model(args, 4, a.seed)
     contenders.append(paired_rounds.Contender("mlx-lm deepseek_v41 affine 4-bit (demo dims)", ref, ref.make_cache()))

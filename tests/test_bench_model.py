@@ -404,3 +404,31 @@ def test_cpu_time_split_classes_and_its_refusal_without_perf(monkeypatch, capsys
     assert cpu_time_split.main() == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "perf" in err
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_demo_rounds_take_the_default_mode_or_both(monkeypatch, compiled):
+    """bench_model's rounds: the demo as the backend runs it (the CPU: eagerly) or, with --compiled,
+    eagerly and compiled (each its own instance and switch), then mlx-lm as the reference."""
+    from mlx_dsv41.model import compiled_step
+
+    monkeypatch.delenv(compiled_step.ENV_VAR, raising=False)
+    made = []
+
+    class Fake:
+        args = types.SimpleNamespace(vocab_size=300)
+
+        def make_cache(self):
+            return []
+
+    monkeypatch.setattr(bench_model, "ours_demo", lambda a: made.append(Fake()) or (made[-1], Fake.args))
+    monkeypatch.setattr(bench_model, "mlx_lm_model", lambda args, bits, seed: Fake())
+    seen = {}
+    monkeypatch.setattr(bench_model.paired_rounds, "run", lambda cs, p, r, s: seen.update(cs=cs, r=r, s=s) or {})
+    a = argparse.Namespace(compiled=compiled, seed=0, prompt=64, rounds=3, round_steps=5)
+    bench_model.demo_rounds(a)
+    names = [c.name for c in seen["cs"]]
+    ours = ["mlx_dsv41 demo eager", "mlx_dsv41 demo compiled"] if compiled else ["mlx_dsv41 demo eager"]
+    assert names == [*ours, "mlx-lm deepseek_v41 affine 4-bit (demo dims)"] and (seen["r"], seen["s"]) == (3, 5)
+    assert [c.env for c in seen["cs"][:-1]] == [{compiled_step.ENV_VAR: v} for v in (("0", "1") if compiled else ("",))]
+    assert len(made) == len(ours) and compiled_step.ENV_VAR not in bench_model.os.environ
