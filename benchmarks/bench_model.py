@@ -772,19 +772,12 @@ def prefill_parts(model, make_cache, ids: mx.array, chunk: int) -> dict:
     """Where one prefill's time goes: a warm-up pass (the JIT's compiles), an unprofiled pass (the
     reference), on CUDA its kernels and device time (CUPTI), then a pass with every part timed
     (PartTimer); all eager (a compiled step cannot synchronise inside)."""
-    saved = os.environ.get(compiled_step.ENV_VAR)
-    os.environ[compiled_step.ENV_VAR] = "0"
-    try:
+    with paired_rounds.environment({compiled_step.ENV_VAR: "0"}):
         prefill_pass(model, make_cache, ids, chunk)
         reference = prefill_pass(model, make_cache, ids, chunk)[0]
         cuda = cuda_kernels(lambda: prefill_pass(model, make_cache, ids, chunk))
         with timed_parts(PartTimer()) as timer:
             profiled = prefill_pass(model, make_cache, ids, chunk)[0]
-    finally:
-        if saved is None:
-            os.environ.pop(compiled_step.ENV_VAR)
-        else:
-            os.environ[compiled_step.ENV_VAR] = saved
     total = 1e3 * profiled["ttft_s"]
     names = list(dict.fromkeys(p for p, _, _ in part_targets()))
     parts = [{"part": p, "ms": timer.ms[p], "calls": timer.calls[p], "share": timer.ms[p] / total} for p in names]
@@ -894,7 +887,7 @@ def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
     """Our model as the backend runs it by default (GPUs: the compiled step; the CPU: eagerly), or
     with --compiled both ways, eager first; then each A/B run asked for (with --ab-first, the A/B
     runs first: the second run of a process has measured slower in every A/B, docs/benchmarks.md)."""
-    runs, saved = [], os.environ.get(compiled_step.ENV_VAR)
+    runs = []
 
     def named() -> str:  # the label with the mode the environment sets now
         return f"{label} {'compiled' if compiled_step.compiles(1) else 'eager'}"
@@ -902,14 +895,9 @@ def ours_runs(label: str, build, a, prompt_len: int) -> list[dict]:
     default = named()
 
     def base():
-        for setting in ("0", "1") if a.compiled else (saved,):
-            if setting is not None:
-                os.environ[compiled_step.ENV_VAR] = setting
-            runs.append(measure(named(), build, a, prompt_len))
-        if saved is None:
-            os.environ.pop(compiled_step.ENV_VAR, None)
-        else:
-            os.environ[compiled_step.ENV_VAR] = saved
+        for setting in ({compiled_step.ENV_VAR: "0"}, {compiled_step.ENV_VAR: "1"}) if a.compiled else ({},):
+            with paired_rounds.environment(setting):
+                runs.append(measure(named(), build, a, prompt_len))
 
     def ab():
         for what, context in ab_contexts(a):
@@ -1003,16 +991,8 @@ def inline_kernel_headers():
     instead of an #include of the file holding it (docs/design.md#kernel-header-files)."""
     from mlx_dsv41.kernels import header_files
 
-    saved = os.environ.get(header_files.ENV_VAR)
-    os.environ[header_files.ENV_VAR] = header_files.INLINE
-    try:
-        with rebuilt_kernels():
-            yield
-    finally:
-        if saved is None:
-            os.environ.pop(header_files.ENV_VAR)
-        else:
-            os.environ[header_files.ENV_VAR] = saved
+    with paired_rounds.environment({header_files.ENV_VAR: header_files.INLINE}), rebuilt_kernels():
+        yield
 
 
 @contextlib.contextmanager

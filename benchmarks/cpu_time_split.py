@@ -26,6 +26,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import paired_rounds  # noqa: E402 (benchmarks/ is not a package)
+
 HZ = 1999
 CLASSES = (  # (class, substrings of the sample's symbol or library), first match wins
     ("Python", ("libpython", "_multiarray", "core.cpython", "numpy")),
@@ -53,27 +56,15 @@ def child(steps: int) -> None:
 
     mx.set_default_device(mx.cpu)
     model, _ = mlx_dsv41.load(ensure_demo(progress=False))
-    cache = model.make_cache()
-
-    def step(tok):
-        return mx.argmax(model(tok, cache)[:, -1:], axis=-1).astype(mx.int32)
-
-    prompt = mx.array(np.random.default_rng(7).integers(3, model.args.vocab_size - 200, (1, 64)), mx.int32)
-    tok = step(prompt)
-    for _ in range(6):
-        tok = step(tok)
-        mx.eval(tok)
+    demo = paired_rounds.Contender("demo", model, model.make_cache())
+    demo.token = demo.next_token(
+        mx.array(np.random.default_rng(7).integers(3, model.args.vocab_size - 200, (1, 64)), mx.int32)
+    )
+    paired_rounds.sync_block(demo, 6)  # warm-up
     print(json.dumps({"ready": threading.get_native_id()}), flush=True)
     sys.stdin.readline()  # the profiler is attached
-    t0 = time.perf_counter()
-    nxt = step(tok)
-    mx.async_eval(nxt)
-    for _ in range(steps):
-        cur, nxt = nxt, step(nxt)
-        mx.async_eval(nxt)
-        int(cur.item())
-    int(nxt.item())
-    print(json.dumps({"ms_per_token": 1e3 * (time.perf_counter() - t0) / steps}), flush=True)
+    pace, _, _ = paired_rounds.pipelined_block(demo, steps)
+    print(json.dumps({"ms_per_token": pace}), flush=True)
 
 
 def profile(a) -> dict:

@@ -40,6 +40,7 @@ def thread_cpu_s() -> dict[int, float]:
 
 @contextmanager
 def environment(settings: dict[str, str]):
+    """os.environ with `settings` inside, as it was after (a variable unset before is unset again)."""
     saved = {k: os.environ.get(k) for k in settings}
     os.environ.update(settings)
     try:
@@ -67,7 +68,8 @@ class Contender:
         return mx.argmax(self.forward(token, self.cache)[:, -1:], axis=-1).astype(mx.int32)
 
 
-def _sync_block(c: Contender, steps: int) -> float:
+def sync_block(c: Contender, steps: int) -> float:
+    """`steps` tokens, each evaluated before the next is built: ms per token."""
     t0 = time.perf_counter()
     for _ in range(steps):
         c.token = c.next_token(c.token)
@@ -75,7 +77,7 @@ def _sync_block(c: Contender, steps: int) -> float:
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
-def _pipelined_block(c: Contender, steps: int) -> tuple[float, float, float]:
+def pipelined_block(c: Contender, steps: int) -> tuple[float, float, float]:
     """mlx-lm's loop (token i+1 built and queued before token i is read), timed from the first
     token read to the last; with the main thread's and the other threads' CPU ms per token."""
     main = threading.get_native_id()
@@ -103,12 +105,12 @@ def run(contenders: list[Contender], prompt: mx.array, rounds: int, steps: int, 
         with environment(c.env):
             c.token = c.next_token(prompt)
             mx.eval(c.token)
-            _sync_block(c, warmup)
+            sync_block(c, warmup)
     for _ in range(rounds):
         for c in contenders:
             with environment(c.env):
-                c.runs["sync"].append(_sync_block(c, steps))
-                pace, main_cpu, other_cpu = _pipelined_block(c, steps)
+                c.runs["sync"].append(sync_block(c, steps))
+                pace, main_cpu, other_cpu = pipelined_block(c, steps)
             c.runs["pipelined"].append(pace)
             c.runs["main_cpu"].append(main_cpu)
             c.runs["other_cpu"].append(other_cpu)
