@@ -71,7 +71,10 @@ def profile(a) -> dict:
     env = os.environ | {"MLX_DSV41_COMPILE": "0" if a.eager else "1"}
     cmd = [sys.executable, __file__, "--child", "--steps", str(a.steps)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    main_tid = json.loads(proc.stdout.readline())["ready"]
+    ready = proc.stdout.readline()
+    if not ready:
+        raise RuntimeError(f"the decoding child exited ({proc.wait()}) before its warm-up ended")
+    main_tid = json.loads(ready)["ready"]
     data = a.out / "cpu_time_split.perf.data"
     perf = subprocess.Popen(
         ["perf", "record", "-q", "-F", str(HZ), "-p", str(proc.pid), "-o", str(data)], stderr=subprocess.DEVNULL
@@ -79,12 +82,16 @@ def profile(a) -> dict:
     time.sleep(1.0)  # perf attaches
     proc.stdin.write("go\n")
     proc.stdin.flush()
-    pace = json.loads(proc.stdout.readline())["ms_per_token"]
+    done = proc.stdout.readline()
     proc.wait()
-    perf.wait()
-    script = subprocess.run(
-        ["perf", "script", "-i", str(data), "-F", "tid,ip,sym,dso"], capture_output=True, text=True, check=True
-    )
+    if perf.wait() != 0 or not data.exists():
+        raise RuntimeError(f"perf record could not sample the child (exit {perf.returncode}; perf_event_paranoid?)")
+    if not done:
+        raise RuntimeError(f"the decoding child exited ({proc.returncode}) before its timed loop ended")
+    pace = json.loads(done)["ms_per_token"]
+    script = subprocess.run(["perf", "script", "-i", str(data), "-F", "tid,ip,sym,dso"], capture_output=True, text=True)
+    if script.returncode != 0:
+        raise RuntimeError(f"perf script failed: {script.stderr.strip().splitlines()[-1:]}")
     per_thread = collections.defaultdict(collections.Counter)
     for line in script.stdout.splitlines():
         tid, _, rest = line.strip().partition(" ")
@@ -111,8 +118,14 @@ def main() -> int:
     if shutil.which("perf") is None:
         print("cpu_time_split: needs Linux `perf` on PATH", file=sys.stderr)
         return 2
+    if a.steps < 1:
+        ap.error("--steps must be >= 1")
     a.out.mkdir(parents=True, exist_ok=True)
-    result = profile(a)
+    try:
+        result = profile(a)
+    except RuntimeError as e:
+        print(f"cpu_time_split: {e}", file=sys.stderr)
+        return 1
     (a.out / "cpu_time_split.json").write_text(json.dumps(result, indent=1))
     print(f"{result['mode']} demo on the CPU: {result['ms_per_token']:.2f} ms/token pipelined ({a.steps} tokens)")
     for name, classes in result["threads"].items():

@@ -432,3 +432,22 @@ def test_demo_rounds_take_the_default_mode_or_both(monkeypatch, compiled):
     assert names == [*ours, "mlx-lm deepseek_v41 affine 4-bit (demo dims)"] and (seen["r"], seen["s"]) == (3, 5)
     assert [c.env for c in seen["cs"][:-1]] == [{compiled_step.ENV_VAR: v} for v in (("0", "1") if compiled else ("",))]
     assert len(made) == len(ours) and compiled_step.ENV_VAR not in bench_model.os.environ
+
+
+def test_cpu_time_split_says_in_one_line_when_its_child_dies(tmp_path, monkeypatch, capsys):
+    """A decoding child that exits before its warm-up ends: one line, exit 1, no traceback; and
+    --steps 0 is refused."""
+    import cpu_time_split
+
+    dies = tmp_path / "dies.py"
+    dies.write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.setattr(cpu_time_split, "__file__", str(dies))
+    monkeypatch.setattr(cpu_time_split.shutil, "which", lambda name: "/usr/bin/perf")
+    monkeypatch.setattr(sys, "argv", ["cpu_time_split.py", "--steps", "3", "--out", str(tmp_path)])
+    assert cpu_time_split.main() == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "exited (3) before its warm-up" in err
+    monkeypatch.setattr(sys, "argv", ["cpu_time_split.py", "--steps", "0"])
+    with pytest.raises(SystemExit) as e:
+        cpu_time_split.main()
+    assert e.value.code == 2
